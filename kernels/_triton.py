@@ -1,0 +1,61 @@
+"""Optional Triton import shared by the kernel modules.
+
+The kernel modules must import on machines without Triton (CPU CI, the engine's
+torch fallback), so every module takes ``triton``/``tl`` from here and guards its
+``@triton.jit`` definitions with ``HAS_TRITON``. Launchers call ``require_triton``
+so that using a kernel without Triton fails with a clear message instead of a
+NameError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # pragma: no cover - depends on the environment
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "triton", "tl", "require_triton", "next_pow2", "check_cache_layout"]
+
+
+def require_triton(name: str) -> None:
+    """Raise a clear error when a Triton launcher is used without Triton installed."""
+    if not HAS_TRITON:
+        raise RuntimeError(
+            f"kernels.{name} needs Triton, which is not installed; install the 'gpu' extra "
+            "(pip install triton) or use the torch reference implementation"
+        )
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1); Triton block shapes must be powers of two."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check_cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate the paged KV cache contract and return (num_blocks, block_size, num_kv_heads, head_dim).
+
+    Contract: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous,
+    block_size a power of two (the kernels turn token index into page/offset with it).
+    """
+    if key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise ValueError(
+            "key_cache/value_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} != value_cache {tuple(value_cache.shape)}")
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} != value_cache dtype {value_cache.dtype}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    return num_blocks, block_size, num_kv_heads, head_dim

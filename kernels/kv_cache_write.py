@@ -1,0 +1,135 @@
+"""Scatter new tokens' K/V into the paged cache by slot mapping.
+
+``slot = block_id * block_size + offset``; a negative slot (padding tokens, or tokens whose
+KV the engine does not keep) is skipped. One program per token writes all its kv heads:
+in the contiguous ``[num_blocks, block_size, Hkv, D]`` layout those ``Hkv * D`` elements
+are one contiguous run, so each program does one coalesced read and one coalesced write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import HAS_TRITON, check_cache_layout, next_pow2, require_triton, tl, triton
+
+__all__ = ["write_kv_cache", "write_kv_cache_ref"]
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _write_kv_kernel(
+        Key,
+        Value,
+        KC,
+        VC,
+        Slots,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cblk,
+        stride_ctok,
+        stride_ch,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        H_PAD: tl.constexpr,
+        D_PAD: tl.constexpr,
+        PAGE: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(Slots + t)
+        if slot < 0:
+            return
+        blk = slot // PAGE
+        off = slot % PAGE
+        offs_h = tl.arange(0, H_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        t64 = t.to(tl.int64)
+        k = tl.load(Key + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        v = tl.load(Value + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        dst = blk * stride_cblk + off * stride_ctok + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
+        tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _, _, num_kv_heads, head_dim = check_cache_layout(key_cache, value_cache)
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key/value must both be [T, Hkv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key heads/dim {tuple(key.shape[1:])} != cache {(num_kv_heads, head_dim)}")
+    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+        raise ValueError(f"key/value dtype {key.dtype}/{value.dtype} != cache dtype {key_cache.dtype}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be int64 [T={key.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != key_cache.device:
+            raise ValueError(f"{name} is on {t.device}, the cache on {key_cache.device}")
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key/value [T, Hkv, D] (last dim contiguous; views of a fused qkv are fine) into the caches.
+
+    Slots must lie in ``[0, num_blocks * block_size)`` or be negative (skipped); they are not
+    bounds-checked on the device (that would need a sync).
+    """
+    require_triton("write_kv_cache")
+    _check_inputs(key, value, key_cache, value_cache, slot_mapping)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    h_pad, d_pad = next_pow2(num_kv_heads), next_pow2(head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping.contiguous(),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        H_PAD=h_pad,
+        D_PAD=d_pad,
+        PAGE=key_cache.shape[1],
+        num_warps=4 if h_pad * d_pad >= 1024 else 1,
+    )
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain torch reference (in place): index_copy into the flattened token dimension."""
+    _check_inputs(key, value, key_cache, value_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_blocks, page, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(num_blocks * page, num_kv_heads, head_dim)[slots] = key[keep]
+    value_cache.view(num_blocks * page, num_kv_heads, head_dim)[slots] = value[keep]

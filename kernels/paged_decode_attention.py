@@ -1,0 +1,344 @@
+"""Decode attention over the paged KV cache (one new query token per sequence).
+
+Layout contract (shared with the engine): ``key_cache``/``value_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous; sequence ``b`` owns
+pages ``block_tables[b, :ceil(seq_lens[b] / block_size)]``; its token ``t`` lives in page
+``block_tables[b, t // block_size]`` at offset ``t % block_size``.
+
+Kernel design (memory bound: every cached K/V byte is read exactly once):
+* one program per (sequence, kv head, split). The program handles *all* query heads of the
+  GQA group at once, so each K/V tile is loaded once per kv head instead of once per query
+  head; the group is padded to 16 rows so the two products run on ``tl.dot``.
+* split-KV (flash-decoding): with few sequences the (B, Hkv) grid cannot fill the GPU, so
+  each sequence's context is cut into ``num_splits`` contiguous chunks processed in
+  parallel; each writes a normalised partial output and its log-sum-exp, and a second
+  small kernel combines them. With one split the first kernel writes the output directly.
+* the softmax runs in base 2 (``exp2``) with ``scale * log2(e)`` folded into the scores.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from kernels._triton import HAS_TRITON, check_cache_layout, next_pow2, require_triton, tl, triton
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 32
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q,
+        K,
+        V,
+        BT,
+        SL,
+        Out,
+        MidO,
+        MidL,
+        qk_scale,  # scale * log2(e)
+        stride_qb,
+        stride_qh,
+        stride_ob,
+        stride_oh,
+        stride_btb,
+        stride_kblk,
+        stride_ktok,
+        stride_kh,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        seq_len = tl.load(SL + b)
+        # Per-sequence chunk, a multiple of BLOCK_N so that only the last tile is ragged.
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_g
+
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        kv_head_off = kvh * stride_kh
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + offs_n
+            n_mask = tok < end
+            page = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
+            row = page * stride_kblk + (tok % PAGE) * stride_ktok + kv_head_off
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(K + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N]
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            # Every tile holds >= 1 valid token, so m_new is finite and no NaN can appear.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(
+                Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=out_mask,
+            )
+        else:
+            # MidO: [B, H, NUM_SPLITS, D_PAD] fp32, MidL: [B, H, NUM_SPLITS] fp32 (log2 domain).
+            row_id = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split
+            tl.store(MidO + row_id[:, None] * D_PAD + offs_d[None, :], out, mask=out_mask)
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(MidL + row_id, lse, mask=g_mask)
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        MidO,
+        MidL,
+        Out,
+        stride_ob,
+        stride_oh,
+        num_heads,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        S_PAD: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, S_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        s_mask = offs_s < NUM_SPLITS
+        d_mask = offs_d < HEAD_DIM
+        base = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
+        lse = tl.load(MidL + base + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence: all weights are 0
+        valid = lse != float("-inf")
+        w = tl.where(valid, tl.exp2(lse - m), 0.0)
+        o = tl.load(
+            MidO + (base + offs_s)[:, None] * D_PAD + offs_d[None, :],
+            mask=valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        total = tl.sum(w, axis=0)
+        res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+        tl.store(Out + b * stride_ob + h * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits so that the (batch, kv head, split) grid gives about two programs per SM.
+
+    Chosen from shapes only (no device sync on seq_lens, so it is CUDA-graph safe). Short
+    sequences end up with empty splits, which cost one tiny program each.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = batch * num_kv_heads
+    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= target:
+        return 1
+    return min(_MAX_SPLITS, math.ceil(target / programs))
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[int, int, int, int]:
+    _, _, num_kv_heads, head_dim = check_cache_layout(key_cache, value_cache)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [batch, num_heads, head_dim], got {tuple(query.shape)}")
+    batch, num_heads, qd = query.shape
+    if qd != head_dim:
+        raise ValueError(f"query head_dim {qd} != cache head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype != key_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be int32 [batch={batch}, max_blocks], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be int32 [batch={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, t in (("query", query), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device != key_cache.device:
+            raise ValueError(f"{name} is on {t.device}, the cache on {key_cache.device}")
+    return batch, num_heads, num_kv_heads, head_dim
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    query [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [B, max_blocks];
+    seq_lens int32 [B] (tokens in the cache, including the current one). Returns [B, H, D] in
+    the query dtype; a sequence with seq_len 0 gets zeros. ``block_n``/``num_warps`` are
+    tuning knobs (tokens per loop iteration, warps per program).
+    """
+    require_triton("paged_decode_attention")
+    batch, num_heads, num_kv_heads, head_dim = _check_inputs(
+        query, key_cache, value_cache, block_tables, seq_lens
+    )
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError("out must match query's shape and dtype, with a contiguous last dim")
+    if batch == 0:
+        return out
+
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, query.device)
+    if not 1 <= num_splits <= 256:
+        raise ValueError(f"num_splits must be in [1, 256], got {num_splits}")
+
+    page = key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    d_pad = next_pow2(head_dim)
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    block_n = max(16, next_pow2(block_n))
+    if num_warps is None:
+        num_warps = 4
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    common = dict(
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE=page,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        PRECISION=precision,
+    )
+    if num_splits == 1:
+        mid_o = mid_l = out  # unused placeholders
+    else:
+        mid_o = torch.empty((batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=query.device)
+        mid_l = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_l,
+        float(scale) * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        num_warps=num_warps,
+        **common,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            mid_o,
+            mid_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_splits,
+            S_PAD=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain torch reference: gathers each sequence's pages and runs softmax attention.
+
+    Computes in float32 (or float64 when given float64 inputs); returns the query dtype.
+    """
+    batch, num_heads, num_kv_heads, head_dim = _check_inputs(
+        query, key_cache, value_cache, block_tables, seq_lens
+    )
+    page = key_cache.shape[1]
+    cdt = torch.float64 if query.dtype == torch.float64 else torch.float32
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        pages = block_tables[b, : (n + page - 1) // page].long()
+        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)  # [n, Hkv, D]
+        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)
+        k = k.repeat_interleave(group, dim=1)  # [n, H, D]: query head h uses kv head h // group
+        v = v.repeat_interleave(group, dim=1)
+        q = query[b].to(cdt)  # [H, D]
+        scores = torch.einsum("hd,nhd->hn", q, k) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", probs, v).to(query.dtype)
+    return out
