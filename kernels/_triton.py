@@ -9,6 +9,8 @@ NameError.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # pragma: no cover - depends on the environment
@@ -21,7 +23,15 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "triton", "tl", "require_triton", "next_pow2", "check_cache_layout"]
+__all__ = [
+    "HAS_TRITON",
+    "triton",
+    "tl",
+    "require_triton",
+    "next_pow2",
+    "check_cache_layout",
+    "dot_needs_upcast",
+]
 
 
 def require_triton(name: str) -> None:
@@ -59,3 +69,13 @@ def check_cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tu
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def dot_needs_upcast(dtype: torch.dtype) -> bool:
+    """True when ``tl.dot`` operands of this dtype must be upcast to fp32 first.
+
+    Triton's CPU interpreter (TRITON_INTERPRET=1, checked in 3.9) keeps bf16 as raw uint16
+    and multiplies the bit patterns in ``tl.dot``; compiled GPU code is unaffected and keeps
+    its native bf16 products.
+    """
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -23,7 +23,15 @@ import math
 
 import torch
 
-from kernels._triton import HAS_TRITON, check_cache_layout, next_pow2, require_triton, tl, triton
+from kernels._triton import (
+    HAS_TRITON,
+    check_cache_layout,
+    dot_needs_upcast,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -59,6 +67,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -82,6 +91,8 @@ if HAS_TRITON:
             mask=g_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
+        if UPCAST:
+            q = q.to(tl.float32)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -96,6 +107,8 @@ if HAS_TRITON:
             row = page * stride_kblk + (tok % PAGE) * stride_ktok + kv_head_off
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(K + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N]
             s = tl.where(n_mask[None, :], s, float("-inf"))
             # Every tile holds >= 1 valid token, so m_new is finite and no NaN can appear.
@@ -104,6 +117,8 @@ if HAS_TRITON:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
@@ -265,6 +280,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         PRECISION=precision,
+        UPCAST=dot_needs_upcast(query.dtype),
     )
     if num_splits == 1:
         mid_o = mid_l = out  # unused placeholders

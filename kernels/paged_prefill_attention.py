@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, check_cache_layout, next_pow2, require_triton, tl, triton
+from kernels._triton import (
+    HAS_TRITON,
+    check_cache_layout,
+    dot_needs_upcast,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 
@@ -50,6 +58,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -75,6 +84,8 @@ if HAS_TRITON:
             mask=m_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
+        if UPCAST:
+            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -91,6 +102,8 @@ if HAS_TRITON:
             row = page * stride_kblk + (tok % PAGE) * stride_ktok + kv_head_off
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(K + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
             keep = (tok[None, :] <= pos_m[:, None]) & n_mask[None, :]
             s = tl.where(keep, s, float("-inf"))
@@ -101,6 +114,8 @@ if HAS_TRITON:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
@@ -224,6 +239,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION="ieee" if is_fp32 else "tf32",
+        UPCAST=dot_needs_upcast(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
