@@ -59,13 +59,14 @@ if HAS_TRITON:
         stride_kblk,
         stride_ktok,
         stride_kh,
+        num_splits,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        SPLIT: tl.constexpr,  # False: num_splits == 1 and the output is written directly
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
@@ -75,7 +76,7 @@ if HAS_TRITON:
 
         seq_len = tl.load(SL + b)
         # Per-sequence chunk, a multiple of BLOCK_N so that only the last tile is ragged.
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = split * chunk
         end = tl.minimum(start + chunk, seq_len)
 
@@ -125,15 +126,15 @@ if HAS_TRITON:
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         out_mask = g_mask[:, None] & d_mask[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             tl.store(
                 Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                 out.to(Out.dtype.element_ty),
                 mask=out_mask,
             )
         else:
-            # MidO: [B, H, NUM_SPLITS, D_PAD] fp32, MidL: [B, H, NUM_SPLITS] fp32 (log2 domain).
-            row_id = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split
+            # MidO: [B, H, num_splits, D_PAD] fp32, MidL: [B, H, num_splits] fp32 (log2 domain).
+            row_id = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
             tl.store(MidO + row_id[:, None] * D_PAD + offs_d[None, :], out, mask=out_mask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(MidL + row_id, lse, mask=g_mask)
@@ -146,18 +147,18 @@ if HAS_TRITON:
         stride_ob,
         stride_oh,
         num_heads,
+        num_splits,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
         S_PAD: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_PAD)
         offs_d = tl.arange(0, D_PAD)
-        s_mask = offs_s < NUM_SPLITS
+        s_mask = offs_s < num_splits
         d_mask = offs_d < HEAD_DIM
-        base = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
+        base = (b * num_heads + h).to(tl.int64) * num_splits
         lse = tl.load(MidL + base + offs_s, mask=s_mask, other=float("-inf"))
         m = tl.max(lse, axis=0)
         m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence: all weights are 0
@@ -278,7 +279,7 @@ def paged_decode_attention(
         D_PAD=d_pad,
         PAGE=page,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         PRECISION=precision,
         UPCAST=dot_needs_upcast(query.dtype),
     )
@@ -305,6 +306,7 @@ def paged_decode_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
+        num_splits,
         num_warps=num_warps,
         **common,
     )
@@ -316,9 +318,9 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             num_heads,
+            num_splits,
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
-            NUM_SPLITS=num_splits,
             S_PAD=next_pow2(num_splits),
             num_warps=4,
         )

@@ -274,13 +274,14 @@ def paged_prefill_attention_ref(
         if q_len > n:
             raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {n}")
         pages = block_tables[b, : (n + page - 1) // page].long()
-        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt).repeat_interleave(group, dim=1)
-        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt).repeat_interleave(group, dim=1)
+        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)  # [n, Hkv, D]
+        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)
         q = query[q0:q1].to(cdt)  # [q_len, H, D]
-        scores = torch.einsum("qhd,nhd->hqn", q, k) * scale
         q_pos = torch.arange(n - q_len, n, device=query.device)
         k_pos = torch.arange(n, device=query.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("hqn,nhd->qhd", probs, v).to(query.dtype)
+        future = k_pos[None, :] > q_pos[:, None]  # [q_len, n]
+        for h in range(num_heads):  # one head at a time bounds memory to a [q_len, n] matrix
+            scores = (q[:, h] @ k[:, h // group].T) * scale
+            probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+            out[q0:q1, h] = (probs @ v[:, h // group]).to(query.dtype)
     return out
