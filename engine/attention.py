@@ -1,0 +1,140 @@
+"""Attention over the paged KV cache: the batch description, and the torch backend that runs on CPU.
+
+KV cache layout, per layer: `key_cache` and `value_cache`, each [num_blocks, block_size, num_kv_heads, head_dim].
+Block 0 is never handed out (it pads block tables), so gathered padding is finite and masked away.
+
+The torch backend batches every sequence of a step into at most two padded calls (decode rows with one query
+token, and prefill/extend rows with several): no per-sequence Python loop on the hot path. The Triton kernels
+of the GPU path implement the same `AttentionBackend` protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """What attention needs to know about one step's flattened batch (host lists, built by the runner)."""
+
+    query_lens: list[int]  # new tokens per sequence, in batch order
+    seq_lens: list[int]  # context length per sequence after this step (cached prefix + new tokens)
+    block_tables: list[list[int]]
+    slot_mapping: list[int]  # cache slot (block * block_size + offset) of every new token
+
+
+class AttentionBackend(Protocol):
+    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> object: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: object,
+                scale: float) -> torch.Tensor:
+        """q [T,H,D], k/v [T,Hkv,D] of the new tokens -> [T,H,D]; writes k/v into the cache first."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A padded group of sequences: rows[b, i] is the flat token row of query i of sequence b."""
+
+    rows: torch.Tensor  # [B, Lq] int64 (padding points at row 0 and is dropped)
+    valid: torch.Tensor | None  # [B, Lq] bool; None when no query is padding
+    flat_rows: torch.Tensor  # [n_valid] rows in the same order as rows[valid]
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    mask: torch.Tensor  # [B, 1, Lq, L] bool, True where the query may attend
+
+
+@dataclass(frozen=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    decode: _Group | None
+    prefill: _Group | None
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    out = torch.zeros(len(tables), width, dtype=torch.int64)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = torch.as_tensor(table, dtype=torch.int64)
+    return out.to(device)
+
+
+class TorchPagedAttention:
+    """Reference paged attention in plain torch (CPU path; also correct on GPU, only slower)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
+        starts = [0]
+        for n in batch.query_lens:
+            starts.append(starts[-1] + n)
+        decode_ids = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        prefill_ids = [i for i, n in enumerate(batch.query_lens) if n > 1]
+        slot_mapping = torch.as_tensor(batch.slot_mapping, dtype=torch.int64, device=device)
+        return TorchAttentionMetadata(
+            slot_mapping=slot_mapping,
+            decode=self._group(decode_ids, batch, starts, device),
+            prefill=self._group(prefill_ids, batch, starts, device),
+        )
+
+    def _group(self, ids: list[int], batch: AttentionBatch, starts: list[int],
+               device: torch.device) -> _Group | None:
+        if not ids:
+            return None
+        q_lens = torch.as_tensor([batch.query_lens[i] for i in ids], dtype=torch.int64)
+        seq_lens = torch.as_tensor([batch.seq_lens[i] for i in ids], dtype=torch.int64)
+        q_starts = torch.as_tensor([starts[i] for i in ids], dtype=torch.int64)
+        tables = _pad_tables([batch.block_tables[i] for i in ids], device)
+        max_q = int(q_lens.max())
+        key_len = tables.shape[1] * self.block_size
+        offsets = torch.arange(max_q, dtype=torch.int64)
+        valid = offsets[None, :] < q_lens[:, None]
+        rows = torch.where(valid, q_starts[:, None] + offsets[None, :], 0)
+        # Query i of a sequence sits at absolute position seq_len - q_len + i and sees keys 0..that position.
+        q_pos = seq_lens[:, None] - q_lens[:, None] + offsets[None, :]
+        k_pos = torch.arange(key_len, dtype=torch.int64)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]
+        all_valid = bool(valid.all())
+        return _Group(
+            rows=rows.to(device),
+            valid=None if all_valid else valid.to(device),
+            flat_rows=rows[valid].to(device),
+            block_tables=tables,
+            mask=mask[:, None, :, :].to(device),
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for group in (meta.decode, meta.prefill):
+            if group is not None:
+                self._attend(q, key_cache, value_cache, group, scale, out)
+        return out
+
+    @staticmethod
+    def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: _Group,
+                scale: float, out: torch.Tensor) -> None:
+        num_seqs, max_q = group.rows.shape
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        key_len = group.block_tables.shape[1] * block_size
+        # Gather each sequence's blocks into a padded [B, Hkv, L, D] view (strided, no second copy).
+        keys = key_cache[group.block_tables].view(num_seqs, key_len, num_kv_heads, head_dim).transpose(1, 2)
+        values = value_cache[group.block_tables].view(num_seqs, key_len, num_kv_heads, head_dim).transpose(1, 2)
+        queries = q[group.rows].transpose(1, 2)  # [B, H, Lq, D]
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
+                                              enable_gqa=True)
+        attn = attn.transpose(1, 2)  # [B, Lq, H, D]
+        if group.valid is None:
+            out[group.flat_rows] = attn.reshape(num_seqs * max_q, *attn.shape[2:])
+        else:
+            out[group.flat_rows] = attn[group.valid]

@@ -1,0 +1,293 @@
+"""Frozen engine configuration, composed per concern, built from vLLM-named engine arguments.
+
+`EngineArgs` is the flat, user-facing set of knobs (the same names as vLLM's CLI and `LLM(**kwargs)`);
+`EngineArgs.create_engine_config()` resolves them once into immutable per-concern configs. Values that are
+only known after profiling (the KV block count) are returned by the runner, never written back here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.errors import InvalidRequest
+
+GiB = 1 << 30
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture shape read from an HF config; what the model code and KV sizing need."""
+
+    family: Literal["llama", "qwen2", "qwen3"]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def num_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user asked for: a preset, a path or a built-in name
+    model_id: str  # stable identity used to seed block hashes
+    model_path: str | None  # resolved HF directory (None for dummy presets)
+    tokenizer_path: str | None
+    arch: ModelArch
+    hf_config: Any = field(compare=False, repr=False)
+    dtype: str = "float32"  # resolved torch dtype name
+    max_model_len: int = 2048
+    load_format: str = "auto"
+    generation_config: str = "auto"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 4 * GiB
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_seq_len_to_capture: int = 8192
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    disable_log_stats: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    observability: ObservabilityConfig
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    aliases = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+    dtype = aliases.get(dtype, dtype)
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return dtype
+
+
+@dataclass
+class EngineArgs:
+    """vLLM-named engine arguments, shared by `LLM(...)` and every CLI command."""
+
+    model: str = "smollm2"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
+    load_format: str = "auto"
+    generation_config: str = "auto"
+    enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    cudagraph_capture_sizes: list[int] | None = None
+    max_seq_len_to_capture: int = 8192
+    disable_log_stats: bool = True
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, default_log_stats: bool = False) -> None:
+        d = EngineArgs()
+        g = parser.add_argument_group("engine arguments (vLLM names)")
+        g.add_argument("--model", default=d.model, help="HF directory, .gguf file, preset, or 'smollm2'")
+        g.add_argument("--tokenizer", default=None)
+        g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES)
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--device", default=d.device)
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode)
+        g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap space")
+        g.add_argument("--load-format", choices=("auto", "safetensors", "gguf", "dummy"), default="auto")
+        g.add_argument("--generation-config", default=d.generation_config, help="'auto' or 'vllm'")
+        g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
+        g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture)
+        g.add_argument("--disable-log-stats", action="store_true", default=not default_log_stats)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        from engine.models.loader import resolve_model
+
+        self._validate()
+        device = _resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        resolved = resolve_model(self.model, self.load_format)
+        arch = resolved.arch
+        max_model_len = self.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                f"({arch.max_position_embeddings})"
+            )
+        if self.max_num_batched_tokens is not None:
+            batched = self.max_num_batched_tokens
+        else:
+            batched = 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
+        if not self.enable_chunked_prefill and batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) < max_model_len ({max_model_len}) needs chunked prefill; "
+                "enable it or raise max_num_batched_tokens"
+            )
+        model = ModelConfig(
+            model=self.model,
+            model_id=resolved.model_id,
+            model_path=resolved.path,
+            tokenizer_path=self.tokenizer or resolved.tokenizer_path,
+            arch=arch,
+            hf_config=resolved.hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            load_format=resolved.load_format,
+            generation_config=self.generation_config,
+            seed=self.seed,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            swap_space_bytes=int(self.swap_space * GiB),
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+        )
+        device_cfg = DeviceConfig(
+            device=device,
+            enforce_eager=self.enforce_eager,
+            tensor_parallel_size=self.tensor_parallel_size,
+            cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else None,
+            max_seq_len_to_capture=self.max_seq_len_to_capture,
+        )
+        return EngineConfig(model, cache, scheduler, device_cfg, ObservabilityConfig(self.disable_log_stats))
+
+    def _validate(self) -> None:
+        checks = [
+            (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+             "num_gpu_blocks_override must be >= 2"),
+            (self.swap_space >= 0, "swap_space must be >= 0"),
+            (self.generation_config in ("auto", "vllm"), "generation_config must be 'auto' or 'vllm'"),
+            (self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet (one GPU per worker)"),
+            (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+__all__ = [
+    "CacheConfig",
+    "DeviceConfig",
+    "EngineArgs",
+    "EngineConfig",
+    "InvalidRequest",
+    "ModelArch",
+    "ModelConfig",
+    "ObservabilityConfig",
+    "SchedulerConfig",
+    "resolve_dtype",
+]

@@ -1,0 +1,307 @@
+"""The engine loop: validate and enqueue requests, then `step()` = schedule -> run model -> update -> outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.block_hash import BlockHasher
+from engine.config import EngineArgs, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, decode_all
+from engine.errors import InvalidRequest
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_generation_defaults
+from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import EngineStats, FinishedRequestTiming
+from engine.swap_space import SwapSpace
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+OutputKind = Literal["cumulative", "delta", "final"]
+PromptInput = str | list[int] | dict[str, Any]
+HASH_SEED = 0  # block hashes must agree across every worker of a model, whatever each engine's sampling seed
+
+
+@dataclass
+class _Sample:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: OutputKind
+    samples: list[_Sample]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        num_blocks = self.runner.determine_num_blocks()
+        capacity = (num_blocks - 1) * config.cache.block_size
+        if config.model.max_model_len > capacity:
+            raise ValueError(
+                f"The model's max seq len ({config.model.max_model_len}) is larger than the maximum number of tokens "
+                f"that can be stored in KV cache ({capacity}). Try increasing kv_cache_memory_bytes / "
+                "gpu_memory_utilization or decreasing max_model_len."
+            )
+        num_swap = 0
+        if config.scheduler.preemption_mode == "swap":
+            num_swap = config.cache.swap_space_bytes // self.runner.block_bytes
+        self.runner.initialize_kv_cache(num_blocks, num_swap)
+        self.num_gpu_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), max concurrency %.1fx at %d tokens/request",
+                    num_blocks, config.cache.block_size, capacity, capacity / config.model.max_model_len,
+                    config.model.max_model_len)
+        self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size, HASH_SEED)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self.hasher,
+                                         config.cache.enable_prefix_caching, enable_kv_events)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, SwapSpace(num_swap) if num_swap else None)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path)
+        self.eos_token_id = self._eos_token_id()
+        self.generation_defaults: dict[str, Any] = {}
+        if config.model.generation_config == "auto":
+            self.generation_defaults = load_generation_defaults(config.model.model_path)
+            if self.generation_defaults:
+                logger.info("Default sampling parameters have been overridden by the model's generation config: "
+                            "%s (use generation_config='vllm' to ignore them)", self.generation_defaults)
+        self.stats = EngineStats(num_gpu_blocks=num_blocks)
+        self.finished_timings: list[FinishedRequestTiming] = []
+        self._states: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, enable_kv_events: bool = False) -> LLMEngine:
+        return cls(args.create_engine_config(), enable_kv_events)
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id)
+        eos = getattr(self.config.model.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) else eos
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer; send prompt_token_ids")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise InvalidRequest(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.config.model.arch.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        max_len = self.config.model.max_model_len
+        if len(token_ids) + 1 > max_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_len} tokens. However, the prompt has "
+                f"{len(token_ids)} tokens, which leaves no room for output (prompt length + 1 > max_model_len)."
+            )
+
+    def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None = None,
+                    output_kind: OutputKind = "cumulative", extra_keys: tuple[str, ...] = ()) -> str:
+        """Validate and enqueue; raises InvalidRequest (nothing is enqueued) for bad input."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._states:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        params = params.with_defaults(self.generation_defaults)
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        max_len = self.config.model.max_model_len
+        samples = []
+        first: Request | None = None
+        for index in range(params.n):
+            child_params = params.child(index) if params.n > 1 else params
+            if child_params.max_tokens is None:
+                child_params.max_tokens = max_len - len(token_ids)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(child_id, token_ids, child_params, self.eos_token_id, wait_for=first,
+                              extra_keys=extra_keys)
+            first = first or request
+            need_detok = output_kind != "final" or bool(child_params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params.skip_special_tokens,
+                                           child_params.stop, child_params.include_stop_str_in_output) \
+                if need_detok and self.tokenizer is not None else None
+            wants_lp = child_params.logprobs is not None
+            samples.append(_Sample(request, detok, [] if wants_lp else None, 0.0 if wants_lp else None))
+            self._child_to_parent[child_id] = request_id
+        state = _RequestState(request_id, text, token_ids, params, output_kind, samples,
+                              [] if params.prompt_logprobs is not None else None)
+        self._states[request_id] = state
+        for sample in samples:
+            self.scheduler.add_request(sample.request)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for request_id in ids:
+            state = self._states.get(request_id)
+            if state is None:
+                continue
+            self.scheduler.finish_requests([s.request.request_id for s in state.samples],
+                                           RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.append(self._finish_state(state))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.stats.num_steps += 1
+        touched: dict[str, _RequestState] = {}
+        for request in updated:
+            parent = self._states.get(self._child_to_parent.get(request.request_id, ""))
+            if parent is None:
+                continue
+            sample = next(s for s in parent.samples if s.request is request)
+            self._absorb(parent, sample, runner_output.logprobs.get(request.request_id),
+                         runner_output.prompt_logprobs.get(request.request_id))
+            touched[parent.request_id] = parent
+        self.stats.prompt_tokens += sum(
+            len(c.token_ids) for c in scheduler_output.chunks if c.start_position < self._prompt_len(c.request_id))
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for state in touched.values():
+            if state.finished:
+                outputs.append(self._finish_state(state))
+            elif state.output_kind != "final":
+                outputs.append(self._make_output(state, finished=False))
+        self._refresh_gauges()
+        return outputs
+
+    def _prompt_len(self, child_id: str) -> int:
+        request = self.scheduler.requests.get(child_id)
+        return request.num_prompt_tokens if request is not None else 0
+
+    def _absorb(self, state: _RequestState, sample: _Sample, logprobs: PositionLogprobs | None,
+                prompt_logprobs: list[PositionLogprobs | None] | None) -> None:
+        request = sample.request
+        if prompt_logprobs and state.prompt_logprobs is not None and sample is state.samples[0]:
+            room = len(state.prompt_token_ids) - len(state.prompt_logprobs)
+            state.prompt_logprobs.extend(prompt_logprobs[:room])
+        new_tokens = request.output_token_ids[sample.sent_tokens :]
+        if not new_tokens:
+            return
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        self.stats.generation_tokens += len(new_tokens)
+        if logprobs is not None and sample.logprobs is not None:
+            sample.logprobs.append(logprobs)
+            chosen = logprobs.get(new_tokens[-1])
+            if chosen is not None and sample.cumulative_logprob is not None:
+                sample.cumulative_logprob += chosen.logprob
+        sample.sent_tokens = request.num_output_tokens
+        if sample.detokenizer is not None:
+            stop = sample.detokenizer.update(new_tokens)
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _completion(self, state: _RequestState, index: int, finished: bool) -> CompletionOutput:
+        sample = state.samples[index]
+        request = sample.request
+        params = request.sampling_params
+        if sample.detokenizer is not None:
+            text = sample.detokenizer.visible_text(finished)
+        elif finished:
+            text = decode_all(self.tokenizer, request.output_token_ids, params.skip_special_tokens)
+        else:
+            text = ""
+        token_ids = list(request.output_token_ids)
+        logprobs = sample.logprobs
+        if state.output_kind == "delta":
+            text, sample.sent_chars = text[sample.sent_chars :], len(text)
+        return CompletionOutput(index, text, token_ids, sample.cumulative_logprob, logprobs,
+                                request.status.finish_reason if finished else None, request.stop_reason)
+
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        first = state.samples[0].request
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=[self._completion(state, i, finished) for i in range(len(state.samples))],
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )
+
+    def _finish_state(self, state: _RequestState) -> RequestOutput:
+        output = self._make_output(state, finished=True)
+        now = time.monotonic()
+        for sample in state.samples:
+            request = sample.request
+            reason = request.status.finish_reason or "abort"
+            self.stats.request_success[reason] = self.stats.request_success.get(reason, 0) + 1
+            ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
+            tpot = None
+            if request.first_token_time and request.num_output_tokens > 1:
+                tpot = (now - request.first_token_time) / (request.num_output_tokens - 1)
+            scheduled = request.first_scheduled_time or now
+            self.finished_timings.append(FinishedRequestTiming(
+                request.request_id, reason, request.num_prompt_tokens, request.num_output_tokens,
+                scheduled - request.arrival_time, ttft, now - request.arrival_time, tpot))
+            self._child_to_parent.pop(request.request_id, None)
+            self.scheduler.forget(request.request_id)
+        self._states.pop(state.request_id, None)
+        output.metrics = {"arrival_time": state.arrival}
+        return output
+
+    def _refresh_gauges(self) -> None:
+        s = self.stats
+        s.num_requests_running = self.scheduler.num_running
+        s.num_requests_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = self.kv_manager.usage
+        s.prefix_cache_queries = self.kv_manager.stats.queries
+        s.prefix_cache_hits = self.kv_manager.stats.hits
+        s.num_preemptions = self.scheduler.num_preemptions
+
+    def take_finished_timings(self) -> list[FinishedRequestTiming]:
+        timings, self.finished_timings = self.finished_timings, []
+        return timings

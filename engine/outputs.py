@@ -1,0 +1,87 @@
+"""Typed seams: scheduler -> runner (`SchedulerOutput`), runner -> scheduler (`ModelRunnerOutput`), and the
+public per-request results (`RequestOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """Sent to the runner once, the first time a request is scheduled (or after it was dropped)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens of one request fed to the model this step."""
+
+    request_id: str
+    token_ids: list[int]  # all_token_ids[start_position : start_position + len(token_ids)]
+    start_position: int  # tokens whose KV is already in the cache
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # this chunk reaches the last known token: sample the next one
+    prompt_logprobs: bool  # return logprobs of these prompt positions
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    chunks: list[ScheduledChunk]
+    total_num_scheduled_tokens: int
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    finished_request_ids: set[str] = field(default_factory=set)  # runner may drop their state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per position: the sampled/actual token's logprob plus the top-k alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # request id -> next token (only chunks with sample=True)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,113 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Everything runs as whole-batch tensor ops on the logits' device; the only per-row loop draws noise for rows with
+their own seed, so a seeded request samples the same tokens whatever batch it lands in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import Logprob, PositionLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about one row of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt+output tokens; presence/frequency over output tokens only."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+
+    def counts(token_lists: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in token_lists), default=0)
+        out = torch.zeros(num_rows, vocab + 1, dtype=torch.int32, device=device)
+        if width:
+            padded = torch.full((num_rows, width), vocab, dtype=torch.int64)
+            for i, tokens in enumerate(token_lists):
+                padded[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+            out.scatter_add_(1, padded.to(device), torch.ones(num_rows, width, dtype=torch.int32, device=device))
+        return out[:, :vocab]
+
+    output_counts = counts([r.output_token_ids for r in rows])
+    prompt_mask = counts([r.prompt_token_ids for r in rows]) > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=device)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=device)[:, None]
+    seen = prompt_mask | (output_counts > 0)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]  # keeps at least the top token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logits [B, V] float32 -> next token ids [B] (on the logits' device)."""
+        if any(r.params.needs_penalties for r in rows):
+            logits = apply_penalties(logits, rows)
+        greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
+        greedy_tokens = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return greedy_tokens
+        device = logits.device
+        temperature = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=device)
+        logits = logits / temperature[:, None]
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        if bool((top_k < vocab).any() or (top_p < 1.0).any()):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, one noise row per request.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.params.is_greedy:
+                noise[i].exponential_(generator=row.generator)
+        random_tokens = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, random_tokens)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[PositionLogprobs]:
+    """Per row: the chosen token's logprob and rank, plus the top-k alternatives (k = num_top[row])."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    k_max = max(num_top, default=0)
+    top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    chosen_l, ranks_l, ids_l = chosen.tolist(), ranks.tolist(), token_ids.tolist()
+    top_vals_l = top_vals.tolist() if top_vals is not None else None
+    top_ids_l = top_ids.tolist() if top_ids is not None else None
+    out: list[PositionLogprobs] = []
+    for row, k in enumerate(num_top):
+        entry: PositionLogprobs = {}
+        if top_vals_l is not None and top_ids_l is not None:
+            for rank, (tok, val) in enumerate(zip(top_ids_l[row][:k], top_vals_l[row][:k], strict=True), start=1):
+                entry[tok] = Logprob(val, rank)
+        entry[ids_l[row]] = Logprob(chosen_l[row], ranks_l[row])
+        out.append(entry)
+    return out
