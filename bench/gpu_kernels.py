@@ -77,6 +77,20 @@ def median_ms(fn: Callable[[], Any], rep: int = 60) -> float:
     return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
+def graph_ms(fn: Callable[[], Any]) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: GPU time without Python launch cost
+    (the engine replays decode steps from graphs). do_bench still flushes L2 before each replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
 def record(kernel: str, model: str, dtype: str, shape: str, ms: float, nbytes: float, err: float,
            flops: float = 0.0, **extra: Any) -> None:
     tol = TOL[DT[dtype]] if dtype in DT else 0.0
@@ -95,10 +109,15 @@ def record(kernel: str, model: str, dtype: str, shape: str, ms: float, nbytes: f
         **extra,
     }
     row["roofline"] = row["gbps"] / STATE["copy_gbps"]
+    if extra.get("graph_us"):
+        row["graph_gbps"] = nbytes / (extra["graph_us"] * 1e-6) / 1e9
+        row["graph_roofline"] = row["graph_gbps"] / STATE["copy_gbps"]
     if row["tflops"] is not None:
         row["mm_frac"] = row["tflops"] / STATE["matmul_tflops"]
     RESULTS.append(row)
     tf = f" {row['tflops']:7.1f} TF/s" if row["tflops"] is not None else ""
+    if row.get("graph_us"):
+        tf += f" | graph {row['graph_us']:8.1f} us {100 * row['graph_roofline']:5.1f}%"
     print(f"  {kernel:<16} {model:<13} {dtype:<4} {shape:<30} {row['time_us']:9.1f} us "
           f"{row['gbps']:8.1f} GB/s {100 * row['roofline']:5.1f}%{tf}  err {err:.2e} "
           f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
@@ -182,17 +201,22 @@ def decode_case(model: str, dtype_name: str, batch: int, ctx: int | list[int], g
     kr, vr, btr = sub_cache(kc, vc, bt, sel)
     ref = paged_decode_attention_ref(q[sel].double(), kr, vr, btr, sl[sel], scale)
     shape = f"B={batch} ctx={'mixed' if isinstance(ctx, list) else ctx}{tag}"
-    for var in variants or [{}]:
+    for var in variants or [{"max_seq_len": max(lens)}]:
         out = torch.full_like(q, float("nan"))
         paged_decode_attention(q, kc, vc, bt, sl, scale, out=out, **var)
         torch.cuda.synchronize()
         err = rel_err(out[sel], ref)
         if not torch.isfinite(out).all():
             err = float("nan")
-        ms = median_ms(lambda var=var, out=out: paged_decode_attention(q, kc, vc, bt, sl, scale, out=out, **var))
-        splits = var.get("num_splits", default_num_splits(batch, cfg["Hkv"], DEV))
-        vtxt = "".join(f" {k[:3]}={v}" for k, v in var.items() if k != "num_splits")
-        record("decode_attn", model, dtype_name, f"{shape} s={splits}{vtxt}", ms, nbytes, err, **var)
+        def call(var: dict[str, int] = var, out: torch.Tensor = out) -> None:
+            paged_decode_attention(q, kc, vc, bt, sl, scale, out=out, **var)
+
+        ms = median_ms(call)
+        gms = graph_ms(call)
+        splits = var.get("num_splits", default_num_splits(batch, cfg["Hkv"], DEV, var.get("max_seq_len")))
+        vtxt = "".join(f" {k[:3]}={v}" for k, v in var.items() if k not in ("num_splits", "max_seq_len"))
+        record("decode_attn", model, dtype_name, f"{shape} s={splits}{vtxt}", ms, nbytes, err,
+               graph_us=gms * 1e3, **var)
 
 
 def decode_graph_check(g: torch.Generator) -> None:
@@ -226,7 +250,7 @@ def decode_graph_check(g: torch.Generator) -> None:
 
 
 def prefill_case(model: str, dtype_name: str, q_lens: list[int], prefixes: list[int], g: torch.Generator,
-                 tag: str, sdpa: bool = False) -> None:
+                 tag: str, sdpa: bool = False, variants: list[dict[str, int]] | None = None) -> None:
     if out_of_time("prefill_case"):
         return
     cfg = MODELS[model]
@@ -244,24 +268,28 @@ def prefill_case(model: str, dtype_name: str, q_lens: list[int], prefixes: list[
     es = esize(dtype)
     flops = sum(4.0 * h * d * (n * p + n * (n + 1) / 2) for n, p in zip(q_lens, prefixes, strict=True))
     nbytes = 2 * q.numel() * es + sum(lens) * hkv * d * 2 * es
-    out = torch.full_like(q, float("nan"))
     max_q = max(q_lens)
-    paged_prefill_attention(q, kc, vc, bt, cu, sl, scale, out=out, max_q_len=max_q)
-    torch.cuda.synchronize()
-    # reference on a few sequences (first two and the last), float64
-    sel = sorted({0, min(1, len(q_lens) - 1), len(q_lens) - 1})
+    sel = sorted({0, min(1, len(q_lens) - 1), len(q_lens) - 1})  # reference on a few sequences
     sel_t = torch.tensor(sel, device=DEV)
     kr, vr, btr = sub_cache(kc, vc, bt, sel_t)
-    q_parts = [q[cu_list[i] : cu_list[i + 1]] for i in sel]
-    o_parts = [out[cu_list[i] : cu_list[i + 1]] for i in sel]
     cur = [0]
     for i in sel:
         cur.append(cur[-1] + q_lens[i])
-    ref = paged_prefill_attention_ref(torch.cat(q_parts).double(), kr, vr, btr,
-                                      torch.tensor(cur, dtype=torch.int32, device=DEV), sl[sel_t], scale)
-    err = rel_err(torch.cat(o_parts), ref) if torch.isfinite(out).all() else float("nan")
-    ms = median_ms(lambda: paged_prefill_attention(q, kc, vc, bt, cu, sl, scale, out=out, max_q_len=max_q))
-    record("prefill_attn", model, dtype_name, tag, ms, nbytes, err, flops=flops)
+    ref = paged_prefill_attention_ref(torch.cat([q[cu_list[i] : cu_list[i + 1]] for i in sel]).double(), kr, vr,
+                                      btr, torch.tensor(cur, dtype=torch.int32, device=DEV), sl[sel_t], scale)
+    for var in variants or [{}]:
+        out = torch.full_like(q, float("nan"))
+        paged_prefill_attention(q, kc, vc, bt, cu, sl, scale, out=out, max_q_len=max_q, **var)
+        torch.cuda.synchronize()
+        o_sel = torch.cat([out[cu_list[i] : cu_list[i + 1]] for i in sel])
+        err = rel_err(o_sel, ref) if torch.isfinite(out).all() else float("nan")
+
+        def call(var: dict[str, int] = var, out: torch.Tensor = out) -> None:
+            paged_prefill_attention(q, kc, vc, bt, cu, sl, scale, out=out, max_q_len=max_q, **var)
+
+        ms = median_ms(call)
+        vtxt = "".join(f" {k.split('_')[-1][:1]}{k[:1]}={v}" for k, v in var.items())
+        record("prefill_attn", model, dtype_name, tag + vtxt, ms, nbytes, err, flops=flops, **var)
     if sdpa and len(q_lens) == 1 and prefixes[0] == 0:
         # Yardstick: torch's fused causal attention on dense (unpaged) tensors of the same problem.
         n = q_lens[0]
@@ -413,12 +441,22 @@ def main() -> int:
                 decode_case(model, "fp32", b, ctx, g)
 
     def decode_tune() -> None:
-        tiles = [{"block_n": n, "num_warps": w} for n in (32, 64, 128) for w in (4, 8)]
-        for b, ctx in [(1, 32768), (64, 2048), (256, 512)]:
-            decode_case("llama3.1-8b", "bf16", b, ctx, g, variants=tiles)
+        tiles = [{"block_n": n, "num_warps": w} for n in (64, 128) for w in (4, 8)]
+        decode_case("llama3.1-8b", "bf16", 1, 32768, g, variants=tiles)
         decode_case("qwen2.5-0.5b", "bf16", 256, 2048, g, variants=tiles)
-        for b, ctx in [(1, 32768), (1, 4096), (16, 1024), (32, 8192)]:
-            decode_case("llama3.1-8b", "bf16", b, ctx, g, variants=[{"num_splits": s} for s in (1, 4, 8, 16, 32)])
+        for model, b, ctx in [("llama3.1-8b", 1, 32768), ("llama3.1-8b", 16, 1024), ("qwen2.5-0.5b", 16, 4096),
+                              ("qwen2.5-0.5b", 1, 32768)]:
+            decode_case(model, "bf16", b, ctx, g, variants=[{"num_splits": s} for s in (1, 4, 16, 32, 64)])
+
+    def prefill_tune() -> None:
+        tiles = [
+            {"block_m": m, "block_n": n, "num_warps": w, "num_stages": st}
+            for m, n, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
+                                (128, 128, 8, 2), (64, 32, 4, 3)]
+        ]
+        prefill_case("llama3.1-8b", "bf16", [8192], [0], g, "B=1 q=8192", variants=tiles)
+        prefill_case("llama3.1-8b", "bf16", [512] * 4, [3584] * 4, g, "B=4 q=512 prefix=3584", variants=tiles)
+        prefill_case("qwen2.5-0.5b", "bf16", [8192], [0], g, "B=1 q=8192", variants=tiles)
 
     def prefill_all() -> None:
         for model in MODELS:
@@ -448,6 +486,7 @@ def main() -> int:
     run_section("elementwise", elementwise_all)
     if not args.quick:
         run_section("decode_tune", decode_tune)
+        run_section("prefill_tune", prefill_tune)
 
     meta["copy_gbps"] = STATE["copy_gbps"]
     meta["matmul_tflops"] = STATE["matmul_tflops"]
@@ -469,13 +508,16 @@ def main() -> int:
     print(f"\n{meta['device']}: copy {STATE['copy_gbps']:.0f} GB/s, bf16 mm {STATE['matmul_tflops']:.0f} TFLOP/s; "
           f"{len(rows)} rows, {len(fails)} over tolerance, {len(errors)} sections errored/skipped, "
           f"{meta['wall_s']:.0f} s")
-    print(f"{'kernel':<14}{'model':<13}{'dt':<5}{'shape':<34}{'us':>9}{'GB/s':>8}{'roof':>6}{'TF/s':>7}{'err':>9}")
+    print(f"{'kernel':<14}{'model':<13}{'dt':<5}{'shape':<34}{'us':>9}{'GB/s':>8}{'roof':>6}{'TF/s':>7}{'err':>9}"
+          f"{'graph us':>10}{'roof':>6}")
     for r in rows:
-        if r["kernel"] == "decode_attn" and ("block_n" in r or "num_splits" in r):
-            continue  # the tuning sweep is in the JSON and the log above
+        if r["kernel"] in ("decode_attn", "prefill_attn") and ("block_n" in r or "num_splits" in r):
+            continue  # the tuning sweeps are in the JSON and the log above
         tf = f"{r['tflops']:7.0f}" if r["tflops"] else " " * 7
         print(f"{r['kernel'][:13]:<14}{r['model'][:12]:<13}{r['dtype']:<5}{r['shape'][:33]:<34}{r['time_us']:9.1f}"
-              f"{r['gbps']:8.0f}{100 * r['roofline']:5.0f}%{tf}{r['rel_err']:9.1e}{'' if r['ok'] else ' FAIL'}")
+              f"{r['gbps']:8.0f}{100 * r['roofline']:5.0f}%{tf}{r['rel_err']:9.1e}"
+              + (f"{r['graph_us']:10.1f}{100 * r['graph_roofline']:5.0f}%" if r.get("graph_us") else "")
+              + ("" if r["ok"] else " FAIL"))
     for r in errors:
         print("ERROR/SKIP:", r)
     return 1 if fails or errors else 0

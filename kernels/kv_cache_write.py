@@ -1,9 +1,9 @@
 """Scatter new tokens' K/V into the paged cache by slot mapping.
 
 ``slot = block_id * block_size + offset``; a negative slot (padding tokens, or tokens whose
-KV the engine does not keep) is skipped. One program per token writes all its kv heads:
-in the contiguous ``[num_blocks, block_size, Hkv, D]`` layout those ``Hkv * D`` elements
-are one contiguous run, so each program does one coalesced read and one coalesced write.
+KV the engine does not keep) is skipped. Each program writes a few tokens, all kv heads of each: in the contiguous
+``[num_blocks, block_size, Hkv, D]`` layout a token's ``Hkv * D`` elements are one
+contiguous run, so every token is one coalesced read and one coalesced write.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ if HAS_TRITON:
         KC,
         VC,
         Slots,
+        num_tokens,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -32,23 +33,26 @@ if HAS_TRITON:
         stride_ch,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        H_PAD: tl.constexpr,
-        D_PAD: tl.constexpr,
+        HD_PAD: tl.constexpr,
         PAGE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
     ):
-        t = tl.program_id(0)
-        slot = tl.load(Slots + t)
-        if slot < 0:
-            return
+        # BLOCK_T tokens per program, each token's Hkv*D elements flattened on one axis, so
+        # small-head models still move a few KB per program instead of a few hundred bytes.
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < num_tokens
+        slot = tl.load(Slots + offs_t, mask=t_mask, other=-1)
+        keep = slot >= 0
         blk = slot // PAGE
         off = slot % PAGE
-        offs_h = tl.arange(0, H_PAD)
-        offs_d = tl.arange(0, D_PAD)
-        mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        t64 = t.to(tl.int64)
-        k = tl.load(Key + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-        v = tl.load(Value + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-        dst = blk * stride_cblk + off * stride_ctok + offs_h[:, None] * stride_ch + offs_d[None, :]
+        offs = tl.arange(0, HD_PAD)
+        head = offs // HEAD_DIM
+        dim = offs % HEAD_DIM
+        mask = keep[:, None] & (offs < NUM_KV_HEADS * HEAD_DIM)[None, :]
+        t64 = offs_t.to(tl.int64)[:, None]
+        k = tl.load(Key + t64 * stride_kt + (head * stride_kh + dim)[None, :], mask=mask)
+        v = tl.load(Value + t64 * stride_vt + (head * stride_vh + dim)[None, :], mask=mask)
+        dst = (blk * stride_cblk + off * stride_ctok)[:, None] + (head * stride_ch + dim)[None, :]
         tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
         tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
 
@@ -96,13 +100,15 @@ def write_kv_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    h_pad, d_pad = next_pow2(num_kv_heads), next_pow2(head_dim)
-    _write_kv_kernel[(num_tokens,)](
+    hd_pad = next_pow2(num_kv_heads * head_dim)
+    block_t = max(1, min(16, 4096 // hd_pad))  # about 4K elements per program
+    _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         key,
         value,
         key_cache,
         value_cache,
         slot_mapping.contiguous(),
+        num_tokens,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -112,10 +118,10 @@ def write_kv_cache(
         key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        H_PAD=h_pad,
-        D_PAD=d_pad,
+        HD_PAD=hd_pad,
         PAGE=key_cache.shape[1],
-        num_warps=4 if h_pad * d_pad >= 1024 else 1,
+        BLOCK_T=block_t,
+        num_warps=4 if block_t * hd_pad >= 1024 else 1,
     )
 
 

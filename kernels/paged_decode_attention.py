@@ -36,7 +36,9 @@ from kernels._triton import (
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 32
+_MAX_SPLITS = 64
+_PROGRAMS_PER_SM = 4
+_MIN_CHUNK = 256  # tokens per split at least, when max_seq_len is known
 
 if HAS_TRITON:
 
@@ -179,19 +181,29 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits so that the (batch, kv head, split) grid gives about two programs per SM.
+def default_num_splits(
+    batch: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None = None
+) -> int:
+    """Splits so that the (batch, kv head, split) grid gives about four programs per SM.
 
-    Chosen from shapes only (no device sync on seq_lens, so it is CUDA-graph safe). Short
-    sequences end up with empty splits, which cost one tiny program each.
+    Measured on an H200 (bench/KERNELS_NOTES.md): with >= ~4 programs per SM the kernel
+    streams K/V at 92-100% of copy bandwidth; with fewer, each program's serial loop is
+    latency bound. Chosen from shapes only (no device sync on seq_lens, so it is CUDA-graph
+    safe); ``max_seq_len`` (a host-side bound the scheduler knows) keeps every split at
+    least ``_MIN_CHUNK`` tokens, so short contexts skip the second (reduce) launch.
     """
     if device.type != "cuda":
         return 1
     programs = batch * num_kv_heads
-    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    target = _PROGRAMS_PER_SM * _sm_count(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
     if programs >= target:
         return 1
-    return min(_MAX_SPLITS, math.ceil(target / programs))
+    splits = min(_MAX_SPLITS, math.ceil(target / programs))
+    if max_seq_len is not None:
+        splits = min(splits, max(1, math.ceil(max_seq_len / _MIN_CHUNK)))
+    return splits
 
 
 def _check_inputs(
@@ -232,6 +244,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     *,
+    max_seq_len: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
@@ -239,8 +252,9 @@ def paged_decode_attention(
 
     query [B, H, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [B, max_blocks];
     seq_lens int32 [B] (tokens in the cache, including the current one). Returns [B, H, D] in
-    the query dtype; a sequence with seq_len 0 gets zeros. ``block_n``/``num_warps`` are
-    tuning knobs (tokens per loop iteration, warps per program).
+    the query dtype; a sequence with seq_len 0 gets zeros. ``max_seq_len`` (optional host int,
+    >= every seq_len) lets the default split count avoid splitting short contexts.
+    ``block_n``/``num_warps`` are tuning knobs (tokens per loop iteration, warps per program).
     """
     require_triton("paged_decode_attention")
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
@@ -259,7 +273,7 @@ def paged_decode_attention(
         return out
 
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, query.device)
+        num_splits = default_num_splits(batch, num_kv_heads, query.device, max_seq_len)
     if not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be in [1, 256], got {num_splits}")
 

@@ -9,8 +9,9 @@ prefill and prefix-cache hits (q_len < seq_len) with one kernel.
 
 Kernel design: one program per (sequence, query head, tile of BLOCK_M new tokens), flash
 attention with an online softmax over BLOCK_N-token tiles of keys gathered through the
-block table. Key tiles past the tile's last position are never visited (causal skip); the
-mask is applied on every tile, which costs little next to the two products.
+block table. Key tiles past the tile's last position are never visited (causal skip), and
+tiles wholly before its first position run without any mask; only the diagonal tiles pay
+for the causal and length masks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,47 @@ __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _attend_tile(
+        acc, m_i, l_i, q, K, V, bt_row, n0, end, pos_m, offs_n, offs_d, d_mask, qk_scale,
+        kv_head_off, stride_kblk, stride_ktok,
+        PAGE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        EVEN_D: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """One BLOCK_N tile of keys: online-softmax update of (acc, m_i, l_i)."""
+        tok = n0 + offs_n
+        if MASKED:
+            n_mask = tok < end
+            page = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            page = tl.load(bt_row + tok // PAGE).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        row = page * stride_kblk + (tok % PAGE) * stride_ktok + kv_head_off
+        ptr = row[:, None] + offs_d[None, :]
+        if MASKED or not EVEN_D:
+            k = tl.load(K + ptr, mask=kv_mask, other=0.0)
+            v = tl.load(V + ptr, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(K + ptr)
+            v = tl.load(V + ptr)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
+        if MASKED:
+            keep = (tok[None, :] <= pos_m[:, None]) & n_mask[None, :]
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return acc, m_new, l_i
 
     @triton.jit
     def _prefill_kernel(
@@ -59,6 +101,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        EVEN_D: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -93,31 +136,23 @@ if HAS_TRITON:
 
         bt_row = BT + b.to(tl.int64) * stride_btb
         kv_head_off = (h // GROUP) * stride_kh
-        # Keys beyond the last query position of the tile are masked for every row: skip them.
+        # Keys before the tile's first query position are visible to every row: those full
+        # tiles need no causal or length mask. Keys past its last position are masked for
+        # every row: skip them.
+        full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
         end = tl.minimum(prefix + (mblk + 1) * BLOCK_M, seq_len)
-        for n0 in range(0, end, BLOCK_N):
-            tok = n0 + offs_n
-            n_mask = tok < end
-            page = tl.load(bt_row + tok // PAGE, mask=n_mask, other=0).to(tl.int64)
-            row = page * stride_kblk + (tok % PAGE) * stride_ktok + kv_head_off
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(K + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
-            keep = (tok[None, :] <= pos_m[:, None]) & n_mask[None, :]
-            s = tl.where(keep, s, float("-inf"))
-            # Tile 0 holds key 0, which every row may see, so m_i is finite from the first
-            # iteration on and fully masked rows in later tiles give p == 0, never NaN.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, K, V, bt_row, n0, end, pos_m, offs_n, offs_d, d_mask, qk_scale,
+                kv_head_off, stride_kblk, stride_ktok, PAGE, PRECISION, UPCAST, EVEN_D, False,
+            )
+        # The first masked tile holds key full_end <= every row's position, so m_i is finite
+        # after it and fully masked rows in later tiles give p == 0, never NaN.
+        for n0 in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, K, V, bt_row, n0, end, pos_m, offs_n, offs_d, d_mask, qk_scale,
+                kv_head_off, stride_kblk, stride_ktok, PAGE, PRECISION, UPCAST, EVEN_D, True,
+            )
 
         out = acc / l_i[:, None]
         tl.store(
@@ -240,6 +275,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         PRECISION="ieee" if is_fp32 else "tf32",
         UPCAST=dot_needs_upcast(query.dtype),
+        EVEN_D=next_pow2(head_dim) == head_dim,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -97,6 +97,7 @@ DECODE_CASES = [
     (4, 1, 32, 16, [90, 0, 33], 2, torch.float32),  # an empty sequence gives zeros
     (8, 2, 32, 16, [77, 40], 3, torch.bfloat16),
     (4, 2, 32, 8, [50, 9], 1, torch.float16),
+    (4, 2, 48, 8, [30, 11], 2, torch.float32),  # head_dim not a power of two (padded to 64)
 ]
 
 
@@ -137,6 +138,7 @@ PREFILL_CASES = [
     (6, 2, 32, 16, [40, 3], [40, 70], torch.float32),  # several query tiles; long cached prefix
     (4, 4, 32, 8, [33, 16], [33, 48], torch.bfloat16),
     (4, 1, 32, 8, [0, 12, 7], [10, 12, 30], torch.float32),  # a sequence with no new tokens
+    (4, 2, 48, 8, [9, 20], [41, 20], torch.float32),  # head_dim 48: padded, masked loads
 ]
 
 
@@ -177,13 +179,13 @@ def test_prefill_one_token_matches_decode() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_cache(dtype: torch.dtype) -> None:
     g = _gen(300)
-    t, hkv, d, page, nb = 11, 2, 32, 8, 6
+    t, hkv, d, page, nb = 37, 2, 32, 8, 8  # 37 tokens: several programs, a ragged last one
     # key/value as views into a fused qkv buffer (row stride wider than Hkv*D)
     qkv = _randn((t, (4 + 2 * hkv) * d), dtype, g)
     key = qkv[:, 4 * d : (4 + hkv) * d].view(t, hkv, d)
     value = qkv[:, (4 + hkv) * d :].view(t, hkv, d)
     slots = torch.randperm(nb * page, generator=g)[:t].long()
-    slots[[2, 7]] = -1  # padding tokens: skipped
+    slots[[2, 7, 36]] = -1  # padding tokens: skipped
     kc, vc = _nan((nb, page, hkv, d), dtype), _nan((nb, page, hkv, d), dtype)
     kr, vr = kc.clone(), vc.clone()
     kvw.write_kv_cache(key, value, kc, vc, slots)
