@@ -205,8 +205,14 @@ class FakeApiServer:
                     with fake.cond:
                         generation = fake.generation
                         if since < fake.oldest_rv:
-                            gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                    "message": "too old resource version", "reason": "Expired", "code": 410}
+                            gone = {
+                                "kind": "Status",
+                                "apiVersion": "v1",
+                                "status": "Failure",
+                                "message": "too old resource version",
+                                "reason": "Expired",
+                                "code": 410,
+                            }
                             self._chunk({"type": "ERROR", "object": gone})
                             return
                         cursor = since
@@ -232,7 +238,11 @@ class FakeApiServer:
 @pytest.fixture
 def server() -> Iterator[FakeApiServer]:
     srv = FakeApiServer()
-    srv.put(make_slice("kv-prefill-a", "kv-prefill", [("10.0.0.2", True), ("10.0.0.1", None), ("10.0.0.9", False)]))
+    srv.put(
+        make_slice(
+            "kv-prefill-a", "kv-prefill", [("10.0.0.2", True), ("10.0.0.1", None), ("10.0.0.9", False)]
+        )
+    )
     srv.put(make_slice("kv-prefill-b", "kv-prefill", [("10.0.0.1", True), ("10.0.0.3", True)]))
     srv.put(make_slice("kv-decode-a", "kv-decode", [("10.0.1.1", True)], port=50071))
     srv.put(make_slice("other-a", "other", [("10.9.9.9", True)]))
@@ -364,7 +374,9 @@ def test_stop_is_prompt_with_open_watch(
 def test_slice_addresses_edge_cases() -> None:
     v6 = make_slice("s", "svc", [("fd00::1", True)], address_type="IPv6")
     assert slice_addresses(v6, "grpc") == {"[fd00::1]:50061"}
-    assert slice_addresses(make_slice("s", "svc", [("a.example", True)], address_type="FQDN"), "grpc") == set()
+    assert (
+        slice_addresses(make_slice("s", "svc", [("a.example", True)], address_type="FQDN"), "grpc") == set()
+    )
     assert slice_addresses(make_slice("s", "svc", [("10.0.0.1", True)], port_name="http"), "grpc") == set()
     assert slice_addresses(make_slice("s", "svc", [("10.0.0.1", True)]), "metrics") == {"10.0.0.1:9100"}
 
