@@ -5,10 +5,11 @@ the EndpointSlices of the workers' headless Services.  The selectors given
 here (``--prefill-selector`` / ``--decode-selector`` on the command line) are
 *EndpointSlice* label selectors, not pod selectors: the EndpointSlice
 controller labels every slice with ``kubernetes.io/service-name``, so the Helm
-chart passes ``kubernetes.io/service-name=<release>-prefill`` (and
-``...-decode``).  The Service's pod selector decides which pods are members;
-the endpoint ``conditions.ready`` flag (readiness probe passing, pod not
-terminating) decides which of them receive traffic.
+chart passes ``kubernetes.io/service-name=<fullname>-prefill`` (and
+``...-decode``), ``<fullname>`` being the chart's resource-name prefix.  The
+Service's pod selector decides which pods are members; the endpoint
+``conditions.ready`` flag (readiness probe passing, pod not terminating)
+decides which of them receive traffic.
 
 Semantics:
 
@@ -39,6 +40,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -148,8 +150,13 @@ class KubernetesDiscovery:
             return list(self._current.get(role) or [])
 
     def wait_synced(self, timeout: float | None = None) -> bool:
-        """Block until every role has completed its first list."""
-        return all(ev.wait(timeout) for ev in self._synced.values())
+        """Block until every role has completed its first list (``timeout`` in total)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ev in self._synced.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not ev.wait(left):
+                return False
+        return True
 
     # -- internals ------------------------------------------------------------
     def _publish(self, role: str) -> None:
