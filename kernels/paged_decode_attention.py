@@ -186,11 +186,12 @@ def default_num_splits(
 ) -> int:
     """Splits so that the (batch, kv head, split) grid gives about four programs per SM.
 
-    Measured on an H200 (bench/KERNELS_NOTES.md): with >= ~4 programs per SM the kernel
-    streams K/V at 92-100% of copy bandwidth; with fewer, each program's serial loop is
-    latency bound. Chosen from shapes only (no device sync on seq_lens, so it is CUDA-graph
-    safe); ``max_seq_len`` (a host-side bound the scheduler knows) keeps every split at
-    least ``_MIN_CHUNK`` tokens, so short contexts skip the second (reduce) launch.
+    Measured on an H200 (bench/KERNELS_NOTES.md): the kernel streams K/V at 90-100% of copy
+    bandwidth once the grid holds ~512 programs (4 per SM), and the best split count in each
+    sweep was floor(4 * SMs / (batch * kv_heads)); rounding up (one split more) cost 6-30%.
+    Chosen from shapes only (no device sync on seq_lens, so it is CUDA-graph safe);
+    ``max_seq_len`` (a host-side bound the scheduler knows) keeps every split at least
+    ``_MIN_CHUNK`` tokens, so short contexts skip the second (reduce) launch.
     """
     if device.type != "cuda":
         return 1
@@ -198,9 +199,7 @@ def default_num_splits(
     target = _PROGRAMS_PER_SM * _sm_count(
         device.index if device.index is not None else torch.cuda.current_device()
     )
-    if programs >= target:
-        return 1
-    splits = min(_MAX_SPLITS, math.ceil(target / programs))
+    splits = max(1, min(_MAX_SPLITS, target // programs))
     if max_seq_len is not None:
         splits = min(splits, max(1, math.ceil(max_seq_len / _MIN_CHUNK)))
     return splits
@@ -281,7 +280,9 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
     if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
+        # ~16 KB of K per iteration: 64 tokens at D=128, 128 at D=64 (H200 sweep: +10-25%
+        # for Qwen-0.5B's D=64 over 64 tokens).
+        block_n = max(16, min(128, 8192 // head_dim))
     block_n = max(16, next_pow2(block_n))
     if num_warps is None:
         num_warps = 4
