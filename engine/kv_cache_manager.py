@@ -28,6 +28,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, enable_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # Blocks of finished requests kept for a KV transfer: request id -> (blocks, monotonic deadline).
+        self.held: dict[str, tuple[list[KVCacheBlock], float]] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -114,7 +116,26 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = num_full
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None and request_id in self.held:
+            blocks = self.held[request_id][0]
+        return [b.block_id for b in blocks or []]
+
+    def hold(self, request: Request, deadline: float) -> None:
+        """Keep a finished request's blocks referenced until `release_held` or the deadline (a transfer lease)."""
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.held[request.request_id] = (self.req_to_blocks.pop(request.request_id, []), deadline)
+
+    def release_held(self, request_id: str) -> int:
+        """Free a held request's blocks; returns how many were held (0 if none)."""
+        blocks, _ = self.held.pop(request_id, ([], 0.0))
+        self.pool.free_blocks(reversed(blocks))
+        return len(blocks)
+
+    def release_expired(self, now: float) -> int:
+        """Free holds whose lease ran out (the transfer never finished); returns the number of blocks freed."""
+        expired = [rid for rid, (_, deadline) in self.held.items() if deadline <= now]
+        return sum(self.release_held(rid) for rid in expired)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first: the tail holds the least reusable prefix."""

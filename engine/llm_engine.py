@@ -8,12 +8,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from engine.block_hash import BlockHasher
 from engine.config import EngineArgs, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_all
 from engine.errors import InvalidRequest
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, RunnerRequestState
 from engine.models.loader import load_generation_defaults
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
@@ -28,6 +30,17 @@ logger = logging.getLogger(__name__)
 OutputKind = Literal["cumulative", "delta", "final"]
 PromptInput = str | list[int] | dict[str, Any]
 HASH_SEED = 0  # block hashes must agree across every worker of a model, whatever each engine's sampling seed
+
+
+@dataclass(frozen=True)
+class RemoteSlot:
+    """Blocks reserved on the decode side for a prompt whose KV comes from a prefill worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # after generation-config defaults: what the prefill worker must sample with
+    block_ids: list[int]  # the whole prompt's block table
+    num_cached_blocks: int  # leading blocks already in this worker's prefix cache: not transferred
 
 
 @dataclass
@@ -94,6 +107,7 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
+        self.num_lease_expired_blocks = 0  # P/D prefill side: held blocks freed because no transfer finished
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, enable_kv_events: bool = False) -> LLMEngine:
@@ -138,8 +152,81 @@ class LLMEngine:
             )
 
     def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None = None,
-                    output_kind: OutputKind = "cumulative", extra_keys: tuple[str, ...] = ()) -> str:
-        """Validate and enqueue; raises InvalidRequest (nothing is enqueued) for bad input."""
+                    output_kind: OutputKind = "cumulative", extra_keys: tuple[str, ...] = (),
+                    kv_lease_s: float | None = None) -> str:
+        """Validate and enqueue; raises InvalidRequest (nothing is enqueued) for bad input.
+
+        `kv_lease_s` (prefill side of P/D): keep the finished request's blocks until `release_kv` or the lease.
+        """
+        state = self._new_state(request_id, prompt, params, output_kind, extra_keys, kv_lease_s)
+        for sample in state.samples:
+            self.scheduler.add_request(sample.request)
+        return state.request_id
+
+    def add_remote_prefill_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                                   output_kind: OutputKind = "cumulative", extra_keys: tuple[str, ...] = (),
+                                   min_uncached_tokens: int = 0) -> RemoteSlot | None:
+        """Decode side of P/D: admit a request whose prompt KV a prefill worker computes.
+
+        Blocks for the whole prompt are reserved now; the request is not scheduled until `finish_remote_prefill`
+        (or `fail_remote_prefill`, which recomputes locally). Returns None, with nothing enqueued, when the prompt
+        has fewer than `min_uncached_tokens` uncached tokens or the pool has no room: prefill locally then.
+        Raises InvalidRequest for bad input, and for n > 1 or prompt_logprobs (those always prefill locally).
+        """
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise InvalidRequest("remote prefill serves single-sample requests without prompt_logprobs")
+        state = self._new_state(request_id, prompt, params, output_kind, extra_keys, None)
+        request = state.samples[0].request
+        if not self.scheduler.admit_remote(request, min_uncached_tokens):
+            self._states.pop(state.request_id)
+            self._child_to_parent.pop(request.request_id)
+            return None
+        num_cached_blocks = request.num_computed_tokens // self.config.cache.block_size
+        return RemoteSlot(state.request_id, list(request.prompt_token_ids), request.sampling_params,
+                          self.kv_manager.block_ids(request.request_id), num_cached_blocks)
+
+    def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None) -> None:
+        """The prompt's KV was written into the reserved blocks: decode on from the remotely sampled token."""
+        state = self._states.get(request_id)
+        if state is None:
+            return  # aborted meanwhile
+        sample = state.samples[0]
+        request = sample.request
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+            if not params.is_greedy:  # the prefill worker drew the first token's noise from the same seed
+                torch.empty(self.config.model.arch.vocab_size, device=self.runner.device).exponential_(
+                    generator=generator)
+        self.runner.requests[request.request_id] = RunnerRequestState(
+            params, list(request.prompt_token_ids), [first_token], generator)
+        self.scheduler.mark_known_to_runner(request.request_id)
+        self.scheduler.resume_remote(request, first_token)
+        self._absorb(state, sample, logprobs, None)
+        if state.finished:
+            self._pending_outputs.append(self._finish_state(state))
+        elif state.output_kind != "final":
+            self._pending_outputs.append(self._make_output(state, finished=False))
+
+    def fail_remote_prefill(self, request_id: str) -> None:
+        """The prefill worker failed: recompute the prompt here (its reserved blocks are dropped)."""
+        state = self._states.get(request_id)
+        if state is not None and state.samples[0].request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.scheduler.requeue_remote(state.samples[0].request)
+
+    def expire_kv_leases(self) -> None:
+        self.num_lease_expired_blocks += self.kv_manager.release_expired(time.monotonic())
+
+    def abort_all(self) -> None:
+        self.abort_request(list(self._states))
+
+    def release_kv(self, request_id: str) -> int:
+        """Prefill side of P/D: the KV was shipped (or the transfer cancelled): free the held blocks."""
+        return self.kv_manager.release_held(request_id)
+
+    def _new_state(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None,
+                   output_kind: OutputKind, extra_keys: tuple[str, ...], kv_lease_s: float | None) -> _RequestState:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._states:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -157,7 +244,7 @@ class LLMEngine:
                 child_params.max_tokens = max_len - len(token_ids)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, token_ids, child_params, self.eos_token_id, wait_for=first,
-                              extra_keys=extra_keys)
+                              extra_keys=extra_keys, kv_lease_s=kv_lease_s)
             first = first or request
             need_detok = output_kind != "final" or bool(child_params.stop)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params.skip_special_tokens,
@@ -169,9 +256,7 @@ class LLMEngine:
         state = _RequestState(request_id, text, token_ids, params, output_kind, samples,
                               [] if params.prompt_logprobs is not None else None)
         self._states[request_id] = state
-        for sample in samples:
-            self.scheduler.add_request(sample.request)
-        return request_id
+        return state
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -191,6 +276,7 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.expire_kv_leases()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)

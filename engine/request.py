@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # KV dropped; recomputed when readmitted
     SWAPPED = "swapped"  # KV copied to CPU swap space; swapped back in when readmitted
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved; a prefill worker is computing the prompt
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -37,6 +38,9 @@ class Request:
     # Parallel samples (n > 1) wait for their first sibling's prefill, then hit its cached prompt blocks.
     wait_for: Request | None = None
     extra_keys: tuple[str, ...] = ()
+    # Prefill side of P/D: once finished, keep the blocks this many seconds (or until released) so the KV can
+    # be shipped; None frees them at once.
+    kv_lease_s: float | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -28,6 +28,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Decode side of P/D: requests whose prompt KV another worker is computing; never scheduled meanwhile.
+        self.remote_waiting: dict[str, Request] = {}
         self.num_preemptions = 0
         self._known_to_runner: set[str] = set()
         self._finished_since_last_step: set[str] = set()
@@ -47,6 +49,7 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
+            self.remote_waiting.pop(request_id, None)
             self._release(request, status)
             finished.append(request)
         return finished
@@ -61,6 +64,51 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    # ---- remote prefill (decode side of P/D) ---------------------------------------------------------------
+    def admit_remote(self, request: Request, min_uncached_tokens: int) -> bool:
+        """Reserve blocks for the whole prompt of a request whose KV another worker computes and writes.
+
+        False (nothing reserved) when fewer than `min_uncached_tokens` prompt tokens miss the prefix cache or the
+        pool has no room: the caller then prefills locally.
+        """
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if num_new < min_uncached_tokens or self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+            return False
+        request.num_computed_tokens = num_hit
+        request.num_cached_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote_waiting[request.request_id] = request
+        return True
+
+    def resume_remote(self, request: Request, first_token: int) -> None:
+        """The prompt's KV is in the reserved blocks: run on as a decoding request with its first token."""
+        del self.remote_waiting[request.request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_time = time.monotonic()
+        self.kv.cache_blocks(request)
+        request.append_output_token(first_token)
+        status = self._check_stop(request, first_token)
+        if status is not None:
+            self._release(request, status)
+            return
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def requeue_remote(self, request: Request) -> None:
+        """The remote prefill failed: drop the reserved blocks and recompute the prompt here."""
+        del self.remote_waiting[request.request_id]
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = -1
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def mark_known_to_runner(self, request_id: str) -> None:
+        """The engine registered the request with the runner itself (it carries a token sampled elsewhere)."""
+        self._known_to_runner.add(request_id)
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -209,7 +257,10 @@ class Scheduler:
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        if request.kv_lease_s is not None and status is not RequestStatus.FINISHED_ABORTED:
+            self.kv.hold(request, time.monotonic() + request.kv_lease_s)
+        else:
+            self.kv.free(request)
         if self.swap_space is not None:
             self.swap_space.discard(request.request_id)
         if request.request_id in self._known_to_runner:
