@@ -263,7 +263,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("role", "model", "model_id", "dtype", "block_size", "kv_layout", "num_kv_blocks", "max_model_len", "vocab_size", "device", "worker_id", "version")
+    __slots__ = ("role", "model", "model_id", "dtype", "block_size", "kv_layout", "num_kv_blocks", "max_model_len", "vocab_size", "device", "worker_id", "version", "num_free_kv_blocks", "disagg_min_prompt_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,8 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_MIN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model: str
     model_id: str
@@ -288,7 +290,9 @@ class InfoResponse(_message.Message):
     device: str
     worker_id: str
     version: str
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., worker_id: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    num_free_kv_blocks: int
+    disagg_min_prompt_tokens: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., worker_id: _Optional[str] = ..., version: _Optional[str] = ..., num_free_kv_blocks: _Optional[int] = ..., disagg_min_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "skip_blocks", "decode_worker_id", "expected_layout", "cache_salt", "lease_s")

@@ -69,6 +69,8 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Stream the completion of one request: chunks, then exactly one complete or error.
+        Input that fails validation ends the call with status INVALID_ARGUMENT and the reason (no message is sent);
+        failures after the request was accepted arrive as a GenerateError message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
