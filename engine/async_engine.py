@@ -40,6 +40,7 @@ class EngineLoad:
     kv_cache_usage: float
     num_kv_blocks: int
     num_free_blocks: int
+    num_preemptions: int
 
 
 class EngineDeadError(RuntimeError):
@@ -52,7 +53,7 @@ def engine_load(engine: LLMEngine) -> EngineLoad:
     queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in pending)
     pool = engine.kv_manager.pool
     return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
-                      pool.usage, pool.num_usable_blocks, pool.num_free_blocks)
+                      pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions)
 
 
 class AsyncEngine:
@@ -146,6 +147,8 @@ class AsyncEngine:
                         logger.exception("engine step failed; aborting the running requests")
                         engine.abort_all()
                         outputs = engine.step() if engine.has_unfinished_requests() else []
+                        for hook in self.step_hooks:  # lets hooks see the aborts and release what they hold
+                            hook(engine, outputs)
                         self.post(self._fail_all, exc)
                     if outputs:
                         self.post(self._dispatch, outputs)

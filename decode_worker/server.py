@@ -1,0 +1,242 @@
+"""Decode worker: serves `Generation.Generate` to the router, getting prompt KV from a prefill worker.
+
+Per request: if a prefill address is given, the request is single-sample, and at least
+`--disagg-min-prompt-tokens` prompt tokens miss the local prefix cache, blocks for the prompt are reserved and
+the KV is pulled from the prefill worker (leading blocks cached here are skipped). Otherwise, or when the pull
+fails (counted in kvflow:disagg_fallback_total{reason}), the prompt is prefilled here. Tokens stream to the
+caller from this worker only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from decode_worker.grpc_transport import GrpcKVTransport
+from engine.errors import InvalidRequest
+from engine.kv_transfer import KVSlice, KVTransferError, PullJob, write_blocks
+from engine.llm_engine import LLMEngine, RemoteSlot
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from prefill_worker.common import (
+    WorkerContext,
+    engine_layout,
+    info_response,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+)
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+LEASE_S = 10.0
+
+
+@dataclass
+class _Choice:
+    """What was already sent of one sample."""
+
+    num_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+
+
+class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
+    def __init__(self, ctx: WorkerContext, disagg_min_prompt_tokens: int) -> None:
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
+        self.layout = engine_layout(ctx.engine.engine)
+        self.kv_caches = ctx.engine.engine.runner.kv_caches
+        self.transport = GrpcKVTransport(self.layout, ctx.worker_id)
+        self._active: set[str] = set()
+        self._pulling: set[str] = set()  # requests whose reserved blocks the transport is writing
+        self._abort_after_pull: set[str] = set()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.perf_counter()
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            params, prompt = self._parse(request)
+            if request_id in self._active:
+                raise InvalidRequest(f"request id {request_id!r} is already in use")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        address = request.disaggregation.prefill_address
+        min_tokens = request.disaggregation.min_prompt_tokens or self.disagg_min_prompt_tokens
+        remote = bool(address) and params.n == 1 and params.prompt_logprobs is None
+        extra_keys = tuple(request.cache_salt)
+
+        def admit(engine: LLMEngine) -> RemoteSlot | None:
+            if remote:
+                slot = engine.add_remote_prefill_request(request_id, prompt, params, "delta", extra_keys, min_tokens)
+                if slot is not None:
+                    return slot
+            engine.add_request(request_id, prompt, params, "delta", extra_keys)
+            return None
+
+        stream = self.engine.open_stream(request_id)
+        self._active.add(request_id)
+        finished = False
+        try:
+            try:
+                slot = await self.engine.call(admit)
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
+            path, transfer_s = pb.PREFILL_PATH_LOCAL, 0.0
+            if slot is not None:
+                path, transfer_s = await self._pull(address, slot, extra_keys)
+            choices = [_Choice() for _ in range(params.n)]
+            first_token_s: float | None = None
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    yield pb.GenerateResponse(request_id=request_id, error=pb.GenerateError(
+                        code="INTERNAL", message=f"the engine failed: {item}"))
+                    return
+                if first_token_s is None and any(c.token_ids for c in item.outputs):
+                    first_token_s = time.perf_counter() - arrival
+                timings = pb.Timings(ttft_s=first_token_s or 0.0, kv_transfer_s=transfer_s,
+                                     e2e_s=time.perf_counter() - arrival)
+                usage = self._usage(item)
+                if request.stream:
+                    for completion in item.outputs:
+                        chunk = self._chunk(completion, choices[completion.index], usage, timings)
+                        if chunk is not None:
+                            yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
+                else:
+                    for completion in item.outputs:
+                        self._chunk(completion, choices[completion.index], usage, timings)
+                if item.finished:
+                    finished = True
+                    yield pb.GenerateResponse(request_id=request_id, complete=self._complete(
+                        item, choices, usage, timings, path))
+                    return
+        finally:
+            self._active.discard(request_id)
+            self.engine.close_stream(request_id)
+            if not finished:  # the caller went away (or we failed): free the request's blocks now
+                self.engine.submit(lambda e: e.abort_request(request_id))
+
+    async def _pull(self, address: str, slot: RemoteSlot, extra_keys: tuple[str, ...]) -> tuple[int, float]:
+        """Get the prompt KV into the reserved blocks; on failure recompute locally. Returns (path, seconds)."""
+        request_id = slot.request_id
+
+        def sink(block_ids: list[int], part: KVSlice, data: bytes) -> None:
+            if request_id in self._abort_after_pull:
+                raise KVTransferError("aborted", "the request was aborted")
+            # These blocks belong to a request waiting for its KV: no scheduled step reads or writes them.
+            write_blocks(self.kv_caches, self.layout, block_ids, part, data)
+
+        job = PullJob(request_id, slot.prompt_token_ids, slot.params, slot.block_ids, slot.num_cached_blocks,
+                      extra_keys, LEASE_S)
+        self._pulling.add(request_id)
+        try:
+            result = await self.transport.pull(address, job, sink)
+        except KVTransferError as exc:
+            if exc.reason == "aborted":
+                await self.engine.call(lambda e: e.abort_request(request_id))
+                return pb.PREFILL_PATH_LOCAL, 0.0
+            logger.warning("request %s: KV transfer from %s failed (%s); prefilling locally", request_id, address,
+                           exc)
+            self.ctx.metrics.record_fallback(exc.reason)
+            await self.engine.call(lambda e: e.fail_remote_prefill(request_id))
+            return pb.PREFILL_PATH_LOCAL, 0.0
+        finally:
+            self._pulling.discard(request_id)
+            self._abort_after_pull.discard(request_id)
+        self.ctx.metrics.record_transfer(result.num_bytes, result.seconds)
+        await self.engine.call(
+            lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs))
+        return pb.PREFILL_PATH_DISAGGREGATED, result.seconds
+
+    def _parse(self, request: pb.GenerateRequest) -> tuple[SamplingParams, str | dict[str, list[int]]]:
+        params = sampling_params_from_proto(request.sampling_params)
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            if not request.text:
+                raise InvalidRequest("the prompt is empty")
+            return params, request.text
+        if kind == "token_ids":
+            return params, {"prompt_token_ids": list(request.token_ids.ids)}
+        raise InvalidRequest("the request needs `text` or `token_ids`")
+
+    @staticmethod
+    def _usage(output: RequestOutput) -> pb.Usage:
+        return pb.Usage(prompt_tokens=len(output.prompt_token_ids),
+                        completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+                        cached_tokens=output.num_cached_tokens)
+
+    @staticmethod
+    def _chunk(completion: CompletionOutput, sent: _Choice, usage: pb.Usage, timings: pb.Timings
+               ) -> pb.GenerateChunk | None:
+        """The new part of one sample since the last chunk (delta text, new token ids), or None."""
+        new_tokens = completion.token_ids[sent.num_tokens :]
+        logprobs = []
+        if completion.logprobs is not None:
+            logprobs = [logprobs_to_proto(t, lp) for t, lp in
+                        zip(new_tokens, completion.logprobs[sent.num_tokens :], strict=False)]
+        sent.num_tokens = len(completion.token_ids)
+        if completion.text:
+            sent.text.append(completion.text)
+        if not new_tokens and not completion.text:
+            return None
+        return pb.GenerateChunk(index=completion.index, token_ids=new_tokens, text=completion.text,
+                                logprobs=logprobs, usage=usage, timings=timings)
+
+    @staticmethod
+    def _complete(output: RequestOutput, choices: list[_Choice], usage: pb.Usage, timings: pb.Timings,
+                  path: int) -> pb.GenerateComplete:
+        out = []
+        for completion in output.outputs:
+            choice = pb.CompletionChoice(
+                index=completion.index, token_ids=completion.token_ids, text="".join(choices[completion.index].text),
+                finish_reason=FINISH_REASONS.get(completion.finish_reason or "abort", pb.FINISH_REASON_ABORT))
+            if isinstance(completion.stop_reason, str):
+                choice.stop_string = completion.stop_reason
+            elif isinstance(completion.stop_reason, int):
+                choice.stop_token_id = completion.stop_reason
+            if completion.logprobs is not None:
+                choice.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in
+                                       zip(completion.token_ids, completion.logprobs, strict=False))
+            out.append(choice)
+        prompt_logprobs = []
+        if output.prompt_logprobs is not None:
+            for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=False):
+                prompt_logprobs.append(logprobs_to_proto(token, entry) if entry else pb.TokenLogprob())
+        return pb.GenerateComplete(choices=out, usage=usage, timings=timings, prefill_path=path,
+                                   prompt_token_ids=output.prompt_token_ids, prompt_logprobs=prompt_logprobs)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        found = request.request_id in self._active
+        if request.request_id in self._pulling:  # freeing now would race the KV writes: stop the pull first
+            self._abort_after_pull.add(request.request_id)
+        elif found:
+            self.engine.submit(lambda e: e.abort_request(request.request_id))
+        return pb.AbortResponse(found=found)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        return await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
+                                                              self.disagg_min_prompt_tokens))
+
+    async def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pb.KVEventBatch]:
+        async for batch in self.ctx.events.subscribe():
+            yield batch
+
+
+def add_generation_servicer(server: grpc.aio.Server, ctx: WorkerContext,
+                            disagg_min_prompt_tokens: int) -> GenerationServicer:
+    servicer = GenerationServicer(ctx, disagg_min_prompt_tokens)
+    kvflow_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    return servicer

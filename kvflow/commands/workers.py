@@ -1,0 +1,44 @@
+"""`kvflow prefill ...` and `kvflow decode ...`: one disaggregated worker per process, vLLM engine arguments."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from engine.config import EngineArgs
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from prefill_worker.common import add_worker_args
+
+    prefill = subparsers.add_parser("prefill", help="run a prefill worker (gRPC Prefill service)")
+    add_worker_args(prefill)
+    EngineArgs.add_cli_args(prefill)
+    prefill.set_defaults(handler=run_prefill)
+
+    decode = subparsers.add_parser("decode", help="run a decode worker (gRPC Generation service)")
+    add_worker_args(decode)
+    decode.add_argument("--disagg-min-prompt-tokens", type=int, default=0,
+                        help="prefill locally when fewer prompt tokens than this miss the prefix cache "
+                             "(0: always use the prefill worker when the router names one)")
+    EngineArgs.add_cli_args(decode)
+    decode.set_defaults(handler=run_decode)
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    from prefill_worker.common import serve_worker
+    from prefill_worker.server import add_prefill_servicer
+
+    asyncio.run(serve_worker(args, "prefill", add_prefill_servicer))
+    return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    from decode_worker.server import add_generation_servicer
+    from prefill_worker.common import serve_worker
+
+    if args.disagg_min_prompt_tokens < 0:
+        raise ValueError("--disagg-min-prompt-tokens must be >= 0")
+    minimum = args.disagg_min_prompt_tokens
+    asyncio.run(serve_worker(args, "decode", lambda server, ctx: add_generation_servicer(server, ctx, minimum)))
+    return 0
