@@ -1,0 +1,64 @@
+"""`kvflow router --prefill ADDR,... --decode ADDR,... [--index memory|redis://...]`: the prefix-aware router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from engine.routing.policy import POLICY_NAMES
+from router.config import DISCOVERY_KINDS, RouterConfig
+
+
+def _addresses(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("router")
+    g.add_argument("--prefill", type=_addresses, action="extend", default=[], help="prefill workers host:port,...")
+    g.add_argument("--decode", type=_addresses, action="extend", default=[], help="decode workers host:port,...")
+    g.add_argument("--index", default=os.environ.get("KVFLOW_INDEX_URL") or "memory",
+                   help="prefix index: 'memory' (one router) or redis://[:password@]host:port/db (shared)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
+    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port (0: off)")
+    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env KVFLOW_API_KEY)")
+    g.add_argument("--routing", choices=POLICY_NAMES, default="prefix")
+    g.add_argument("--discovery", choices=DISCOVERY_KINDS, default="static")
+    g.add_argument("--k8s-namespace", default="default")
+    g.add_argument("--prefill-selector", default="", help="EndpointSlice label selector of prefill workers")
+    g.add_argument("--decode-selector", default="", help="EndpointSlice label selector of decode workers")
+    g.add_argument("--worker-grpc-port-name", default="grpc")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the workers' model's)")
+    g.add_argument("--tokenizer-pool-size", type=int, default=2)
+    g.add_argument("--served-model-name", nargs="+", default=[])
+    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--disable-log-stats", action="store_true")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("router", help="prefix-aware router: OpenAI HTTP + gRPC in front of workers")
+    add_router_args(parser)
+    parser.set_defaults(handler=run)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    config = RouterConfig(
+        prefill=tuple(args.prefill), decode=tuple(args.decode), index=args.index, host=args.host, port=args.port,
+        grpc_port=args.grpc_port, api_key=args.api_key or None, routing=args.routing, discovery=args.discovery,
+        k8s_namespace=args.k8s_namespace, prefill_selector=args.prefill_selector,
+        decode_selector=args.decode_selector, worker_grpc_port_name=args.worker_grpc_port_name,
+        tokenizer=args.tokenizer, tokenizer_pool_size=args.tokenizer_pool_size,
+        served_model_name=tuple(args.served_model_name), disable_log_requests=args.disable_log_requests,
+        disable_log_stats=args.disable_log_stats)
+    config.validate()
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    from router.server import serve_router
+
+    asyncio.run(serve_router(config_from_args(args)))
+    return 0

@@ -1,0 +1,112 @@
+"""`kvflow serve --model smollm2`: a whole cluster on one machine (workers as subprocesses, the router here)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from engine.config import EngineArgs
+from engine.routing.policy import POLICY_NAMES
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    import os
+
+    parser = subparsers.add_parser("serve", help="run router + prefill/decode workers on this machine")
+    g = parser.add_argument_group("cluster")
+    g.add_argument("--prefill-workers", type=int, default=1)
+    g.add_argument("--decode-workers", type=int, default=1)
+    g.add_argument("--index", default="memory", help="'memory' or redis://host:port/db")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port (0: off)")
+    g.add_argument("--routing", choices=POLICY_NAMES, default="prefix")
+    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"))
+    g.add_argument("--served-model-name", nargs="+", default=[])
+    g.add_argument("--tokenizer-pool-size", type=int, default=2)
+    g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
+                   help="decode workers prefill locally below this many uncached prompt tokens")
+    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
+    g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvflow.launcher import ClusterSpec, WorkerCluster
+    from router.config import RouterConfig
+
+    engine_args = EngineArgs.from_cli_args(args)
+    spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
+                       "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir)
+    cluster = WorkerCluster(spec)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM during startup: clean up like Ctrl-C
+    try:
+        cluster.start()
+        logger.info("worker logs in %s", cluster.log_dir)
+        cluster.wait_ready(args.ready_timeout)
+        config = RouterConfig(prefill=tuple(cluster.addresses("prefill")), decode=tuple(cluster.addresses("decode")),
+                              index=args.index, host=args.host, port=args.port, grpc_port=args.grpc_port,
+                              api_key=args.api_key or None, routing=args.routing,
+                              served_model_name=tuple(args.served_model_name),
+                              tokenizer_pool_size=args.tokenizer_pool_size,
+                              disable_log_requests=args.disable_log_requests,
+                              disable_log_stats=args.disable_log_stats)
+        signal.signal(signal.SIGTERM, previous)  # uvicorn handles SIGINT/SIGTERM from here on
+        asyncio.run(_serve(config, cluster))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        cluster.stop()
+    return 0
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+async def _serve(config: object, cluster: object) -> None:
+    from router.server import serve_router
+
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve_router(config, ready))  # type: ignore[arg-type]
+    watcher = asyncio.create_task(_announce_and_watch(config, cluster, ready))
+    try:
+        await task
+    finally:
+        watcher.cancel()
+
+
+async def _announce_and_watch(config: object, cluster: object, ready: asyncio.Event) -> None:
+    import httpx
+
+    await ready.wait()
+    url = f"http://{config.host}:{config.port}"  # type: ignore[attr-defined]
+    start = time.monotonic()
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() - start < 60:
+            try:
+                if (await client.get(f"{url}/health", timeout=2.0)).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    print(f"kvflow is serving the OpenAI API at {url}/v1 (gRPC on port {config.grpc_port}); "  # type: ignore[attr-defined]
+          "Ctrl-C to stop", file=sys.stderr, flush=True)
+    reported: set[int] = set()
+    while True:  # a worker that dies is reported once; the router stops routing to it
+        for worker in cluster.check_alive():  # type: ignore[attr-defined]
+            if worker.process.pid not in reported:
+                reported.add(worker.process.pid)
+                logger.error("%s worker %s exited (code %s); log tail:\n%s", worker.role, worker.address,
+                             worker.process.returncode, worker.log_tail())
+        await asyncio.sleep(1.0)

@@ -1,0 +1,299 @@
+"""The router's request path, shared by the OpenAI and gRPC fronts: tokenize, route, forward, retry, measure.
+
+Routing hashes the prompt's full blocks with the engine's own `BlockHasher`, asks the index (one lookup) how
+many leading blocks each prefill worker caches, and lets the policy weigh that against load. The request goes to
+the chosen decode worker's `Generate` with `disaggregation.prefill_address` naming the prefill worker; the decode
+worker falls back to local prefill by itself if that prefill fails. A decode failure before the first token is
+retried on another decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from engine.block_hash import BlockHasher
+from engine.routing.events import EventBatch
+from engine.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
+from engine.routing.policy import make_policy
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
+from router.config import RouterConfig
+from router.errors import BadRequest, RouterError, Unavailable, from_code_name
+from router.metrics import RouterMetrics
+from router.tokenizer_pool import TokenizerPool, tokenizer_path_for
+from router.workers import ModelInfo, Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: Worker
+    prefill: Worker | None
+    matched_blocks: int
+    num_prompt_tokens: int
+    block_size: int
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(self.num_prompt_tokens - self.matched_blocks * self.block_size, 0)
+
+
+def make_index(url: str) -> PrefixIndex:
+    if url == "memory":
+        return MemoryIndex()
+    from engine.routing.redis_index import RedisIndex
+
+    return RedisIndex(url)
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        config.validate()
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.index = make_index(config.index)
+        self.policy = make_policy(config.routing)
+        self.pool = WorkerPool(self.index, subscriber=f"router-{uuid.uuid4().hex[:8]}", on_batch=self._on_batch,
+                               on_index_error=self._on_index_error)
+        self.tokenizers: TokenizerPool | None = None
+        self._tokenizer_lock = asyncio.Lock()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._decode_of: dict[str, tuple[Worker, str]] = {}  # client id -> (decode worker, its id), for Abort
+        self._index_down = False
+
+    # ---- state ---------------------------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        info = self.pool.model_info
+        if info is None:
+            raise Unavailable("no worker has answered yet; retry shortly")
+        return info
+
+    @property
+    def served_model_names(self) -> list[str]:
+        if self.config.served_model_name:
+            return list(self.config.served_model_name)
+        return [self.pool.model_info.model] if self.pool.model_info else []
+
+    def is_ready(self) -> bool:
+        return self.pool.model_info is not None and bool(self.pool.workers("decode"))
+
+    async def ensure_tokenizers(self) -> TokenizerPool:
+        if self.tokenizers is None:
+            async with self._tokenizer_lock:
+                if self.tokenizers is None:
+                    info = self.model_info
+                    hasher = BlockHasher.for_model(info.model_id, info.block_size, 0)
+                    path = await asyncio.to_thread(tokenizer_path_for, info.model, self.config.tokenizer)
+                    self.tokenizers = await asyncio.to_thread(TokenizerPool, path, hasher,
+                                                              self.config.tokenizer_pool_size)
+        return self.tokenizers
+
+    # ---- index callbacks (event threads) -------------------------------------------------------------
+    def _on_batch(self, worker: Worker, batch: EventBatch, lag_s: float) -> None:
+        if batch.events:
+            self.metrics.index_lag.observe(max(lag_s, 0.0))
+        if batch.load is not None:
+            self.metrics.observe_load(worker.worker_id, worker.role, batch.load)
+        if self._index_down:
+            self._index_down = False
+            logger.warning("prefix index is reachable again: prefix-aware routing resumed")
+
+    def _on_index_error(self, exc: IndexUnavailable) -> None:
+        self.metrics.index_unavailable.inc()
+        if not self._index_down:
+            self._index_down = True
+            logger.error("%s; routing on load only until it is back", exc)
+
+    # ---- routing -------------------------------------------------------------------------------------
+    def route(self, token_ids: Sequence[int], cache_salt: Sequence[str] = (),
+              exclude_decode: frozenset[str] = frozenset()) -> Route:
+        """Pick the decode and prefill workers (runs in a tokenizer thread: hashing and lookup block)."""
+        start = time.perf_counter()
+        info = self.model_info
+        decodes = [w for w in self.pool.workers("decode") if w.address not in exclude_decode]
+        if not decodes:
+            raise Unavailable("no healthy decode worker is available")
+        prefills = self.pool.workers("prefill")
+        matched: dict[str, int] = {}
+        if prefills and self.policy.uses_index and self.tokenizers is not None:
+            hashes = self.tokenizers.hasher.hash_blocks(token_ids, extra_keys=tuple(cache_salt))
+            try:
+                matched = self.index.match(hashes, [w.worker_id for w in prefills])
+            except IndexUnavailable as exc:
+                self._on_index_error(exc)
+        by_id = {w.worker_id: w for w in prefills}
+        prefill = None
+        matched_blocks = 0
+        if prefills:
+            choice = self.policy.choose_prefill([w.view() for w in prefills], matched, len(token_ids),
+                                                info.block_size)
+            prefill, matched_blocks = by_id[choice.worker.worker_id], choice.matched_blocks
+        decode_view = self.policy.choose_decode([w.view() for w in decodes])
+        decode = next(w for w in decodes if w.address == decode_view.address)
+        self.metrics.route_decisions.labels(self.policy.name).inc()
+        self.metrics.prefix_matched_blocks.inc(matched_blocks)
+        self.metrics.route_seconds.observe(time.perf_counter() - start)
+        return Route(decode, prefill, matched_blocks, len(token_ids), info.block_size)
+
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None) -> int | None:
+        """Validate lengths against max_model_len; returns max_tokens (filled in when None)."""
+        limit = self.model_info.max_model_len
+        if num_prompt_tokens == 0:
+            raise BadRequest("the prompt is empty", "prompt")
+        if num_prompt_tokens >= limit:
+            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                             f"{num_prompt_tokens} tokens; shorten it.", "prompt")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                             f"{max_tokens} for the completion). Reduce the prompt or max_tokens.", "max_tokens")
+        return max_tokens
+
+    # ---- forwarding ----------------------------------------------------------------------------------
+    def _stub(self, address: str) -> kvflow_pb2_grpc.GenerationStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            self._channels[address] = channel
+        return kvflow_pb2_grpc.GenerationStub(channel)
+
+    async def generate(self, request_id: str, token_ids: list[int], params: pb.SamplingParams,
+                       cache_salt: Sequence[str] = ()) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream a request's responses from a decode worker; a chunk or complete is never followed by a retry.
+
+        Raises RouterError for failures (before or after the first token); metrics are recorded here.
+        """
+        tokenizers = await self.ensure_tokenizers()
+        arrival = time.monotonic()
+        tried: set[str] = set()
+        self.metrics.running.inc()
+        first_token_at: float | None = None
+        try:
+            for attempt in range(self.config.max_attempts):
+                self.metrics.waiting.inc()
+                try:
+                    route = await tokenizers.run(self.route, token_ids, tuple(cache_salt), frozenset(tried))
+                finally:
+                    self.metrics.waiting.dec()
+                tried.add(route.decode.address)
+                worker_request_id = f"{request_id}@{uuid.uuid4().hex[:8]}"  # client ids may repeat; ours don't
+                request = pb.GenerateRequest(
+                    request_id=worker_request_id, token_ids=pb.TokenIds(ids=token_ids), sampling_params=params,
+                    stream=True, cache_salt=list(cache_salt),
+                    disaggregation=pb.DisaggregationParams(
+                        prefill_address=route.prefill.address if route.prefill is not None else ""))
+                self._reserve(route, +1)
+                self._decode_of[request_id] = (route.decode, worker_request_id)
+                call = self._stub(route.decode.address).Generate(request, timeout=self.config.request_timeout_s)
+                released = False
+                try:
+                    async for response in call:
+                        kind = response.WhichOneof("response")
+                        if kind == "error":
+                            if first_token_at is None and response.error.code == "UNAVAILABLE" \
+                                    and attempt + 1 < self.config.max_attempts:
+                                raise _RetryElsewhere(response.error.message)
+                            raise from_code_name(response.error.code, response.error.message)
+                        if first_token_at is None:
+                            first_token_at = time.monotonic()
+                            self.metrics.ttft.observe(first_token_at - arrival)
+                            self._reserve(route, -1, prefill_only=True)
+                            released = True
+                        if kind == "complete":
+                            self._record_complete(response.complete, arrival, first_token_at)
+                        yield response
+                    return
+                except _RetryElsewhere as exc:
+                    self._retry_note(route, "decode_error", str(exc))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise BadRequest(exc.details() or "invalid request") from exc
+                    if first_token_at is not None or exc.code() not in RETRYABLE \
+                            or attempt + 1 >= self.config.max_attempts:
+                        raise from_code_name(exc.code().name, f"decode worker {route.decode.address}: "
+                                                              f"{exc.details()}") from exc
+                    self._retry_note(route, "decode_unavailable", exc.details() or exc.code().name)
+                finally:
+                    call.cancel()
+                    self._reserve(route, -1, skip_prefill=released)
+                    self._decode_of.pop(request_id, None)
+            raise Unavailable("no decode worker could take the request")
+        finally:
+            self.metrics.running.dec()
+
+    async def abort(self, request_id: str) -> bool:
+        target = self._decode_of.get(request_id)
+        if target is None:
+            return False
+        worker, worker_request_id = target
+        response = await self._stub(worker.address).Abort(pb.AbortRequest(request_id=worker_request_id),
+                                                           timeout=5.0)
+        return response.found
+
+    def _reserve(self, route: Route, sign: int, prefill_only: bool = False, skip_prefill: bool = False) -> None:
+        """Count this router's own in-flight work so back-to-back routes see it before the next heartbeat."""
+        if route.prefill is not None and not skip_prefill:
+            route.prefill.pending_prefill_tokens = max(
+                route.prefill.pending_prefill_tokens + sign * route.uncached_tokens, 0)
+        if not prefill_only:
+            route.decode.pending_requests = max(route.decode.pending_requests + sign, 0)
+
+    def _retry_note(self, route: Route, reason: str, detail: str) -> None:
+        self.metrics.retries.labels(reason).inc()
+        logger.warning("decode worker %s failed before the first token (%s); retrying elsewhere",
+                       route.decode.address, detail)
+
+    def _record_complete(self, complete: pb.GenerateComplete, arrival: float, first_token_at: float | None) -> None:
+        m = self.metrics
+        now = time.monotonic()
+        usage = complete.usage
+        m.e2e.observe(now - arrival)
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.generation_tokens.inc(usage.completion_tokens)
+        m.prefix_queries.inc(usage.prompt_tokens)
+        m.prefix_hits.inc(usage.cached_tokens)
+        per_sample = usage.completion_tokens / max(len(complete.choices), 1)
+        if first_token_at is not None and per_sample > 1:
+            m.tpot.observe((now - first_token_at) / (per_sample - 1))
+        path = {pb.PREFILL_PATH_DISAGGREGATED: "disaggregated", pb.PREFILL_PATH_LOCAL: "local_prefill"}.get(
+            complete.prefill_path, "unknown")
+        m.requests.labels(path).inc()
+        for choice in complete.choices:
+            reason = pb.FinishReason.Name(choice.finish_reason).removeprefix("FINISH_REASON_").lower()
+            m.request_success.labels(reason).inc()
+
+    async def close(self) -> None:
+        self.pool.stop()
+        for channel in self._channels.values():
+            await channel.close()
+        if self.tokenizers is not None:
+            self.tokenizers.close()
+        self.index.close()
+
+
+class _RetryElsewhere(Exception):
+    pass
+
+
+def error_from(exc: BaseException) -> RouterError:
+    if isinstance(exc, RouterError):
+        return exc
+    if isinstance(exc, ValueError):  # engine.errors.InvalidRequest and friends
+        return BadRequest(str(exc))
+    return RouterError(f"internal error: {type(exc).__name__}: {exc}")
+
+
+__all__ = ["Route", "Router", "error_from", "make_index"]

@@ -1,0 +1,127 @@
+"""Worker discovery: static lists, Redis registration with heartbeats, or Kubernetes EndpointSlices.
+
+Each source calls `on_change(role, addresses)` with the full current list of a role.
+Redis registration contract (workers write, routers read):
+  kvflow:workers:<role>:<host:port>  = the worker's address, SET with a TTL (`REGISTRATION_TTL_S`), refreshed
+                                       every `REGISTRATION_TTL_S / 3` by the worker; `WorkerRegistration` does it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import redis
+
+from engine.routing.redis_index import redact, redis_client
+from router.config import RouterConfig
+from router.workers import ROLES
+
+logger = logging.getLogger(__name__)
+
+OnChange = Callable[[str, list[str]], None]
+REGISTRATION_PREFIX = "kvflow:workers:"
+REGISTRATION_TTL_S = 3.0
+
+
+class Discovery(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class StaticDiscovery:
+    def __init__(self, addresses: dict[str, list[str]], on_change: OnChange) -> None:
+        self.addresses = addresses
+        self.on_change = on_change
+
+    def start(self) -> None:
+        for role, addresses in self.addresses.items():
+            self.on_change(role, list(addresses))
+
+    def stop(self) -> None:
+        pass
+
+
+class RedisDiscovery:
+    """Polls the registration keys every `poll_s`; a worker whose key expired leaves the set."""
+
+    def __init__(self, url: str, on_change: OnChange, poll_s: float = 1.0) -> None:
+        self.url = url
+        self.on_change = on_change
+        self.poll_s = poll_s
+        self._client = redis_client(url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="redis-discovery", daemon=True)
+        self._last: dict[str, list[str]] = {}
+        self._failing = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for role in ROLES:
+                    keys = self._client.scan_iter(match=f"{REGISTRATION_PREFIX}{role}:*", count=500)
+                    found = sorted(k.decode().split(":", 3)[3] for k in keys)
+                    if found != self._last.get(role):
+                        self._last[role] = found
+                        self.on_change(role, found)
+                self._failing = False
+            except redis.RedisError as exc:
+                if not self._failing:  # keep the last known workers while the registry is down
+                    logger.error("worker registry %s unreachable: %s", redact(self.url), exc)
+                self._failing = True
+            self._stop.wait(self.poll_s)
+
+
+class WorkerRegistration:
+    """Keeps `kvflow:workers:<role>:<address>` alive in Redis while the worker runs (for --discovery redis)."""
+
+    def __init__(self, url: str, role: str, address: str, ttl_s: float = REGISTRATION_TTL_S) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.key = f"{REGISTRATION_PREFIX}{role}:{address}"
+        self.address = address
+        self.ttl_ms = int(ttl_s * 1000)
+        self._client = redis_client(url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="redis-registration", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(redis.RedisError):  # the TTL removes it anyway
+            self._client.delete(self.key)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._client.set(self.key, self.address, px=self.ttl_ms)
+            except redis.RedisError as exc:
+                logger.warning("cannot refresh worker registration %s: %s", self.key, exc)
+            self._stop.wait(self.ttl_ms / 3000)
+
+
+def make_discovery(config: RouterConfig, on_change: OnChange) -> Discovery:
+    if config.discovery == "static":
+        return StaticDiscovery({"prefill": list(config.prefill), "decode": list(config.decode)}, on_change)
+    if config.discovery == "redis":
+        return RedisDiscovery(config.discovery_redis or config.index, on_change)
+    from router.discovery_k8s import KubernetesDiscovery
+
+    selectors = {"decode": config.decode_selector}
+    if config.prefill_selector:
+        selectors["prefill"] = config.prefill_selector
+    k8s = KubernetesDiscovery(config.k8s_namespace, selectors=selectors, port_name=config.worker_grpc_port_name,
+                              on_change=on_change)
+    return k8s

@@ -1,0 +1,93 @@
+"""The router's Prometheus metrics: vLLM's names for what a client sees, `kvflow:*` for routing and the index.
+
+One `CollectorRegistry` per router instance (no module-global state). Worker gauges carry a `worker` label and
+come from the workers' heartbeats; latency histograms are measured at the router, i.e. as clients see them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.routing.events import WorkerLoad
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in flight through this router.",
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests being tokenized or routed.",
+                             registry=r)
+        worker_labels = ["worker", "role"]
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage per worker (1 = full).", worker_labels,
+                              registry=r)
+        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "Alias of vllm:kv_cache_usage_perc.",
+                                     worker_labels, registry=r)
+        self.worker_running = Gauge("kvflow:worker_num_requests_running", "Running requests per worker.",
+                                    worker_labels, registry=r)
+        self.worker_waiting = Gauge("kvflow:worker_num_requests_waiting", "Waiting requests per worker.",
+                                    worker_labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions reported by the workers.",
+                                   registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in prefix caches.",
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from prefix caches.",
+                                   registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
+                                         registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token at the router.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency at the router.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.requests = Counter("kvflow:requests", "Requests by prefill path.", ["path"], registry=r)
+        self.prefix_matched_blocks = Counter("kvflow:route_prefix_matched_blocks",
+                                             "Cached prefix blocks on the chosen prefill worker.", registry=r)
+        self.route_decisions = Counter("kvflow:route_decisions", "Routing decisions by policy.", ["policy"],
+                                       registry=r)
+        self.index_lag = Histogram("kvflow:index_lag_seconds", "Worker event send -> applied to the index.",
+                                   buckets=LAG_BUCKETS, registry=r)
+        self.index_unavailable = Counter("kvflow:index_unavailable",
+                                         "Index operations that failed because the backend was unreachable.",
+                                         registry=r)
+        self.route_seconds = Histogram("kvflow:route_seconds", "Hashing + index lookup + scoring per request.",
+                                       buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05,
+                                                0.1, 0.25), registry=r)
+        self.retries = Counter("kvflow:router_retries", "Requests re-sent to another worker.", ["reason"],
+                               registry=r)
+        self._preemptions_seen: dict[str, int] = {}
+
+    def observe_load(self, worker: str, role: str, load: WorkerLoad) -> None:
+        labels = (worker, role)
+        self.kv_usage.labels(*labels).set(load.kv_cache_usage)
+        self.gpu_cache_usage.labels(*labels).set(load.kv_cache_usage)
+        self.worker_running.labels(*labels).set(load.num_running)
+        self.worker_waiting.labels(*labels).set(load.num_waiting)
+        previous = self._preemptions_seen.get(worker, load.num_preemptions)
+        if load.num_preemptions > previous:
+            self.preemptions.inc(load.num_preemptions - previous)
+        self._preemptions_seen[worker] = load.num_preemptions
+
+    def forget_worker(self, worker: str, role: str) -> None:
+        for gauge in (self.kv_usage, self.gpu_cache_usage, self.worker_running, self.worker_waiting):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker, role)
+        self._preemptions_seen.pop(worker, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,60 @@
+"""Tokenization and block hashing off the event loop, in a pool of threads (HF fast tokenizers release the GIL).
+
+Threads, not processes: a process pool would pickle tokenizers and prompts across processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from engine.block_hash import BlockHasher
+from engine.errors import InvalidRequest
+from engine.tokenizer import apply_chat_template, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_path_for(model: str, override: str | None) -> str | None:
+    """The tokenizer directory for the workers' `model` (None: token ids only)."""
+    if override:
+        return override
+    from engine.models.loader import resolve_model
+
+    try:
+        return resolve_model(model).tokenizer_path
+    except Exception as exc:  # the router may not have the model's files: text prompts are then refused
+        logger.warning("no tokenizer for model %r on the router (%s): only token-id prompts are accepted", model, exc)
+        return None
+
+
+class TokenizerPool:
+    def __init__(self, tokenizer_path: str | None, hasher: BlockHasher, size: int = 2) -> None:
+        if size < 1:
+            raise ValueError(f"--tokenizer-pool-size must be >= 1, got {size}")
+        self.tokenizer: Any = load_tokenizer(tokenizer_path)
+        self.hasher = hasher
+        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tokenize")
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer on the router; send the prompt as token ids")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    chat_template: str | None) -> tuple[str, list[int]]:
+        text = apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template)
+        return text, self.encode(text, add_special_tokens=False)  # the template already has them
+
+    def decode_token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

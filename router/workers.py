@@ -1,0 +1,238 @@
+"""The router's view of its workers: addresses from discovery, `Info`, load, and a KV-event subscription each.
+
+Each worker gets one daemon thread that asks `Info`, then follows `StreamKVEvents` and applies batches to the
+prefix index in order; a broken stream or a sequence gap forgets the worker's index entries and resubscribes
+(the first batch of every subscription is a snapshot). Request traffic uses separate grpc.aio channels owned by
+the event loop (`router.core`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.routing.events import (
+    AllBlocksCleared,
+    BatchOrder,
+    BatchVerdict,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    IndexEvent,
+    WorkerLoad,
+)
+from engine.routing.index import IndexUnavailable, PrefixIndex
+from engine.routing.policy import WorkerView
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+LOAD_STALE_S = 2.0  # no batch for this long: the worker is considered down
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What every worker of the cluster must agree on (block hashes depend on it)."""
+
+    model: str
+    model_id: str
+    block_size: int
+    max_model_len: int
+
+
+@dataclass
+class Worker:
+    address: str
+    role: str
+    worker_id: str = ""
+    info: pb.InfoResponse | None = None
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    last_batch: float = 0.0  # monotonic time of the last batch (heartbeats included)
+    pending_prefill_tokens: int = 0
+    pending_requests: int = 0
+    failures: int = 0
+    stopped: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def healthy(self) -> bool:
+        return self.info is not None and time.monotonic() - self.last_batch <= LOAD_STALE_S
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.worker_id or self.address, self.address, self.load, self.pending_prefill_tokens,
+                          self.pending_requests)
+
+
+def batch_from_proto(msg: pb.KVEventBatch) -> EventBatch:
+    events: list[IndexEvent] = []
+    for event in msg.events:
+        kind = event.WhichOneof("event")
+        if kind == "stored":
+            events.append(BlocksStored(tuple(event.stored.block_hashes)))
+        elif kind == "removed":
+            events.append(BlocksRemoved(tuple(event.removed.block_hashes)))
+        elif kind == "cleared":
+            events.append(AllBlocksCleared())
+    load = None
+    if msg.HasField("load"):
+        lo = msg.load
+        load = WorkerLoad(lo.num_running, lo.num_waiting, lo.queued_prefill_tokens, lo.kv_cache_usage,
+                          lo.num_kv_blocks, lo.num_preemptions)
+    return EventBatch(msg.worker_id, msg.epoch, msg.sequence, tuple(events), load, msg.sent_unix_s)
+
+
+class WorkerPool:
+    """Workers by role; `set_addresses` (from discovery) starts and stops their subscriptions."""
+
+    def __init__(self, index: PrefixIndex, subscriber: str,
+                 on_batch: Callable[[Worker, EventBatch, float], None] | None = None,
+                 on_index_error: Callable[[IndexUnavailable], None] | None = None,
+                 on_info: Callable[[Worker], None] | None = None) -> None:
+        self.index = index
+        self.subscriber = subscriber
+        self._on_batch = on_batch
+        self._on_index_error = on_index_error
+        self._on_info = on_info
+        self._lock = threading.Lock()
+        self._workers: dict[str, Worker] = {}  # address -> worker
+        self._threads: dict[str, threading.Thread] = {}
+        self.model_info: ModelInfo | None = None
+
+    def set_addresses(self, role: str, addresses: list[str]) -> None:
+        wanted = set(addresses)
+        with self._lock:
+            for address, worker in list(self._workers.items()):
+                if worker.role == role and address not in wanted:
+                    worker.stopped.set()
+                    del self._workers[address]
+                    self._threads.pop(address, None)
+                    logger.info("%s worker %s left", role, address)
+            for address in sorted(wanted - set(self._workers)):
+                worker = Worker(address, role)
+                self._workers[address] = worker
+                thread = threading.Thread(target=self._follow, args=(worker,), name=f"kv-events-{address}",
+                                          daemon=True)
+                self._threads[address] = thread
+                thread.start()
+                logger.info("%s worker %s joined", role, address)
+
+    def workers(self, role: str, healthy_only: bool = True) -> list[Worker]:
+        with self._lock:
+            return [w for w in self._workers.values() if w.role == role and (w.healthy or not healthy_only)]
+
+    def all_workers(self) -> list[Worker]:
+        with self._lock:
+            return list(self._workers.values())
+
+    def stop(self) -> None:
+        with self._lock:
+            for worker in self._workers.values():
+                worker.stopped.set()
+
+    # ---- one thread per worker -----------------------------------------------------------------------
+    def _follow(self, worker: Worker) -> None:
+        backoff = 0.1
+        while not worker.stopped.is_set():
+            channel = grpc.insecure_channel(worker.address)
+            try:
+                self._subscribe(worker, channel)
+                backoff = 0.1
+            except grpc.RpcError as exc:
+                if worker.failures == 0 or worker.info is not None:
+                    logger.warning("%s worker %s: %s", worker.role, worker.address,
+                                   exc.details() if hasattr(exc, "details") else exc)
+                worker.failures += 1
+            except _Resubscribe as exc:
+                logger.info("%s worker %s: resubscribing (%s)", worker.role, worker.address, exc)
+            finally:
+                channel.close()
+            self._drop(worker)
+            worker.stopped.wait(backoff)
+            backoff = min(backoff * 2, 2.0)
+        self._drop(worker)
+
+    def _subscribe(self, worker: Worker, channel: grpc.Channel) -> None:
+        stub = kvflow_pb2_grpc.GenerationStub(channel) if worker.role == "decode" else \
+            kvflow_pb2_grpc.PrefillStub(channel)
+        info = stub.Info(pb.InfoRequest(), timeout=5.0)
+        if not self._accept_info(worker, info):
+            raise _Resubscribe("model mismatch")
+        order = BatchOrder()
+        stream = stub.StreamKVEvents(pb.KVEventsRequest(subscriber=self.subscriber))
+        try:
+            for msg in _events_or_info_polls(stream, stub, worker):
+                if worker.stopped.is_set():
+                    return
+                batch = batch_from_proto(msg)
+                verdict = order.check(batch)
+                if verdict is BatchVerdict.GAP:
+                    raise _Resubscribe(f"sequence gap at epoch {batch.epoch} seq {batch.sequence}")
+                if verdict is BatchVerdict.STALE:
+                    continue
+                worker.worker_id = batch.worker_id or worker.worker_id
+                worker.last_batch = time.monotonic()
+                if batch.load is not None:
+                    worker.load = batch.load
+                try:
+                    in_sync = self.index.apply(batch)
+                except IndexUnavailable as exc:
+                    if self._on_index_error is not None:
+                        self._on_index_error(exc)
+                    continue  # keep serving load; the index is resynced once the backend is back
+                if not in_sync:
+                    raise _Resubscribe("index lost this worker's state")
+                if self._on_batch is not None:
+                    self._on_batch(worker, batch, time.time() - batch.sent_unix_s if batch.sent_unix_s else 0.0)
+        finally:
+            stream.cancel()
+
+    def _accept_info(self, worker: Worker, info: pb.InfoResponse) -> bool:
+        seen = ModelInfo(info.model, info.model_id, info.block_size, info.max_model_len)
+        with self._lock:
+            if self.model_info is None:
+                self.model_info = seen
+            elif (seen.model_id, seen.block_size) != (self.model_info.model_id, self.model_info.block_size):
+                logger.error("%s worker %s serves model_id=%s block_size=%d but the cluster has %s/%d: ignored",
+                             worker.role, worker.address, seen.model_id, seen.block_size,
+                             self.model_info.model_id, self.model_info.block_size)
+                return False
+        worker.info = info
+        worker.worker_id = info.worker_id or worker.address
+        worker.failures = 0
+        if self._on_info is not None:
+            self._on_info(worker)
+        return True
+
+    def _drop(self, worker: Worker) -> None:
+        worker.last_batch = 0.0
+        if worker.worker_id:
+            try:
+                self.index.forget_worker(worker.worker_id)
+            except IndexUnavailable as exc:
+                if self._on_index_error is not None:
+                    self._on_index_error(exc)
+
+
+def _events_or_info_polls(stream: grpc.Future, stub: object, worker: Worker) -> object:
+    """The event stream; a worker without one (UNIMPLEMENTED) is kept alive by polling `Info` instead."""
+    try:
+        yield from stream  # type: ignore[misc]
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+            raise
+        logger.warning("%s worker %s has no KV event stream: load-only routing for it", worker.role,
+                       worker.address)
+        while not worker.stopped.is_set():
+            stub.Info(pb.InfoRequest(), timeout=2.0)  # type: ignore[attr-defined]
+            worker.last_batch = time.monotonic()
+            worker.stopped.wait(0.5)
+
+
+class _Resubscribe(Exception):
+    """Leave the current stream and start a fresh subscription (which begins with a snapshot)."""
