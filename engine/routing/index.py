@@ -119,9 +119,12 @@ class MemoryIndex:
                 self._free_bits.append(entry.bit)
 
     def num_blocks(self, worker_id: str) -> int:
+        return len(self.blocks_of(worker_id))
+
+    def blocks_of(self, worker_id: str) -> frozenset[bytes]:
         with self._lock:
             entry = self._workers.get(worker_id)
-            return len(entry.blocks) if entry is not None else 0
+            return frozenset(entry.blocks) if entry is not None else frozenset()
 
     def close(self) -> None:
         pass

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir)
     cluster = WorkerCluster(spec)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM during startup: clean up like Ctrl-C
+    # SIGTERM acts like Ctrl-C: uvicorn shuts down gracefully and re-raises it, we then stop the workers.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         cluster.start()
         logger.info("worker logs in %s", cluster.log_dir)
@@ -60,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
                               tokenizer_pool_size=args.tokenizer_pool_size,
                               disable_log_requests=args.disable_log_requests,
                               disable_log_stats=args.disable_log_stats)
-        signal.signal(signal.SIGTERM, previous)  # uvicorn handles SIGINT/SIGTERM from here on
         asyncio.run(_serve(config, cluster))
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,312 @@
+"""Python SDK for kvflow's gRPC `Generation` API (the router's `--grpc-port`, or a decode worker directly).
+
+    from kvflow.client import Client
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate("The capital of France is", max_tokens=8, temperature=0)
+        print(result.text)
+        for chunk in client.generate_stream([1, 2, 3], max_tokens=8):
+            print(chunk.text, end="")
+
+Errors are typed (`InvalidArgumentError`, `UnavailableError`, ... all `KvflowError`); calls have a deadline
+(`timeout`), and a request that fails with UNAVAILABLE before any output is retried with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs")
+
+
+class KvflowError(Exception):
+    """Base of every SDK error; `code` is the gRPC status code name."""
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgumentError(KvflowError):
+    code = "INVALID_ARGUMENT"
+
+
+class UnauthenticatedError(KvflowError):
+    code = "UNAUTHENTICATED"
+
+
+class NotFoundError(KvflowError):
+    code = "NOT_FOUND"
+
+
+class ResourceExhaustedError(KvflowError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class UnavailableError(KvflowError):
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceededError(KvflowError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class InternalError(KvflowError):
+    code = "INTERNAL"
+
+
+_ERRORS: dict[str, type[KvflowError]] = {cls.code: cls for cls in (
+    InvalidArgumentError, UnauthenticatedError, NotFoundError, ResourceExhaustedError, UnavailableError,
+    DeadlineExceededError, InternalError)}
+_ERRORS["OUT_OF_RANGE"] = InvalidArgumentError
+_ERRORS["FAILED_PRECONDITION"] = InvalidArgumentError
+
+
+def _error(code: str, message: str) -> KvflowError:
+    return _ERRORS.get(code, KvflowError)(f"{code}: {message}")
+
+
+def _from_rpc(exc: grpc.RpcError) -> KvflowError:
+    code = exc.code().name if hasattr(exc, "code") and exc.code() else "UNKNOWN"  # type: ignore[attr-defined]
+    return _error(code, exc.details() if hasattr(exc, "details") else str(exc))  # type: ignore[attr-defined]
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefill_path: str  # "disaggregated" | "local" | "unspecified"
+    ttft_s: float
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text if self.choices else ""
+
+
+@dataclass
+class Chunk:
+    index: int
+    text: str
+    token_ids: list[int]
+
+
+def build_request(prompt: str | Sequence[int], request_id: str | None, sampling: dict[str, Any],
+                  stream: bool, cache_salt: str | None = None) -> pb.GenerateRequest:
+    params = pb.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name in _OPTIONAL or name in ("n", "min_tokens", "ignore_eos", "include_stop_str_in_output"):
+            setattr(params, name, value)
+        elif name == "stop":
+            params.stop.extend([value] if isinstance(value, str) else value)
+        elif name == "stop_token_ids":
+            params.stop_token_ids.extend(value)
+        elif name == "skip_special_tokens":
+            params.skip_special_tokens_false = not value
+        else:
+            raise InvalidArgumentError(f"INVALID_ARGUMENT: unknown sampling parameter {name!r}")
+    request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=params, stream=stream,
+                                 cache_salt=[cache_salt] if cache_salt else [])
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(int(t) for t in prompt)
+    return request
+
+
+def result_from(request_id: str, complete: pb.GenerateComplete) -> GenerateResult:
+    choices = [Choice(c.index, c.text, list(c.token_ids), _FINISH.get(c.finish_reason), list(c.logprobs))
+               for c in complete.choices]
+    path = pb.PrefillPath.Name(complete.prefill_path).removeprefix("PREFILL_PATH_").lower()
+    return GenerateResult(request_id, choices, complete.usage.prompt_tokens, complete.usage.completion_tokens,
+                          complete.usage.cached_tokens, path, complete.timings.ttft_s)
+
+
+class _Base:
+    def __init__(self, target: str, timeout: float = 60.0, max_retries: int = 3, retry_backoff_s: float = 0.2,
+                 api_key: str | None = None) -> None:
+        if timeout <= 0 or max_retries < 0:
+            raise ValueError("timeout must be > 0 and max_retries >= 0")
+        self.target = target
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    def _backoff(self, attempt: int) -> float:
+        return self.retry_backoff_s * (2 ** attempt)
+
+
+class Client(_Base):
+    """Blocking client."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        self._channel = grpc.insecure_channel(target)
+        self._stub = kvflow_pb2_grpc.GenerationStub(self._channel)
+
+    def generate(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+                 timeout: float | None = None, cache_salt: str | None = None, **sampling: Any) -> GenerateResult:
+        request = build_request(prompt, request_id, sampling, stream=False, cache_salt=cache_salt)
+        for response in self._responses(request, timeout):
+            if response.WhichOneof("response") == "complete":
+                return result_from(request.request_id, response.complete)
+        raise InternalError("INTERNAL: the stream ended without a result")
+
+    def generate_stream(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+                        timeout: float | None = None, cache_salt: str | None = None,
+                        **sampling: Any) -> Iterator[Chunk | GenerateResult]:
+        """Chunks as they come, then the final `GenerateResult`."""
+        request = build_request(prompt, request_id, sampling, stream=True, cache_salt=cache_salt)
+        for response in self._responses(request, timeout):
+            kind = response.WhichOneof("response")
+            if kind == "chunk":
+                yield Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
+            elif kind == "complete":
+                yield result_from(request.request_id, response.complete)
+
+    def _responses(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.GenerateResponse]:
+        for attempt in range(self.max_retries + 1):
+            received = False
+            try:
+                for response in self._stub.Generate(request, timeout=timeout or self.timeout,
+                                                    metadata=self.metadata):
+                    if response.WhichOneof("response") == "error":
+                        raise _error(response.error.code, response.error.message)
+                    received = True
+                    yield response
+                return
+            except grpc.RpcError as exc:
+                error = _from_rpc(exc)
+                if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
+                    time.sleep(self._backoff(attempt))
+                    continue
+                raise error from None
+
+    def abort(self, request_id: str) -> bool:
+        try:
+            return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout,
+                                    metadata=self.metadata).found
+        except grpc.RpcError as exc:
+            raise _from_rpc(exc) from None
+
+    def info(self) -> pb.InfoResponse:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                error = _from_rpc(exc)
+                if not isinstance(error, UnavailableError) or attempt == self.max_retries:
+                    raise error from None
+                time.sleep(self._backoff(attempt))
+        raise UnavailableError("UNAVAILABLE: no answer")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client (grpc.aio); create it inside the running event loop."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = kvflow_pb2_grpc.GenerationStub(self._channel)
+
+    async def generate(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+                       timeout: float | None = None, cache_salt: str | None = None,
+                       **sampling: Any) -> GenerateResult:
+        request = build_request(prompt, request_id, sampling, stream=False, cache_salt=cache_salt)
+        async for response in self._responses(request, timeout):
+            if response.WhichOneof("response") == "complete":
+                return result_from(request.request_id, response.complete)
+        raise InternalError("INTERNAL: the stream ended without a result")
+
+    async def generate_stream(self, prompt: str | Sequence[int], *, request_id: str | None = None,
+                              timeout: float | None = None, cache_salt: str | None = None,
+                              **sampling: Any) -> AsyncIterator[Chunk | GenerateResult]:
+        request = build_request(prompt, request_id, sampling, stream=True, cache_salt=cache_salt)
+        async for response in self._responses(request, timeout):
+            kind = response.WhichOneof("response")
+            if kind == "chunk":
+                yield Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
+            elif kind == "complete":
+                yield result_from(request.request_id, response.complete)
+
+    async def _responses(self, request: pb.GenerateRequest,
+                         timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        for attempt in range(self.max_retries + 1):
+            received = False
+            try:
+                async for response in self._stub.Generate(request, timeout=timeout or self.timeout,
+                                                          metadata=self.metadata):
+                    if response.WhichOneof("response") == "error":
+                        raise _error(response.error.code, response.error.message)
+                    received = True
+                    yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                error = _from_rpc(exc)
+                if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
+                    await asyncio.sleep(self._backoff(attempt))
+                    continue
+                raise error from None
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout,
+                                           metadata=self.metadata)).found
+        except grpc.aio.AioRpcError as exc:
+            raise _from_rpc(exc) from None
+
+    async def info(self) -> pb.InfoResponse:
+        try:
+            return await self._stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise _from_rpc(exc) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncClient", "Chunk", "Choice", "Client", "DeadlineExceededError", "GenerateResult", "InternalError",
+           "InvalidArgumentError", "KvflowError", "NotFoundError", "ResourceExhaustedError",
+           "UnauthenticatedError", "UnavailableError"]
