@@ -90,6 +90,7 @@ class ClusterSpec:
     disagg_min_prompt_tokens: int | None = None
     log_dir: Path | None = None
     worker_extra_args: tuple[str, ...] = ()
+    decode_extra_args: tuple[str, ...] = ()  # e.g. a smaller KV pool on decode workers
 
 
 class WorkerCluster:
@@ -114,8 +115,10 @@ class WorkerCluster:
             port = free_port(self.spec.host)
             argv = [sys.executable, "-m", "kvflow.cli", role, "--port", str(port), *common,
                     "--worker-id", f"{role}-{i}-{port}", *self.spec.worker_extra_args]
-            if role == "decode" and self.spec.disagg_min_prompt_tokens is not None:
-                argv += ["--disagg-min-prompt-tokens", str(self.spec.disagg_min_prompt_tokens)]
+            if role == "decode":
+                argv += list(self.spec.decode_extra_args)
+                if self.spec.disagg_min_prompt_tokens is not None:
+                    argv += ["--disagg-min-prompt-tokens", str(self.spec.disagg_min_prompt_tokens)]
             log_path = self.log_dir / f"{role}-{i}.log"
             with open(log_path, "wb") as log:
                 process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -1,0 +1,77 @@
+"""`kvflow bench routing`: shared-prefix traffic through a router under each policy, same workers.
+
+One cluster (N prefill workers, decode workers without a prefix cache so prompt KV always comes from the
+chosen prefill worker), one `kvflow router` subprocess per policy, fresh prefixes per policy (caches of earlier
+runs cannot help). Ends with one JSON line: {policy: {ttft_p50_s, ttft_p99_s, prefix_hit_rate, ...}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from engine.config import EngineArgs
+from engine.routing.policy import POLICY_NAMES
+from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
+from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def run_routing_bench(engine_args: EngineArgs, prefill_workers: int, decode_workers: int, num_prefixes: int,
+                      prefix_len: int, input_len: int, output_len: int, repeats: int, max_concurrency: int,
+                      policies: tuple[str, ...] = POLICY_NAMES) -> dict[str, Any]:
+    spec = ClusterSpec(engine_args, prefill_workers, decode_workers,
+                       decode_extra_args=("--no-enable-prefix-caching",))
+    results: dict[str, Any] = {}
+    with WorkerCluster(spec) as cluster:
+        cluster.wait_ready()
+        for n, policy in enumerate(policies):
+            port = free_port()
+            router = subprocess.Popen(
+                [sys.executable, "-m", "kvflow.cli", "router", "--prefill", ",".join(cluster.addresses("prefill")),
+                 "--decode", ",".join(cluster.addresses("decode")), "--routing", policy, "--port", str(port),
+                 "--grpc-port", "0", "--disable-log-requests", "--disable-log-stats"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            base = f"http://127.0.0.1:{port}"
+            try:
+                deadline = time.monotonic() + 120
+                while True:
+                    try:
+                        if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline or router.poll() is not None:
+                        raise RuntimeError(f"router for policy {policy} did not become healthy")
+                    time.sleep(0.3)
+                prompts = make_prompts("shared-prefix", num_prefixes * repeats, input_len, prefix_len,
+                                       num_prefixes, seed=1000 + n, vocab=400 if engine_args.model.startswith(
+                                           "tiny") else 30000)
+                outcome, duration = asyncio.run(run_benchmark(base, None, prompts, output_len, float("inf"),
+                                                              max_concurrency, None))
+                summary = summarize(outcome, duration)
+                metrics = httpx.get(f"{base}/metrics").text
+                queries = _metric(metrics, "vllm:prefix_cache_queries_total")
+                hits = _metric(metrics, "vllm:prefix_cache_hits_total")
+                results[policy] = {
+                    "ttft_p50_s": summary["median_ttft_ms"] / 1e3, "ttft_p99_s": summary["p99_ttft_ms"] / 1e3,
+                    "ttft_mean_s": summary["mean_ttft_ms"] / 1e3, "e2el_p50_s": summary["median_e2el_ms"] / 1e3,
+                    "prefix_hit_rate": hits / queries if queries else 0.0,
+                    "matched_blocks": _metric(metrics, "kvflow:route_prefix_matched_blocks_total"),
+                    "completed": summary["completed"], "failed": summary["failed"],
+                    "request_throughput": summary["request_throughput"]}
+            finally:
+                router.terminate()
+                router.wait(30)
+    return results
