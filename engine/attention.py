@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode_attention import load_extension
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -46,6 +48,7 @@ class _Group:
     valid: torch.Tensor | None  # [B, Lq] bool; None when no query is padding
     flat_rows: torch.Tensor  # [n_valid] rows in the same order as rows[valid]
     block_tables: torch.Tensor  # [B, max_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64
     mask: torch.Tensor  # [B, 1, Lq, L] bool, True where the query may attend
 
 
@@ -69,6 +72,8 @@ class TorchPagedAttention:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        # Decode rows on CPU in fp32 go through a compiled kernel that reads each block once (None: torch only).
+        self.cpu_decode_kernel = load_extension()
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
         starts = [0]
@@ -106,6 +111,7 @@ class TorchPagedAttention:
             valid=None if all_valid else valid.to(device),
             flat_rows=rows[valid].to(device),
             block_tables=tables,
+            seq_lens=seq_lens.to(device),
             mask=mask[:, None, :, :].to(device),
         )
 
@@ -116,10 +122,19 @@ class TorchPagedAttention:
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        for group in (meta.decode, meta.prefill):
+        decode = meta.decode
+        if decode is not None and self._kernel_fits(key_cache):
+            out[decode.flat_rows] = self.cpu_decode_kernel.paged_decode_attention(  # type: ignore[union-attr]
+                q[decode.flat_rows], key_cache, value_cache, decode.block_tables, decode.seq_lens, scale)
+            decode = None
+        for group in (decode, meta.prefill):
             if group is not None:
                 self._attend(q, key_cache, value_cache, group, scale, out)
         return out
+
+    def _kernel_fits(self, key_cache: torch.Tensor) -> bool:
+        return (self.cpu_decode_kernel is not None and key_cache.device.type == "cpu"
+                and key_cache.dtype == torch.float32)
 
     @staticmethod
     def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: _Group,

@@ -1,7 +1,7 @@
 """Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Everything runs as whole-batch tensor ops on the logits' device; the only per-row loop draws noise for rows with
-their own seed, so a seeded request samples the same tokens whatever batch it lands in.
+Everything runs as whole-batch tensor ops on the logits' device; the only per-row loop draws the uniform number of
+rows with their own seed, so a seeded request samples the same tokens whatever batch it lands in.
 """
 
 from __future__ import annotations
@@ -68,28 +68,34 @@ class Sampler:
         """logits [B, V] float32 -> next token ids [B] (on the logits' device)."""
         if any(r.params.needs_penalties for r in rows):
             logits = apply_penalties(logits, rows)
-        greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
+        # Decisions come from host-side params, never from device tensors: no GPU sync here.
+        is_greedy = [r.params.is_greedy for r in rows]
         greedy_tokens = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(is_greedy):
             return greedy_tokens
+        greedy = torch.tensor(is_greedy, device=logits.device)
         device = logits.device
         temperature = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=device)
         logits = logits / temperature[:, None]
         vocab = logits.shape[-1]
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-        if bool((top_k < vocab).any() or (top_p < 1.0).any()):
-            logits = _top_k_top_p(logits, top_k, top_p)
+        top_ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_ps = [r.params.top_p for r in rows]
+        if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = _top_k_top_p(logits, torch.tensor(top_ks, device=device), torch.tensor(top_ps, device=device))
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
+        min_ps = [r.params.min_p for r in rows]
+        if any(p > 0 for p in min_ps):
+            min_p = torch.tensor(min_ps, device=device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, one noise row per request.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        # Inverse-CDF sampling: one uniform draw per row (V exponentials per row cost ~4x more on CPU). Seeded
+        # rows draw from their own generator, so their tokens do not depend on the rest of the batch.
+        cdf = probs.cumsum(dim=-1)
+        uniform = torch.rand(len(rows), generator=self.generator, device=device)
         for i, row in enumerate(rows):
             if row.generator is not None and not row.params.is_greedy:
-                noise[i].exponential_(generator=row.generator)
-        random_tokens = (probs / noise).argmax(dim=-1)
+                uniform[i] = torch.rand((), generator=row.generator, device=device)
+        targets = (uniform * cdf[:, -1])[:, None]
+        random_tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=vocab - 1)
         return torch.where(greedy, greedy_tokens, random_tokens)
 
 

@@ -1,0 +1,57 @@
+"""CPU decode attention over the paged KV cache, compiled once from kernels/cpu/paged_decode_attention.cpp.
+
+The torch path gathers every sequence's blocks into a padded copy and reads it again; this kernel reads each
+block once. It is built on first use (or by `python -m kernels.cpu_decode_attention`) into the kvflow cache dir;
+if no compiler is available the engine keeps the torch path. Reference: `paged_decode_attention_ref` in
+kernels/paged_decode_attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.cpp"
+DISABLE_ENV = "KVFLOW_DISABLE_CPU_KERNELS"
+
+
+def _build_dir() -> Path:
+    base = Path(os.environ.get("KVFLOW_CACHE", Path.home() / ".cache" / "kvflow"))
+    path = base / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def load_extension() -> Any | None:
+    """The compiled module, or None (logged once) when it cannot be built here."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="kvflow_cpu_paged_attention", sources=[str(SOURCE)], build_directory=str(_build_dir()),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as exc:  # no compiler / headers: the torch path still works, only slower
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
+        return None
+
+
+def paged_decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    extension = load_extension()
+    if extension is None:
+        raise RuntimeError("the CPU paged-attention kernel is not built")
+    return extension.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print("built" if load_extension() is not None else "not built")
