@@ -2,29 +2,64 @@
 
 It keeps per-request sampling state (sent once as `NewRequestData`) and gets only token ids, positions and
 block tables each step.
+
+On CUDA the model is built in place on the GPU in its dtype, uses the Triton kernels (attention backend and fused
+layer ops), replays decode-only steps from CUDA graphs, and sizes the KV cache from a memory profile. The CPU path
+keeps plain torch ops (the numerics tested token-exact against transformers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionBatch, KVCache, TorchPagedAttention
+from engine.attention import AttentionBackend, AttentionBatch, KVCache, TorchPagedAttention
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
 from engine.outputs import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
+from kernels._triton import HAS_TRITON
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 4 << 30  # vLLM's CPU backend default KV space
+
+
+def select_attention_backend(device: torch.device, block_size: int) -> AttentionBackend:
+    """Triton kernels on CUDA (when Triton is installed), the torch backend everywhere else."""
+    if device.type == "cuda":
+        if HAS_TRITON:
+            from engine.attention_triton import TritonPagedAttention
+
+            return TritonPagedAttention(block_size)
+        logger.warning("Triton is not installed: CUDA runs the torch attention backend and no CUDA graphs")
+    return TorchPagedAttention(block_size)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside are allocated directly in `dtype` (no fp32 copy of a large model)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _pinned_to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host -> device without a stream sync: the host keeps queueing work while the copy runs."""
+    return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -42,24 +77,36 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         arch = config.model.arch
-        self.attn_backend = TorchPagedAttention(self.block_size)
+        self.on_cuda = self.device.type == "cuda"
+        self.attn_backend = select_attention_backend(self.device, self.block_size)
+        fused = self.on_cuda and HAS_TRITON
         started = time.perf_counter()
         torch.manual_seed(config.model.seed)
-        with torch.device(self.device):
-            model = CausalLM(arch, config.model.hf_config, self.attn_backend, config.model.max_model_len)
+        # On CUDA every tensor is created on the GPU in the model dtype (an 8B model never touches the CPU).
+        build_dtype = self.dtype if self.on_cuda else torch.get_default_dtype()
+        with torch.device(self.device), default_dtype(build_dtype):
+            model = CausalLM(arch, config.model.hf_config, self.attn_backend, config.model.max_model_len,
+                             fused_ops=fused)
         if config.model.load_format == "dummy":
             model.init_dummy_weights(config.model.seed)
         else:
             assert config.model.model_path is not None
             model.load_hf_state_dict(hf_state_dict(config.model.model_path))
-        self.model = model.to(self.dtype).eval()
-        self.model.rotary.to(torch.float32)  # cos/sin cache stays fp32, cast per use
+        if self.on_cuda:
+            self.model = model.eval()  # already in dtype; the rotary tables stay fp32 as built
+            torch.cuda.synchronize(self.device)  # the load time logged below includes the device work
+        else:
+            self.model = model.to(self.dtype).eval()
+            self.model.rotary.to(torch.float32)  # cos/sin cache stays fp32, cast per use
         logger.info("loaded %s (%.1fM params, %s) in %.1fs", config.model.model, arch.num_params / 1e6,
                     config.model.dtype, time.perf_counter() - started)
         self.sampler = Sampler(config.model.seed, self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[KVCache] = []
         self.swap_caches: list[KVCache] = []
+        self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs, config.device.cudagraph_capture_sizes,
+                                         config.device.enforce_eager) if fused else []
+        self.graphs: DecodeGraphs | None = None
 
     # ---- KV cache ----------------------------------------------------------------------------------------
     @property
@@ -79,55 +126,98 @@ class ModelRunner:
         num_blocks = int(budget // self.block_bytes)
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks of {self.block_bytes}")
+        if self.on_cuda:
+            max_len = self.config.model.max_model_len
+            logger.info("GPU KV cache: %d blocks (%.2f GiB, %d tokens); max concurrency %.2fx at %d tokens per "
+                        "request", num_blocks, num_blocks * self.block_bytes / 2**30, num_blocks * self.block_size,
+                        (num_blocks - 1) * self.block_size / max_len, max_len)
         return num_blocks
 
     def _profile_free_gpu_memory(self) -> int:
-        """Bytes left for KV after weights and the peak activation of a max_num_batched_tokens forward pass."""
-        cache = self.config.cache
+        """Bytes left for KV: total * gpu_memory_utilization minus what is in use after loading (weights, CUDA
+        context, other processes), the peak activations of the largest step (a max_num_batched_tokens prefill,
+        then logits and the sampler's sort for max_num_seqs rows) and the decode graphs' memory pool."""
+        cache, sched = self.config.cache, self.config.scheduler
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
-        tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        blocks = tokens // self.block_size + 2
-        self.initialize_kv_cache(blocks, 0)
+        tokens = sched.max_num_batched_tokens
+        per_seq = min(tokens, self.config.model.max_model_len)
+        lens = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
+        graph_batch = max(self.graph_sizes, default=0)
+        num_blocks = 1 + max(len(lens) * -(-per_seq // self.block_size), graph_batch)
+        self._allocate_kv(num_blocks)
         torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        from engine.outputs import ScheduledChunk
-
-        profile = SchedulerOutput(
-            new_requests=[], chunks=[ScheduledChunk("__profile__", [0] * tokens, 0, list(range(1, blocks)),
-                                                    True, False)],
-            total_num_scheduled_tokens=tokens,
-        )
-        self.requests["__profile__"] = RunnerRequestState(SamplingParams(), [0] * tokens)
-        self.execute_model(profile)
-        self.requests.pop("__profile__")
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        with torch.inference_mode():
+            hidden = self._dummy_forward(lens)
+            num_rows = min(sched.max_num_seqs, tokens)
+            logits = self.model.compute_logits(hidden[torch.arange(num_rows, device=self.device) % len(hidden)])
+            params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1)
+            self.sampler.sample(logits, [SamplingRow(params, [0], [0], None)] * num_rows)
+            del hidden, logits
+            torch.cuda.synchronize()
+            activations = torch.cuda.max_memory_allocated() - base
+            graph_pool = 0
+            if graph_batch:  # the graphs' pool holds about one eager decode forward at the largest size
+                torch.cuda.reset_peak_memory_stats()
+                self._dummy_forward([1] * graph_batch)
+                torch.cuda.synchronize()
+                graph_pool = torch.cuda.max_memory_allocated() - base
         self.kv_caches = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_reserved()
-        budget = total * cache.gpu_memory_utilization - peak - max(used_by_others, 0)
-        logger.info("memory profile: total %.1f GiB, peak torch %.2f GiB, KV budget %.2f GiB",
-                    total / 2**30, peak / 2**30, budget / 2**30)
+        in_use = total - free
+        budget = total * cache.gpu_memory_utilization - in_use - activations - graph_pool
+        logger.info("memory profile: total %.2f GiB x %.2f, in use %.2f GiB (weights %.2f), peak activations "
+                    "%.2f GiB, decode graph pool %.2f GiB -> KV budget %.2f GiB",
+                    total / 2**30, cache.gpu_memory_utilization, in_use / 2**30,
+                    torch.cuda.memory_allocated() / 2**30, activations / 2**30, graph_pool / 2**30,
+                    budget / 2**30)
         return int(max(budget, 0))
 
+    def _dummy_forward(self, seq_lens: list[int]) -> torch.Tensor:
+        """A forward over fresh sequences of these lengths (one prefill each), on blocks 1, 2, ..."""
+        bs = self.block_size
+        tables, slots, positions, next_block = [], [], [], 1
+        for n in seq_lens:
+            used = -(-n // bs)
+            table = list(range(next_block, next_block + used))
+            next_block += used
+            tables.append(table)
+            positions.extend(range(n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+        meta = self.attn_backend.build_metadata(AttentionBatch(list(seq_lens), list(seq_lens), tables, slots),
+                                                self.device)
+        ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
+        return self.model(ids, torch.as_tensor(positions, device=self.device), self.kv_caches, meta)
+
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
+        """Allocate the KV cache (and CPU swap space), then capture the decode graphs, which bake in its address."""
+        self._allocate_kv(num_blocks)
+        arch = self.config.model.arch
+        swap_shape = (num_swap_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        pin = self.on_cuda
+        self.swap_caches = [
+            (torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin),
+             torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(arch.num_layers)
+        ] if num_swap_blocks else []
+        if self.graph_sizes:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.graph_sizes,
+                                           self.config.device.max_seq_len_to_capture, self.block_size, self.device)
+
+    def _allocate_kv(self, num_blocks: int) -> None:
         arch = self.config.model.arch
         shape = (num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = []  # drop the old cache before allocating the new one
         # Zeroed: padding slots are read (then masked), and 0 * garbage could be NaN.
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(arch.num_layers)
         ]
-        swap_shape = (num_swap_blocks, *shape[1:])
-        pin = self.device.type == "cuda"
-        self.swap_caches = [
-            (torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin),
-             torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin))
-            for _ in range(arch.num_layers)
-        ] if num_swap_blocks else []
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:
@@ -164,7 +254,10 @@ class ModelRunner:
         prompt_lp_spans: list[tuple[str, int, int, int]] = []  # (request, first row, num rows, start pos)
         row = 0
         bs = self.block_size
-        for chunk in so.chunks:
+        chunks = so.chunks
+        if self.on_cuda:  # decode rows first: the Triton backend runs them as one decode-kernel group
+            chunks = sorted(chunks, key=lambda c: len(c.token_ids) != 1)
+        for chunk in chunks:
             n = len(chunk.token_ids)
             start = chunk.start_position
             input_ids.extend(chunk.token_ids)
@@ -187,17 +280,25 @@ class ModelRunner:
             row += n
 
         device = self.device
-        meta = self.attn_backend.build_metadata(
-            AttentionBatch(query_lens, seq_lens, block_tables, slots), device)
-        hidden = self.model(
-            torch.as_tensor(input_ids, dtype=torch.int64, device=device),
-            torch.as_tensor(positions, dtype=torch.int64, device=device),
-            self.kv_caches, meta,
-        )
+        batch = AttentionBatch(query_lens, seq_lens, block_tables, slots)
+        if self.on_cuda:
+            hidden = self._forward_cuda(input_ids, positions, batch)
+        else:
+            meta = self.attn_backend.build_metadata(batch, device)
+            hidden = self.model(
+                torch.as_tensor(input_ids, dtype=torch.int64, device=device),
+                torch.as_tensor(positions, dtype=torch.int64, device=device),
+                self.kv_caches, meta,
+            )
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)
         if not sample_rows:
             return ModelRunnerOutput({}, {}, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=device)])
+        if self.on_cuda and len(sample_rows) == len(hidden):  # every row samples (decode): no gather
+            logits = self.model.compute_logits(hidden)
+        elif self.on_cuda:
+            logits = self.model.compute_logits(hidden[_pinned_to(np.asarray(sample_rows, dtype=np.int64), device)])
+        else:
+            logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=device)])
         states = [self.requests[rid] for rid in sample_ids]
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states]
         tokens = self.sampler.sample(logits, rows)
@@ -212,6 +313,16 @@ class ModelRunner:
         for state, token in zip(states, token_list, strict=True):
             state.output_token_ids.append(token)
         return ModelRunnerOutput(dict(zip(sample_ids, token_list, strict=True)), logprobs, prompt_logprobs)
+
+    def _forward_cuda(self, input_ids: list[int], positions: list[int], batch: AttentionBatch) -> torch.Tensor:
+        """Replay a decode graph when every row is a decode within the captured bounds, else run eager."""
+        graphs = self.graphs
+        if (graphs is not None and len(input_ids) == len(batch.query_lens)
+                and graphs.can_run(len(input_ids), max(batch.seq_lens))):
+            return graphs.run(input_ids, positions, batch.slot_mapping, batch.seq_lens, batch.block_tables)
+        ids_positions = _pinned_to(np.array([input_ids, positions], dtype=np.int64), self.device)
+        meta = self.attn_backend.build_metadata(batch, self.device)
+        return self.model(ids_positions[0], ids_positions[1], self.kv_caches, meta)
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          spans: list[tuple[str, int, int, int]]) -> dict[str, list[PositionLogprobs | None]]:

@@ -2,6 +2,10 @@
 
 Weights are fused on load (q|k|v, gate|up) so each layer runs four matmuls. The model works on a flat batch of
 tokens from many sequences; attention reaches the paged KV cache through the backend it was built with.
+
+The layers carry vLLM's residual stream (each norm takes the previous block's output and the running residual).
+With `fused_ops` (the CUDA path) the norms, rotary embedding and SwiGLU run as the Triton kernels in kernels/;
+without it (CPU) they are the plain torch ops, with exactly the arithmetic of `x = x + f(norm(x))`.
 """
 
 from __future__ import annotations
@@ -15,19 +19,34 @@ from torch import nn
 
 from engine.attention import AttentionBackend, KVCache
 from engine.config import ModelArch
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rotary import rotary_embedding
+from kernels.silu_and_mul import silu_and_mul
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); with no residual yet, x starts it. Fused: in place on both."""
+        if residual is None:
+            return self(x), x
+        if self.fused:
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -51,16 +70,24 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin cache."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, fused: bool = False) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fused = fused
+        if fused:  # the kernel's layout (vLLM's): [max_pos, D] = cos of each frequency, then sin
+            half = head_dim // 2
+            self.register_buffer("cos_sin", torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1),
+                                 persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            rotary_embedding(positions, q, k, self.cos_sin)  # in place, fp32 math
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -72,17 +99,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, fused: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, fused) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, fused) if arch.qk_norm else None
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.backend = backend
+        self.fused = fused
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: object) -> torch.Tensor:
@@ -94,52 +122,61 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        # The Triton backend reads v as a strided view of qkv; the torch one wants it contiguous.
+        out = self.backend.forward(q, k, v if self.fused else v.contiguous(), kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, fused: bool = False) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, fused: bool = False) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
+        self.self_attn = Attention(arch, backend, fused)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
+        self.mlp = MLP(arch, fused)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
-                meta: object) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding, kv_cache: KVCache, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous block's output (the embeddings for the first layer); returns (MLP output, residual)."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(positions, h, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, hf_config: Any, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, hf_config: Any, backend: AttentionBackend, max_positions: int,
+                 fused_ops: bool = False) -> None:
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, fused_ops) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_ops)
+        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, fused_ops)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: object) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, self.rotary, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)
+        return self.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

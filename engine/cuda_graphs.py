@@ -1,0 +1,138 @@
+"""CUDA graphs for decode steps: capture the model forward once per batch size, then replay it.
+
+A decode step of a small model is dominated by kernel launch cost (hundreds of launches of a few microseconds
+each); a replayed graph launches them all at once. As in vLLM: batch sizes 1, 2, 4, then every multiple of 8 up
+to max_num_seqs (capped at 512), or `--cudagraph-capture-sizes`; a batch is padded up to the next captured size
+(padding rows write no KV, read no context and are dropped); contexts longer than `--max-seq-len-to-capture` run
+eager, since a graph's block tables and decode split count are fixed for that bound. All graphs share one memory
+pool, captured largest first so the smaller ones reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.attention import KVCache
+from engine.attention_triton import TritonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+ModelForward = Callable[[torch.Tensor, torch.Tensor, list[KVCache], object], torch.Tensor]
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's schedule: 1, 2, 4, 8, 16, ... (steps of 8) up to min(max_num_seqs, 512); the cap itself is kept."""
+    cap = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4) if s <= cap] + list(range(8, cap + 1, 8))
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def capture_sizes(max_num_seqs: int, override: tuple[int, ...] | None, enforce_eager: bool) -> list[int]:
+    """Sorted batch sizes to capture; empty when graphs are off. Override sizes above max_num_seqs never occur."""
+    if enforce_eager:
+        return []
+    if override is None:
+        return default_capture_sizes(max_num_seqs)
+    bad = [s for s in override if s < 1]
+    if bad:
+        raise ValueError(f"cudagraph_capture_sizes must be positive, got {bad}")
+    return sorted({s for s in override if s <= max_num_seqs}) or [min(override)]
+
+
+def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= num_seqs, or None when the batch is larger than every graph."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeGraphs:
+    """Captured decode forwards over static input buffers; `run` copies a step's inputs in and replays.
+
+    Inputs travel in two copies from persistent pinned staging buffers. The buffers are laid out per graph size
+    s so that what a step needs is a prefix: int64 [ids (s) | positions (s) | slots (s)] and int32 [seq_lens (s) |
+    block tables (s x width)], of which only the first n table rows are copied (padding rows have seq_len 0 and
+    never read theirs).
+    """
+
+    def __init__(self, forward: ModelForward, kv_caches: list[KVCache], sizes: list[int], max_seq_len: int,
+                 block_size: int, device: torch.device) -> None:
+        self.sizes = sorted(sizes)
+        self.max_seq_len = max_seq_len
+        self.block_size = block_size
+        self.device = device
+        max_batch = self.sizes[-1]
+        self.width = -(-max_seq_len // block_size)
+        self.longs = torch.zeros(3 * max_batch, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32, device=device)
+        self.host_longs = torch.zeros(3 * max_batch, dtype=torch.int64).pin_memory()
+        self.host_ints = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32).pin_memory()
+        self.host_longs_np, self.host_ints_np = self.host_longs.numpy(), self.host_ints.numpy()
+        self.copied = torch.cuda.Event()  # the last step's copies have read the staging buffers
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        for size in reversed(self.sizes):
+            self._capture(forward, kv_caches, size)
+        torch.cuda.synchronize(device)
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, contexts up to %d) in %.1fs, %.2f GiB",
+                    len(self.sizes), self.sizes, max_seq_len, time.perf_counter() - started,
+                    self.memory_bytes / 2**30)
+
+    def _capture(self, forward: ModelForward, kv_caches: list[KVCache], size: int) -> None:
+        # Padding everywhere while capturing: token 0 at position 0, slot -1 (no KV write), seq_len 0 (no read).
+        self.longs[: 3 * size].zero_()
+        self.longs[2 * size : 3 * size].fill_(-1)
+        self.ints[:size].zero_()
+        meta = TritonAttentionMetadata(
+            slot_mapping=self.longs[2 * size : 3 * size], num_decode_tokens=size,
+            decode_block_tables=self.ints[size : size * (1 + self.width)].view(size, self.width),
+            decode_seq_lens=self.ints[:size], decode_max_seq_len=self.max_seq_len,
+            prefill_block_tables=None, prefill_cu_seqlens_q=None, prefill_seq_lens=None, prefill_max_q_len=0,
+        )
+        args = (self.longs[:size], self.longs[size : 2 * size], kv_caches, meta)
+        forward(*args)  # warm-up outside the graph: Triton compiles, cuBLAS picks its kernels
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = forward(*args)
+        self.graphs[size] = (graph, hidden)
+
+    def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
+        return num_seqs <= self.sizes[-1] and max_seq_len <= self.max_seq_len
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of one decode token per sequence (a view of the graph's output)."""
+        n = len(input_ids)
+        size = padded_size(n, self.sizes)
+        if size is None or max(seq_lens) > self.max_seq_len:
+            raise ValueError(f"batch of {n} at context {max(seq_lens)} exceeds the captured graphs")
+        self.copied.synchronize()
+        longs, ints = self.host_longs_np, self.host_ints_np
+        longs[: 3 * size] = 0
+        longs[:n], longs[size : size + n], longs[2 * size : 2 * size + n] = input_ids, positions, slots
+        longs[2 * size + n : 3 * size] = -1
+        ints[:n] = seq_lens
+        ints[n:size] = 0
+        tables = ints[size : size * (1 + self.width)].reshape(size, self.width)
+        bs = self.block_size
+        for row, (table, seq_len) in enumerate(zip(block_tables, seq_lens, strict=True)):
+            used = -(-seq_len // bs)
+            tables[row, :used] = table[:used]
+        self.longs[: 3 * size].copy_(self.host_longs[: 3 * size], non_blocking=True)
+        num_ints = size + n * self.width
+        self.ints[:num_ints].copy_(self.host_ints[:num_ints], non_blocking=True)
+        self.copied.record()
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]

@@ -1,0 +1,162 @@
+"""CPU checks of the engine's CUDA path: graph capture sizes, backend selection, the Triton backend's metadata,
+and the Triton backend + fused layer ops against the torch path (through Triton's interpreter).
+
+The GPU itself is exercised by bench/gpu_bench.py on a lent machine (CI has no GPU). As in test_kernels.py,
+TRITON_INTERPRET=1 must be set before `import triton`, so the interpreter checks run in a subprocess that
+re-runs this file with it set.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention_triton import TritonPagedAttention, num_leading_decodes
+from engine.config import EngineArgs
+from engine.cuda_graphs import capture_sizes, default_capture_sizes, padded_size
+from engine.model_runner import ModelRunner, select_attention_backend
+from engine.models.llama import CausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")
+plain = pytest.mark.skipif(INTERPRET, reason="runs in the parent process")
+
+
+@plain
+def test_default_capture_sizes_follow_vllm() -> None:
+    assert default_capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
+    assert default_capture_sizes(4096)[-1] == 512 and len(default_capture_sizes(4096)) == 3 + 64
+    assert default_capture_sizes(12) == [1, 2, 4, 8, 12]  # max_num_seqs itself is always covered
+    assert default_capture_sizes(3) == [1, 2, 3]
+    assert default_capture_sizes(1) == [1]
+
+
+@plain
+def test_capture_sizes_override_and_enforce_eager() -> None:
+    assert capture_sizes(256, None, enforce_eager=True) == []
+    assert capture_sizes(256, (4, 1, 2, 4), enforce_eager=True) == []
+    assert capture_sizes(16, (64, 4, 1, 2, 4), enforce_eager=False) == [1, 2, 4]
+    assert capture_sizes(8, (32, 16), enforce_eager=False) == [16]  # the smallest still pads every batch
+    with pytest.raises(ValueError, match="positive"):
+        capture_sizes(8, (0, 4), enforce_eager=False)
+
+
+@plain
+def test_padded_size_picks_next_captured_size() -> None:
+    sizes = [1, 2, 4, 8, 16]
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
+    assert padded_size(17, sizes) is None
+
+
+@plain
+def test_backend_selection_by_device() -> None:
+    assert isinstance(select_attention_backend(torch.device("cpu"), 16), TorchPagedAttention)
+    assert isinstance(select_attention_backend(torch.device("cuda"), 16), TritonPagedAttention)  # no CUDA call
+
+
+@plain
+def test_cpu_runner_keeps_the_torch_path() -> None:
+    config = EngineArgs(model="tiny", load_format="dummy", device="cpu", kv_cache_memory_bytes=1 << 20,
+                        max_model_len=256).create_engine_config()
+    runner = ModelRunner(config)
+    assert isinstance(runner.attn_backend, TorchPagedAttention)
+    assert runner.graph_sizes == [] and runner.graphs is None
+    assert not any(getattr(m, "fused", False) for m in runner.model.modules())
+    assert runner.model.embed_tokens.weight.dtype == torch.float32
+
+
+def _mixed_batch() -> AttentionBatch:
+    # Block size 4. Two decodes (contexts 5 and 11), an extend of 3 tokens on a 4-token prefix, then a fresh
+    # 6-token prefill whose table lists one block more than its context needs.
+    return AttentionBatch(query_lens=[1, 1, 3, 6], seq_lens=[5, 11, 7, 6],
+                          block_tables=[[3, 9], [4, 5, 6], [7, 8], [10, 11, 12]],
+                          slot_mapping=[36, 26, 32, 33, 34, 40, 41, 42, 43, 44, 45])
+
+
+@plain
+def test_triton_metadata_splits_decode_run_and_prefill() -> None:
+    meta = TritonPagedAttention(block_size=4).build_metadata(_mixed_batch(), torch.device("cpu"))
+    assert meta.num_decode_tokens == 2 and meta.decode_max_seq_len == 11 and meta.prefill_max_q_len == 6
+    assert meta.decode_seq_lens is not None and meta.decode_seq_lens.tolist() == [5, 11]
+    assert meta.decode_block_tables is not None and meta.prefill_block_tables is not None
+    # Tables hold only the blocks of each context (a table may list more), zero-padded to the widest.
+    assert meta.decode_block_tables.tolist() == [[3, 9, 0], [4, 5, 6]]
+    assert meta.prefill_block_tables.tolist() == [[7, 8, 0], [10, 11, 0]]
+    assert meta.prefill_cu_seqlens_q is not None and meta.prefill_cu_seqlens_q.tolist() == [0, 3, 9]
+    assert meta.prefill_seq_lens is not None and meta.prefill_seq_lens.tolist() == [7, 6]
+    assert meta.decode_block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+    assert num_leading_decodes([3, 1, 1]) == 0 and num_leading_decodes([1, 1]) == 2
+
+
+@plain
+def test_triton_and_fused_ops_match_torch_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@interp
+def test_triton_backend_matches_torch_backend() -> None:
+    """Random caches and q/k/v: same outputs and the same cache writes, for a decode+extend+prefill batch."""
+    g = torch.Generator().manual_seed(0)
+    batch = _mixed_batch()
+    num_tokens, heads, kv_heads, dim = len(batch.slot_mapping), 4, 2, 16
+    caches = tuple(torch.randn(13, 4, kv_heads, dim, generator=g) for _ in range(2))
+    q = torch.randn(num_tokens, heads, dim, generator=g)
+    k, v = (torch.randn(num_tokens, kv_heads, dim, generator=g) for _ in range(2))
+    torch_caches = tuple(c.clone() for c in caches)
+    triton_caches = tuple(c.clone() for c in caches)
+    cpu = torch.device("cpu")
+    ref = TorchPagedAttention(4)
+    out_ref = ref.forward(q, k, v, torch_caches, ref.build_metadata(batch, cpu), 0.25)
+    tri = TritonPagedAttention(4)
+    out = tri.forward(q, k, v, triton_caches, tri.build_metadata(batch, cpu), 0.25)
+    assert _rel(out, out_ref) < 1e-5
+    for mine, theirs in zip(triton_caches, torch_caches, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@interp
+def test_fused_model_matches_torch_model() -> None:
+    """The CUDA path's model (Triton backend, fused norm/rotary/SwiGLU) against the CPU path, fp32: a prefill
+    step, then a step mixing two decodes with an extend."""
+    for preset in ("tiny-llama", "tiny-qwen3"):  # qwen3: q/k norms on [T, H, D] views
+        config = EngineArgs(model=preset, load_format="dummy").create_engine_config()
+        arch, hf = config.model.arch, config.model.hf_config
+        torch.manual_seed(0)
+        ref_model = CausalLM(arch, hf, TorchPagedAttention(4), 64)
+        ref_model.init_dummy_weights(0)
+        fused_model = CausalLM(arch, hf, TritonPagedAttention(4), 64, fused_ops=True)
+        fused_model.load_state_dict(copy.deepcopy(ref_model.state_dict()))
+        shape = (16, 4, arch.num_kv_heads, arch.head_dim)
+        caches = {name: [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
+                  for name in ("ref", "fused")}
+        g = torch.Generator().manual_seed(1)
+        steps = [
+            AttentionBatch([7, 9], [7, 9], [[1, 2], [3, 4, 5]], [4, 5, 6, 7, 8, 9, 10] + list(range(12, 21))),
+            AttentionBatch([1, 1, 4], [8, 10, 4], [[1, 2], [3, 4, 5], [6]], [11, 21, 24, 25, 26, 27]),
+        ]
+        positions = [list(range(7)) + list(range(9)), [7, 9, 0, 1, 2, 3]]
+        for batch, pos in zip(steps, positions, strict=True):
+            ids = torch.randint(0, arch.vocab_size, (len(pos),), generator=g)
+            pos_t = torch.as_tensor(pos)
+            with torch.inference_mode():
+                out_ref = ref_model(ids, pos_t, caches["ref"],
+                                    ref_model.layers[0].self_attn.backend.build_metadata(batch, torch.device("cpu")))
+                out = fused_model(ids, pos_t, caches["fused"],
+                                  fused_model.layers[0].self_attn.backend.build_metadata(batch, torch.device("cpu")))
+            assert _rel(out, out_ref) < 1e-5, (preset, _rel(out, out_ref))
