@@ -127,3 +127,17 @@ def test_detokenizer_stop_string_across_tokens() -> None:
         if detok.update([token]):
             break
     assert detok.stop_matched == "ta gam" and detok.text == "alpha be"
+
+
+def test_full_hit_recomputes_last_token_and_generated_blocks_are_cached() -> None:
+    from kvflow import LLM
+
+    llm = LLM("tiny", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    prompt = list(range(10, 42))  # exactly 2 blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    again = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    assert again.num_cached_tokens == 16  # not 32: the last prompt token is recomputed for its logits
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    extended = prompt + first.outputs[0].token_ids  # 52 tokens: blocks of generated tokens are cached too
+    assert llm.generate({"prompt_token_ids": extended}, params)[0].num_cached_tokens == 48

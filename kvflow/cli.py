@@ -1,0 +1,46 @@
+"""The `kvflow` command line: one sub-command per module under kvflow/commands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from engine.errors import ModelNotAvailable
+
+# Each module defines register(subparsers) -> None and sets a `handler` default on its parser.
+COMMAND_MODULES = [
+    "kvflow.commands.generate",
+    "kvflow.commands.bench",
+    "kvflow.commands.workers",
+    "kvflow.commands.router",
+    "kvflow.commands.serve",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: disaggregated LLM serving")
+    parser.add_argument("--log-level", default=os.environ.get("KVFLOW_LOG_LEVEL", "INFO"))
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, ModelNotAvailable) as exc:  # bad arguments, input or model: a message, not a traceback
+        print(f"kvflow: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
