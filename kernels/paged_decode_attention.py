@@ -11,8 +11,10 @@ Kernel design (memory bound: every cached K/V byte is read exactly once):
   head; the group is padded to 16 rows so the two products run on ``tl.dot``.
 * split-KV (flash-decoding): with few sequences the (B, Hkv) grid cannot fill the GPU, so
   each sequence's context is cut into ``num_splits`` contiguous chunks processed in
-  parallel; each writes a normalised partial output and its log-sum-exp, and a second
-  small kernel combines them. With one split the first kernel writes the output directly.
+  parallel; each writes a normalised partial output and its log-sum-exp. The last split of
+  each (sequence, kv head) to finish (an atomic ticket) combines them in the same launch, so
+  a decode layer costs one attention kernel, not two (``single_pass=False`` keeps the older
+  separate combine kernel, for comparison). With one split the output is written directly.
 * the softmax runs in base 2 (``exp2``) with ``scale * log2(e)`` folded into the scores.
 """
 
@@ -52,6 +54,7 @@ if HAS_TRITON:
         Out,
         MidO,
         MidL,
+        Tickets,  # int32 [B * Hkv], zero between launches: the last split resets its entry
         qk_scale,  # scale * log2(e)
         stride_qb,
         stride_qh,
@@ -69,6 +72,8 @@ if HAS_TRITON:
         PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr,  # False: num_splits == 1 and the output is written directly
+        COMBINE: tl.constexpr,  # SPLIT and the last split to finish merges the partials (single pass)
+        S_PAD: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
@@ -140,6 +145,36 @@ if HAS_TRITON:
             tl.store(MidO + row_id[:, None] * D_PAD + offs_d[None, :], out, mask=out_mask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(MidL + row_id, lse, mask=g_mask)
+            if COMBINE:
+                # Every thread's partial stores are issued before the ticket (barrier), and the ticket's
+                # acq_rel at GPU scope publishes them to whichever program draws the last ticket.
+                tl.debug_barrier()
+                ticket_ptr = Tickets + b * tl.num_programs(1) + kvh
+                ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+                if ticket == num_splits - 1:
+                    tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                    base = row_id - split  # [GROUP_PAD]: split 0 of each head
+                    offs_s = tl.arange(0, S_PAD)
+                    lse_all = tl.load(MidL + base[:, None] + offs_s[None, :],
+                                      mask=g_mask[:, None] & (offs_s < num_splits)[None, :],
+                                      other=float("-inf"), cache_modifier=".cg")
+                    m_all = tl.max(lse_all, axis=1)
+                    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # empty sequence: weights are 0
+                    total = tl.sum(tl.where(lse_all != float("-inf"), tl.exp2(lse_all - m_all[:, None]), 0.0),
+                                   axis=1)
+                    merged = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+                    for s in range(0, num_splits):
+                        lse_s = tl.load(MidL + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+                        w = tl.where(lse_s != float("-inf"), tl.exp2(lse_s - m_all), 0.0)
+                        o = tl.load(MidO + (base + s)[:, None] * D_PAD + offs_d[None, :], mask=out_mask, other=0.0,
+                                    cache_modifier=".cg")
+                        merged += o * w[:, None]
+                    res = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+                    tl.store(
+                        Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                        res.to(Out.dtype.element_ty),
+                        mask=out_mask,
+                    )
 
     @triton.jit
     def _decode_reduce_kernel(
@@ -246,6 +281,8 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    tickets: torch.Tensor | None = None,
+    single_pass: bool = True,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -254,6 +291,9 @@ def paged_decode_attention(
     the query dtype; a sequence with seq_len 0 gets zeros. ``max_seq_len`` (optional host int,
     >= every seq_len) lets the default split count avoid splitting short contexts.
     ``block_n``/``num_warps`` are tuning knobs (tokens per loop iteration, warps per program).
+    ``tickets`` (int32, >= B * Hkv elements, all zero; they are zero again after the launch) lets a
+    caller keep one persistent buffer, e.g. across CUDA graph replays; without it a zeroed one is
+    allocated per call. ``single_pass=False`` combines the splits in a second kernel instead.
     """
     require_triton("paged_decode_attention")
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
@@ -287,7 +327,10 @@ def paged_decode_attention(
     if num_warps is None:
         num_warps = 4
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    combine = num_splits > 1 and single_pass
     common = dict(
+        COMBINE=combine,
+        S_PAD=next_pow2(num_splits),
         GROUP=group,
         GROUP_PAD=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
@@ -303,6 +346,12 @@ def paged_decode_attention(
     else:
         mid_o = torch.empty((batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=query.device)
         mid_l = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    if not combine:
+        tickets = seq_lens  # unused placeholder
+    elif tickets is None:
+        tickets = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=query.device)
+    elif tickets.dtype != torch.int32 or tickets.numel() < batch * num_kv_heads or tickets.device != query.device:
+        raise ValueError(f"tickets must be int32 with >= {batch * num_kv_heads} elements on {query.device}")
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -312,6 +361,7 @@ def paged_decode_attention(
         out,
         mid_o,
         mid_l,
+        tickets,
         float(scale) * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -325,7 +375,7 @@ def paged_decode_attention(
         num_warps=num_warps,
         **common,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not combine:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o,
             mid_l,
