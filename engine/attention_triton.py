@@ -20,6 +20,9 @@ from engine.attention import AttentionBatch, KVCache
 from kernels.kv_cache_write import write_kv_cache
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.rotary_kv_write import rotary_and_write_kv
+
+TICKETS = 1 << 16  # int32 split tickets of the single-pass decode kernel: batch x kv heads up to this
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,18 @@ def _fill_tables(out: np.ndarray, tables: list[list[int]], seq_lens: list[int], 
 
 
 class TritonPagedAttention:
-    """KV write + decode kernel for the leading q_len == 1 rows + prefill kernel for the rest."""
+    """KV write (with rotary: `forward_rotary`) + decode kernel for the leading q_len == 1 rows + prefill kernel
+    for the rest."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        # Allocated once and never replaced: captured decode graphs keep its address.
+        self._tickets: torch.Tensor | None = None
+
+    def _tickets_for(self, device: torch.device, needed: int) -> torch.Tensor | None:
+        if self._tickets is None or self._tickets.device != device:
+            self._tickets = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+        return self._tickets if needed <= TICKETS else None  # None: the kernel zeroes its own
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TritonAttentionMetadata:
         bs = self.block_size
@@ -98,11 +109,26 @@ class TritonPagedAttention:
                 meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: KVCache, meta: TritonAttentionMetadata, scale: float,
+                       cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """`forward` with the rotary embedding folded into the KV write: one kernel rotates q and k in place
+        and stores k/v, saving a launch per layer."""
+        key_cache, value_cache = kv_cache
+        rotary_and_write_kv(positions, q, k, v, cos_sin_cache, key_cache, value_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: TritonAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens
         if meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
+            tickets = self._tickets_for(q.device, nd * key_cache.shape[2])
             paged_decode_attention(q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                   scale, out=out[:nd], max_seq_len=meta.decode_max_seq_len)
+                                   scale, out=out[:nd], max_seq_len=meta.decode_max_seq_len, tickets=tickets)
         tables, cu_seqlens, seq_lens = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens
         if tables is not None and cu_seqlens is not None and seq_lens is not None:
             paged_prefill_attention(q[nd:], key_cache, value_cache, tables, cu_seqlens, seq_lens, scale,

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: capture the model forward once per batch size, then replay it.
+"""CUDA graphs for decode steps: capture the model forward, the lm_head and the greedy argmax once per batch size,
+then replay them.
 
 A decode step of a small model is dominated by kernel launch cost (hundreds of launches of a few microseconds
 each); a replayed graph launches them all at once. As in vLLM: batch sizes 1, 2, 4, then every multiple of 8 up
@@ -6,6 +7,11 @@ to max_num_seqs (capped at 512), or `--cudagraph-capture-sizes`; a batch is padd
 (padding rows write no KV, read no context and are dropped); contexts longer than `--max-seq-len-to-capture` run
 eager, since a graph's block tables and decode split count are fixed for that bound. All graphs share one memory
 pool, captured largest first so the smaller ones reuse its blocks.
+
+A replay leaves the float32 logits and their argmax in static buffers: an all-greedy batch needs no other kernel
+(its tokens are the sampler's, which takes the same argmax), any other batch samples from the logits. Sampled ids
+go to the host through a pinned buffer and an event (`tokens_to_host` / `host_tokens`), so the host can queue the
+next replay (`run_ahead`, fed the argmax on the device) before it waits for this step's ids.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,7 +30,26 @@ from engine.attention_triton import TritonAttentionMetadata
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
-ModelForward = Callable[[torch.Tensor, torch.Tensor, list[KVCache], object], torch.Tensor]
+
+
+class DecodeModel(Protocol):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 meta: object) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class CapturedDecode:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # float32 [size, vocab], rewritten by every replay
+    tokens: torch.Tensor  # int64 [size]: argmax of logits
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    logits: torch.Tensor  # [n, vocab] view of the graph's static buffer (valid until the next replay)
+    tokens: torch.Tensor  # [n] greedy ids, same lifetime
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -62,7 +88,7 @@ class DecodeGraphs:
     never read theirs).
     """
 
-    def __init__(self, forward: ModelForward, kv_caches: list[KVCache], sizes: list[int], max_seq_len: int,
+    def __init__(self, model: DecodeModel, kv_caches: list[KVCache], sizes: list[int], max_seq_len: int,
                  block_size: int, device: torch.device) -> None:
         self.sizes = sorted(sizes)
         self.max_seq_len = max_seq_len
@@ -76,19 +102,21 @@ class DecodeGraphs:
         self.host_ints = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32).pin_memory()
         self.host_longs_np, self.host_ints_np = self.host_longs.numpy(), self.host_ints.numpy()
         self.copied = torch.cuda.Event()  # the last step's copies have read the staging buffers
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.host_tokens_buf = torch.zeros(max_batch, dtype=torch.int64).pin_memory()
+        self.tokens_ready = torch.cuda.Event()  # host_tokens_buf holds the last `tokens_to_host` ids
+        self.graphs: dict[int, CapturedDecode] = {}
         self.pool = torch.cuda.graph_pool_handle()
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
         for size in reversed(self.sizes):
-            self._capture(forward, kv_caches, size)
+            self._capture(model, kv_caches, size)
         torch.cuda.synchronize(device)
         self.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d decode CUDA graphs (batch sizes %s, contexts up to %d) in %.1fs, %.2f GiB",
                     len(self.sizes), self.sizes, max_seq_len, time.perf_counter() - started,
                     self.memory_bytes / 2**30)
 
-    def _capture(self, forward: ModelForward, kv_caches: list[KVCache], size: int) -> None:
+    def _capture(self, model: DecodeModel, kv_caches: list[KVCache], size: int) -> None:
         # Padding everywhere while capturing: token 0 at position 0, slot -1 (no KV write), seq_len 0 (no read).
         self.longs[: 3 * size].zero_()
         self.longs[2 * size : 3 * size].fill_(-1)
@@ -100,27 +128,59 @@ class DecodeGraphs:
             prefill_block_tables=None, prefill_cu_seqlens_q=None, prefill_seq_lens=None, prefill_max_q_len=0,
         )
         args = (self.longs[:size], self.longs[size : 2 * size], kv_caches, meta)
-        forward(*args)  # warm-up outside the graph: Triton compiles, cuBLAS picks its kernels
+        model.compute_logits(model(*args)).argmax(dim=-1)  # warm-up outside: Triton compiles, cuBLAS picks
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = forward(*args)
-        self.graphs[size] = (graph, hidden)
+            logits = model.compute_logits(model(*args))
+            tokens = logits.argmax(dim=-1)
+        self.graphs[size] = CapturedDecode(graph, logits, tokens)
 
     def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
         return num_seqs <= self.sizes[-1] and max_seq_len <= self.max_seq_len
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """Hidden states [num_seqs, hidden] of one decode token per sequence (a view of the graph's output)."""
-        n = len(input_ids)
+            block_tables: list[list[int]]) -> DecodeResult:
+        """Logits and greedy ids of one decode token per sequence (views of the graph's static outputs)."""
+        size = self._stage(input_ids, positions, slots, seq_lens, block_tables)
+        return self._replay(size, len(positions))
+
+    def run_ahead(self, input_ids: torch.Tensor, positions: list[int], slots: list[int], seq_lens: list[int],
+                  block_tables: list[list[int]]) -> DecodeResult:
+        """`run` with the token ids taken from a device tensor ([n] int64, e.g. the previous replay's argmax):
+        nothing waits for that replay to finish, so the host can queue this one while the GPU is busy."""
+        size = self._stage(None, positions, slots, seq_lens, block_tables)
+        self.longs[: len(positions)].copy_(input_ids, non_blocking=True)  # stream-ordered after the staging copy
+        return self._replay(size, len(positions))
+
+    def tokens_to_host(self, tokens: torch.Tensor) -> None:
+        """Queue the copy of a step's ids [n] into the pinned host buffer (read back by `host_tokens`)."""
+        self.host_tokens_buf[: len(tokens)].copy_(tokens, non_blocking=True)
+        self.tokens_ready.record()
+
+    def host_tokens(self, n: int) -> list[int]:
+        """Wait for the last `tokens_to_host` copy only (not for replays queued after it)."""
+        self.tokens_ready.synchronize()
+        return self.host_tokens_buf[:n].tolist()
+
+    def _replay(self, size: int, n: int) -> DecodeResult:
+        captured = self.graphs[size]
+        captured.graph.replay()
+        return DecodeResult(captured.logits[:n], captured.tokens[:n])
+
+    def _stage(self, input_ids: list[int] | None, positions: list[int], slots: list[int], seq_lens: list[int],
+               block_tables: list[list[int]]) -> int:
+        """Fill the pinned staging buffers and queue their two copies; the padded graph size."""
+        n = len(positions)
         size = padded_size(n, self.sizes)
         if size is None or max(seq_lens) > self.max_seq_len:
             raise ValueError(f"batch of {n} at context {max(seq_lens)} exceeds the captured graphs")
         self.copied.synchronize()
         longs, ints = self.host_longs_np, self.host_ints_np
         longs[: 3 * size] = 0
-        longs[:n], longs[size : size + n], longs[2 * size : 2 * size + n] = input_ids, positions, slots
+        if input_ids is not None:
+            longs[:n] = input_ids
+        longs[size : size + n], longs[2 * size : 2 * size + n] = positions, slots
         longs[2 * size + n : 3 * size] = -1
         ints[:n] = seq_lens
         ints[n:size] = 0
@@ -133,6 +193,4 @@ class DecodeGraphs:
         num_ints = size + n * self.width
         self.ints[:num_ints].copy_(self.host_ints[:num_ints], non_blocking=True)
         self.copied.record()
-        graph, hidden = self.graphs[size]
-        graph.replay()
-        return hidden[:n]
+        return size

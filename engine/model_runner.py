@@ -4,8 +4,16 @@ It keeps per-request sampling state (sent once as `NewRequestData`) and gets onl
 block tables each step.
 
 On CUDA the model is built in place on the GPU in its dtype, uses the Triton kernels (attention backend and fused
-layer ops), replays decode-only steps from CUDA graphs, and sizes the KV cache from a memory profile. The CPU path
-keeps plain torch ops (the numerics tested token-exact against transformers).
+layer ops), replays decode-only steps from CUDA graphs (forward, lm_head and greedy argmax in one replay), and sizes
+the KV cache from a memory profile. The CPU path keeps plain torch ops (the numerics tested token-exact against
+transformers).
+
+Decode-ahead (CUDA graphs, all-greedy batches): after a decode step the runner queues the replay of the step it
+expects next (same requests, each one position further, fed this step's argmax on the device) before it waits for
+this step's ids. The GPU then runs step n+1 while the host finishes step n and schedules n+1. The next call uses
+that replay only if the scheduler asks for exactly that step (same requests in the same order, the predicted
+positions, tokens and KV slots); otherwise it is dropped. A dropped replay only wrote K/V at a slot the request
+itself owns, one past its context, which the real next write of that slot replaces.
 """
 
 from __future__ import annotations
@@ -21,10 +29,10 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionBatch, KVCache, TorchPagedAttention
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.cuda_graphs import DecodeGraphs, DecodeResult, capture_sizes
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
-from engine.outputs import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, PositionLogprobs, ScheduledChunk, SchedulerOutput
 from engine.sampler import Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
 from kernels._triton import HAS_TRITON
@@ -33,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 4 << 30  # vLLM's CPU backend default KV space
+AHEAD_MIN_SCORE = 0.3  # two misses in a row from a clean record stop decode-ahead ...
+AHEAD_RECOVERY = 0.02  # ... for about 10 eligible steps
 
 
 def select_attention_backend(device: torch.device, block_size: int) -> AttentionBackend:
@@ -68,6 +78,27 @@ class RunnerRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+
+
+@dataclass
+class AheadStep:
+    """A decode replay queued before the scheduler asked for it, and the step it assumed."""
+
+    request_ids: list[str]
+    positions: list[int]
+    slot_blocks: list[int]  # the block holding each row's new KV
+    result: DecodeResult
+    tokens: list[int] = field(default_factory=list)  # the fed ids, known on the host once the step before returns
+
+    def matches(self, chunks: list[ScheduledChunk], block_size: int) -> bool:
+        if len(chunks) != len(self.request_ids):
+            return False
+        for chunk, rid, pos, blk, tok in zip(chunks, self.request_ids, self.positions, self.slot_blocks,
+                                             self.tokens, strict=True):
+            if (chunk.request_id != rid or chunk.start_position != pos or chunk.token_ids[0] != tok
+                    or chunk.block_ids[pos // block_size] != blk):
+                return False
+        return True
 
 
 class ModelRunner:
@@ -107,6 +138,12 @@ class ModelRunner:
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs, config.device.cudagraph_capture_sizes,
                                          config.device.enforce_eager) if fused else []
         self.graphs: DecodeGraphs | None = None
+        self.ahead: AheadStep | None = None
+        # Share of recent decode-ahead replays that were used; below AHEAD_MIN_SCORE the runner stops queueing
+        # them (each miss costs one step of GPU time) and creeps back by AHEAD_RECOVERY per eligible step.
+        self.ahead_score = 1.0
+        self.ahead_hits = 0
+        self.ahead_misses = 0
 
     # ---- KV cache ----------------------------------------------------------------------------------------
     @property
@@ -136,7 +173,8 @@ class ModelRunner:
     def _profile_free_gpu_memory(self) -> int:
         """Bytes left for KV: total * gpu_memory_utilization minus what is in use after loading (weights, CUDA
         context, other processes), the peak activations of the largest step (a max_num_batched_tokens prefill,
-        then logits and the sampler's sort for max_num_seqs rows) and the decode graphs' memory pool."""
+        then logits and the sampler's sort for max_num_seqs rows) and the decode graphs' memory pool (a decode
+        forward, logits and argmax at the largest capture size)."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
@@ -159,9 +197,9 @@ class ModelRunner:
             torch.cuda.synchronize()
             activations = torch.cuda.max_memory_allocated() - base
             graph_pool = 0
-            if graph_batch:  # the graphs' pool holds about one eager decode forward at the largest size
+            if graph_batch:  # the graphs' pool: about one eager decode step at the largest size
                 torch.cuda.reset_peak_memory_stats()
-                self._dummy_forward([1] * graph_batch)
+                self.model.compute_logits(self._dummy_forward([1] * graph_batch)).argmax(dim=-1)
                 torch.cuda.synchronize()
                 graph_pool = torch.cuda.max_memory_allocated() - base
         self.kv_caches = []
@@ -244,6 +282,11 @@ class ModelRunner:
                                                                generator=generator)
         self._swap(so.blocks_to_swap_out, to_cpu=True)
         self._swap(so.blocks_to_swap_in, to_cpu=False)
+        if self.graphs is not None and so.chunks and not so.blocks_to_swap_in and not so.blocks_to_swap_out:
+            decoded = self._execute_decode_graph(so.chunks, self.graphs)
+            if decoded is not None:
+                return decoded
+        self._drop_ahead()
         if not so.chunks:
             return ModelRunnerOutput({})
 
@@ -300,26 +343,102 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=device)])
         states = [self.requests[rid] for rid in sample_ids]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states]
-        tokens = self.sampler.sample(logits, rows)
-        logprobs: dict[str, PositionLogprobs] = {}
-        wants = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        if wants:
-            index = torch.as_tensor(wants, device=device)
-            entries = gather_logprobs(logits[index].log_softmax(dim=-1), tokens[index],
-                                      [states[i].params.logprobs or 0 for i in wants])
-            logprobs = {sample_ids[i]: entry for i, entry in zip(wants, entries, strict=True)}
+        tokens, logprobs = self._sample(logits, sample_ids, states)
         token_list = tokens.tolist()  # the step's one host sync
         for state, token in zip(states, token_list, strict=True):
             state.output_token_ids.append(token)
         return ModelRunnerOutput(dict(zip(sample_ids, token_list, strict=True)), logprobs, prompt_logprobs)
 
+    def _sample(self, logits: torch.Tensor, sample_ids: list[str], states: list[RunnerRequestState]
+                ) -> tuple[torch.Tensor, dict[str, PositionLogprobs]]:
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states]
+        tokens = self.sampler.sample(logits, rows)
+        logprobs: dict[str, PositionLogprobs] = {}
+        wants = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if wants:
+            index = torch.as_tensor(wants, device=logits.device)
+            entries = gather_logprobs(logits[index].log_softmax(dim=-1), tokens[index],
+                                      [states[i].params.logprobs or 0 for i in wants])
+            logprobs = {sample_ids[i]: entry for i, entry in zip(wants, entries, strict=True)}
+        return tokens, logprobs
+
+    # ---- decode steps from CUDA graphs -------------------------------------------------------------------
+    def _execute_decode_graph(self, chunks: list[ScheduledChunk], graphs: DecodeGraphs) -> ModelRunnerOutput | None:
+        """A decode-only step within the captured bounds: the matching decode-ahead replay, or one replay now;
+        then, for an all-greedy batch, queue the next step's replay before waiting for this step's ids. None:
+        not such a step (the caller runs it eagerly)."""
+        for chunk in chunks:
+            if len(chunk.token_ids) != 1 or not chunk.sample or chunk.prompt_logprobs:
+                return None
+        positions = [chunk.start_position for chunk in chunks]
+        n = len(chunks)
+        if not graphs.can_run(n, max(positions) + 1):
+            return None
+        bs = self.block_size
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.matches(chunks, bs):
+            result = ahead.result
+            self.ahead_hits += 1
+            self.ahead_score = min(1.0, 0.9 * self.ahead_score + 0.1)
+        else:
+            if ahead is not None:
+                self._count_miss()
+            slots = [chunk.block_ids[p // bs] * bs + p % bs for chunk, p in zip(chunks, positions, strict=True)]
+            result = graphs.run([chunk.token_ids[0] for chunk in chunks], positions, slots,
+                                [p + 1 for p in positions], [chunk.block_ids for chunk in chunks])
+        ids = [chunk.request_id for chunk in chunks]
+        states = [self.requests[rid] for rid in ids]
+        plain_greedy = all(s.params.is_greedy and not s.params.needs_penalties and s.params.logprobs is None
+                           for s in states)
+        logprobs: dict[str, PositionLogprobs] = {}
+        if plain_greedy:
+            tokens = result.tokens  # the sampler would take the same argmax of the same logits
+        else:
+            tokens, logprobs = self._sample(result.logits, ids, states)
+        graphs.tokens_to_host(tokens)
+        if plain_greedy:
+            self._queue_ahead(chunks, positions, states, result, graphs)
+        token_list = graphs.host_tokens(n)  # waits for this step only, not for the replay queued ahead
+        if self.ahead is not None:
+            self.ahead.tokens = token_list
+        for state, token in zip(states, token_list, strict=True):
+            state.output_token_ids.append(token)
+        return ModelRunnerOutput(dict(zip(ids, token_list, strict=True)), logprobs, {})
+
+    def _queue_ahead(self, chunks: list[ScheduledChunk], positions: list[int], states: list[RunnerRequestState],
+                     result: DecodeResult, graphs: DecodeGraphs) -> None:
+        """Replay the step after this one now, if every row will still be running and its next KV slot is in a
+        block it already holds (else the scheduler allocates first: nothing to guess)."""
+        if self.ahead_score < AHEAD_MIN_SCORE:
+            self.ahead_score += AHEAD_RECOVERY
+            return
+        bs = self.block_size
+        max_len = self.config.model.max_model_len
+        nxt = [p + 1 for p in positions]
+        for chunk, state, p in zip(chunks, states, nxt, strict=True):
+            max_tokens = state.params.max_tokens
+            if (p // bs >= len(chunk.block_ids) or p + 1 >= max_len
+                    or (max_tokens is not None and len(state.output_token_ids) + 1 >= max_tokens)):
+                return
+        if not graphs.can_run(len(nxt), max(nxt) + 1):
+            return
+        slot_blocks = [chunk.block_ids[p // bs] for chunk, p in zip(chunks, nxt, strict=True)]
+        slots = [blk * bs + p % bs for blk, p in zip(slot_blocks, nxt, strict=True)]
+        ahead_result = graphs.run_ahead(result.tokens, nxt, slots, [p + 1 for p in nxt],
+                                        [chunk.block_ids for chunk in chunks])
+        self.ahead = AheadStep([chunk.request_id for chunk in chunks], nxt, slot_blocks, ahead_result)
+
+    def _drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead = None
+            self._count_miss()
+
+    def _count_miss(self) -> None:
+        self.ahead_misses += 1
+        self.ahead_score *= 0.5
+
     def _forward_cuda(self, input_ids: list[int], positions: list[int], batch: AttentionBatch) -> torch.Tensor:
-        """Replay a decode graph when every row is a decode within the captured bounds, else run eager."""
-        graphs = self.graphs
-        if (graphs is not None and len(input_ids) == len(batch.query_lens)
-                and graphs.can_run(len(input_ids), max(batch.seq_lens))):
-            return graphs.run(input_ids, positions, batch.slot_mapping, batch.seq_lens, batch.block_tables)
+        """Eager forward (decode steps the graphs cover never get here)."""
         ids_positions = _pinned_to(np.array([input_ids, positions], dtype=np.int64), self.device)
         meta = self.attn_backend.build_metadata(batch, self.device)
         return self.model(ids_positions[0], ids_positions[1], self.kv_caches, meta)

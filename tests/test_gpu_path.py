@@ -20,9 +20,11 @@ import torch
 from engine.attention import AttentionBatch, TorchPagedAttention
 from engine.attention_triton import TritonPagedAttention, num_leading_decodes
 from engine.config import EngineArgs
-from engine.cuda_graphs import capture_sizes, default_capture_sizes, padded_size
+from engine.cuda_graphs import DecodeResult, capture_sizes, default_capture_sizes, padded_size
+from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, select_attention_backend
 from engine.models.llama import CausalLM
+from engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -160,3 +162,94 @@ def test_fused_model_matches_torch_model() -> None:
                 out = fused_model(ids, pos_t, caches["fused"],
                                   fused_model.layers[0].self_attn.backend.build_metadata(batch, torch.device("cpu")))
             assert _rel(out, out_ref) < 1e-5, (preset, _rel(out, out_ref))
+
+
+class EagerDecodeGraphs:
+    """DecodeGraphs' interface run eagerly on the CPU runner's own model and cache, so the runner's decode-graph
+    path (lm_head + argmax in the replay, decode-ahead) is exercised without a GPU. The ahead step runs at queue
+    time, so its KV write lands before the next real step, as on the GPU stream."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.sizes = [1, 2, 4, 8]
+        self.replays = 0
+        self.last: list[int] = []
+
+    def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
+        return num_seqs <= self.sizes[-1] and max_seq_len <= 200
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+            block_tables: list[list[int]]) -> DecodeResult:
+        return self._forward(torch.as_tensor(input_ids), positions, slots, seq_lens, block_tables)
+
+    def run_ahead(self, input_ids: torch.Tensor, positions: list[int], slots: list[int], seq_lens: list[int],
+                  block_tables: list[list[int]]) -> DecodeResult:
+        return self._forward(input_ids.clone(), positions, slots, seq_lens, block_tables)
+
+    def _forward(self, ids: torch.Tensor, positions: list[int], slots: list[int], seq_lens: list[int],
+                 block_tables: list[list[int]]) -> DecodeResult:
+        runner = self.runner
+        self.replays += 1
+        meta = runner.attn_backend.build_metadata(
+            AttentionBatch([1] * len(ids), seq_lens, block_tables, slots), runner.device)
+        with torch.inference_mode():
+            hidden = runner.model(ids, torch.as_tensor(positions), runner.kv_caches, meta)
+            logits = runner.model.compute_logits(hidden)
+        return DecodeResult(logits, logits.argmax(dim=-1))
+
+    def tokens_to_host(self, tokens: torch.Tensor) -> None:
+        self.last = tokens.tolist()
+
+    def host_tokens(self, n: int) -> list[int]:
+        return self.last[:n]
+
+
+def _run_engine(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    ids = [engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return {i: done[i] for i in ids} if ids else done  # no new requests: whatever was already running
+
+
+@plain
+def test_decode_graph_path_and_decode_ahead_keep_outputs() -> None:
+    """The runner's graph path with decode-ahead gives the same tokens as the plain CPU path: greedy requests
+    (ahead replays used, finishing by length and by stop token, block boundaries with block size 4), a request
+    joining mid-run (the ahead replay is dropped), a sampled one with penalties and logprobs (no ahead)."""
+    def engine(fake: bool) -> LLMEngine:
+        eng = LLMEngine(EngineArgs(model="tiny", load_format="dummy", device="cpu", kv_cache_memory_bytes=1 << 22,
+                                   max_model_len=256, block_size=4, seed=0).create_engine_config())
+        if fake:
+            eng.runner.graphs = EagerDecodeGraphs(eng.runner)  # type: ignore[assignment]
+        return eng
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (23, 17, 30, 9)]
+    base, fake = engine(False), engine(True)
+    stop_at = _run_engine(base, prompts[:1], greedy[:1])["r0"][6]
+    cases = [
+        (prompts, greedy),
+        (prompts[:2], [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_at]), greedy[1]]),
+        (prompts[:3], [greedy[0], SamplingParams(temperature=0.8, seed=3, max_tokens=12, repetition_penalty=1.2,
+                                                 logprobs=2), greedy[2]]),
+    ]
+    for prompts_i, params_i in cases:
+        assert _run_engine(fake, prompts_i, params_i) == _run_engine(base, prompts_i, params_i)
+    # One request alone, then a second joins while the first decodes: the ahead replay is dropped, not used.
+    solo = [_run_engine(eng, prompts[2:3], greedy[2:3]) for eng in (base, fake)]
+    assert solo[0] == solo[1]
+    runner = fake.runner
+    misses = runner.ahead_misses
+    assert runner.ahead_hits > 20 and misses >= 1  # the stop-token finish could not be predicted
+    for eng in (base, fake):
+        eng.add_request("a", prompts[0], greedy[2])
+        for _ in range(6):
+            eng.step()
+        eng.add_request("b", prompts[1], greedy[1])
+    outs = [_run_engine(eng, [], []) for eng in (base, fake)]
+    assert set(outs[0]) == {"a", "b"} and outs[0] == outs[1]
+    assert runner.ahead_misses > misses

@@ -121,9 +121,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        # The Triton backend reads v as a strided view of qkv; the torch one wants it contiguous.
-        out = self.backend.forward(q, k, v if self.fused else v.contiguous(), kv_cache, meta, self.scale)
+        if self.fused:  # CUDA: the Triton backend rotates q/k while writing the KV (v stays a view of qkv)
+            out = self.backend.forward_rotary(positions, q, k, v, kv_cache, meta, self.scale,  # type: ignore[attr-defined]
+                                              rotary.cos_sin)
+        else:
+            q, k = rotary(positions, q, k)
+            out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
