@@ -153,28 +153,24 @@ if HAS_TRITON:
                 ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
                 if ticket == num_splits - 1:
                     tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                    base = row_id - split  # [GROUP_PAD]: split 0 of each head
+                    # One unrolled pass per head over the splits that hold tokens (independent loads, no
+                    # serial loop over splits: a 32-step loop made this tail cost ~10 us on an H200).
                     offs_s = tl.arange(0, S_PAD)
-                    lse_all = tl.load(MidL + base[:, None] + offs_s[None, :],
-                                      mask=g_mask[:, None] & (offs_s < num_splits)[None, :],
-                                      other=float("-inf"), cache_modifier=".cg")
-                    m_all = tl.max(lse_all, axis=1)
-                    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # empty sequence: weights are 0
-                    total = tl.sum(tl.where(lse_all != float("-inf"), tl.exp2(lse_all - m_all[:, None]), 0.0),
-                                   axis=1)
-                    merged = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-                    for s in range(0, num_splits):
-                        lse_s = tl.load(MidL + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-                        w = tl.where(lse_s != float("-inf"), tl.exp2(lse_s - m_all), 0.0)
-                        o = tl.load(MidO + (base + s)[:, None] * D_PAD + offs_d[None, :], mask=out_mask, other=0.0,
-                                    cache_modifier=".cg")
-                        merged += o * w[:, None]
-                    res = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-                    tl.store(
-                        Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                        res.to(Out.dtype.element_ty),
-                        mask=out_mask,
-                    )
+                    s_mask = offs_s < (seq_len + chunk - 1) // tl.maximum(chunk, 1)
+                    for g in tl.static_range(GROUP):
+                        head = kvh * GROUP + g
+                        first = (b * (GROUP * tl.num_programs(1)) + head).to(tl.int64) * num_splits
+                        lse_s = tl.load(MidL + first + offs_s, mask=s_mask, other=float("-inf"),
+                                        cache_modifier=".cg")
+                        m_s = tl.max(lse_s, axis=0)
+                        m_s = tl.where(m_s == float("-inf"), 0.0, m_s)  # empty sequence: all weights 0
+                        w = tl.where(lse_s != float("-inf"), tl.exp2(lse_s - m_s), 0.0)
+                        o = tl.load(MidO + (first + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                        total = tl.sum(w, axis=0)
+                        res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+                        tl.store(Out + b * stride_ob + head * stride_oh + offs_d, res.to(Out.dtype.element_ty),
+                                 mask=d_mask)
 
     @triton.jit
     def _decode_reduce_kernel(
