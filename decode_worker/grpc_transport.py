@@ -78,7 +78,7 @@ class GrpcKVTransport:
                     logprobs = logprobs_from_proto(done.first_token_logprob) \
                         if done.HasField("first_token_logprob") else None
                     return PullResult(done.first_token_id, logprobs, total_blocks - job.skip_blocks, received,
-                                      done.num_cached_tokens, time.perf_counter() - started)
+                                      done.num_cached_tokens, time.perf_counter() - started, done.sampler_state)
                 elif kind == "error":
                     raise KVTransferError("prefill_error", f"{response.error.code}: {response.error.message}")
             raise KVTransferError("incomplete", "the prefill stream ended without PrefillDone")

@@ -157,7 +157,8 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
             self._abort_after_pull.discard(request_id)
         self.ctx.metrics.record_transfer(result.num_bytes, result.seconds)
         await self.engine.call(
-            lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs))
+            lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs,
+                                              result.sampler_state))
         return pb.PREFILL_PATH_DISAGGREGATED, result.seconds
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[SamplingParams, str | dict[str, list[int]]]:

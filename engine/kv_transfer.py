@@ -8,6 +8,7 @@ implementation (prefill_worker/ and decode_worker/), NCCL would be another behin
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,7 +19,7 @@ from engine.outputs import PositionLogprobs
 
 KV_ORDER = "layer,kv,block,token,head,dim"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_CHUNK_BYTES = 2 << 20  # well under gRPC's 4 MiB default message limit
+DEFAULT_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)  # under gRPC's 4 MiB default message limit
 
 
 class KVTransferError(RuntimeError):
@@ -67,18 +68,36 @@ class KVSlice:
     num_layers: int
 
 
-def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> torch.Tensor:
-    """Copy the given blocks out of the cache as one [layers, 2, blocks, block_size, heads, dim] tensor.
+def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int],
+                  first_layer: int = 0, num_layers: int | None = None) -> torch.Tensor:
+    """Copy blocks out of the cache as one contiguous [layers, 2, blocks, block_size, heads, dim] tensor, i.e.
+    exactly the wire layout of that slice.
 
     Runs on the engine thread: afterwards the blocks may be freed while the copy is serialized and sent.
     """
-    index = torch.as_tensor(block_ids, dtype=torch.int64, device=kv_caches[0][0].device)
+    layers = kv_caches[first_layer : first_layer + num_layers if num_layers is not None else None]
     key = kv_caches[0][0]
-    out = torch.empty((len(kv_caches), 2, len(block_ids), *key.shape[1:]), dtype=key.dtype, device=key.device)
-    for layer, (k, v) in enumerate(kv_caches):
+    index = torch.as_tensor(block_ids, dtype=torch.int64, device=key.device)
+    out = torch.empty((len(layers), 2, len(block_ids), *key.shape[1:]), dtype=key.dtype, device=key.device)
+    for layer, (k, v) in enumerate(layers):
         torch.index_select(k, 0, index, out=out[layer, 0])
         torch.index_select(v, 0, index, out=out[layer, 1])
     return out
+
+
+def gather_slices(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], first_block: int,
+                  layout: KVLayout, max_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[tuple[KVSlice, torch.Tensor]]:
+    """Copy request blocks [first_block, first_block + len(block_ids)) out as message-sized wire tensors."""
+    out = []
+    for part in plan_slices(first_block, len(block_ids), layout, max_bytes):
+        ids = block_ids[part.first_block - first_block : part.first_block - first_block + part.num_blocks]
+        out.append((part, gather_blocks(kv_caches, ids, part.first_layer, part.num_layers)))
+    return out
+
+
+def tensor_bytes(wire: torch.Tensor) -> bytes:
+    """The raw bytes of a contiguous wire tensor (one copy, straight into the bytes object)."""
+    return wire.view(torch.uint8).cpu().numpy().tobytes()
 
 
 def plan_slices(first_block: int, num_blocks: int, layout: KVLayout,
@@ -96,13 +115,6 @@ def plan_slices(first_block: int, num_blocks: int, layout: KVLayout,
             yield KVSlice(block, 1, layer, min(layers, layout.num_layers - layer))
 
 
-def slice_bytes(staged: torch.Tensor, staged_first_block: int, part: KVSlice) -> bytes:
-    """Raw bytes of `part`, cut out of a `gather_blocks` tensor whose block 0 is `staged_first_block`."""
-    start = part.first_block - staged_first_block
-    piece = staged[part.first_layer : part.first_layer + part.num_layers, :, start : start + part.num_blocks]
-    return piece.contiguous().view(torch.uint8).cpu().numpy().tobytes()
-
-
 def write_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout, block_ids: list[int],
                  part: KVSlice, data: bytes) -> None:
     """Write a received slice into the local cache blocks `block_ids` (the slice's blocks, in order).
@@ -116,8 +128,10 @@ def write_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVL
     if part.first_layer + part.num_layers > len(kv_caches):
         raise KVTransferError("bad_payload", "KV chunk layers exceed the model's layer count")
     key = kv_caches[0][0]
-    src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(key.dtype)
-    src = src.view(part.num_layers, 2, part.num_blocks, *key.shape[1:]).to(key.device)
+    with warnings.catch_warnings():  # read-only source: it is only copied from, never written
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(data, dtype=torch.uint8)
+    src = src.view(key.dtype).view(part.num_layers, 2, part.num_blocks, *key.shape[1:]).to(key.device)
     index = torch.as_tensor(block_ids, dtype=torch.int64, device=key.device)
     for offset in range(part.num_layers):
         k, v = kv_caches[part.first_layer + offset]
@@ -146,6 +160,7 @@ class PullResult:
     num_bytes: int
     remote_cached_tokens: int
     seconds: float
+    sampler_state: bytes = b""  # seeded requests: the prefill side's generator state after the first token
 
 
 # Called for each received slice with its local block ids and bytes; it writes them into the cache.

@@ -185,8 +185,13 @@ class LLMEngine:
         return RemoteSlot(state.request_id, list(request.prompt_token_ids), request.sampling_params,
                           self.kv_manager.block_ids(request.request_id), num_cached_blocks)
 
-    def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None) -> None:
-        """The prompt's KV was written into the reserved blocks: decode on from the remotely sampled token."""
+    def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
+                              sampler_state: bytes = b"") -> None:
+        """The prompt's KV was written into the reserved blocks: decode on from the remotely sampled token.
+
+        `sampler_state` is the prefill side's seeded generator after that token (`sampler_state()`), so seeded
+        sampling continues exactly as a unified engine would.
+        """
         state = self._states.get(request_id)
         if state is None:
             return  # aborted meanwhile
@@ -196,9 +201,12 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-            if not params.is_greedy:  # the prefill worker drew the first token's noise from the same seed
-                torch.empty(self.config.model.arch.vocab_size, device=self.runner.device).exponential_(
-                    generator=generator)
+            if sampler_state:
+                try:
+                    generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
+                except RuntimeError as exc:  # another device type on the prefill side: the seed restarts
+                    logger.warning("request %s: cannot restore the prefill worker's sampler state (%s)",
+                                   request_id, exc)
         self.runner.requests[request.request_id] = RunnerRequestState(
             params, list(request.prompt_token_ids), [first_token], generator)
         self.scheduler.mark_known_to_runner(request.request_id)
@@ -208,6 +216,14 @@ class LLMEngine:
             self._pending_outputs.append(self._finish_state(state))
         elif state.output_kind != "final":
             self._pending_outputs.append(self._make_output(state, finished=False))
+
+    def sampler_state(self, request_id: str) -> bytes:
+        """Prefill side: the request's seeded generator state (empty if unseeded); read it right after the step
+        that sampled, before the runner drops the request."""
+        state = self.runner.requests.get(request_id)
+        if state is None or state.generator is None:
+            return b""
+        return state.generator.get_state().numpy().tobytes()
 
     def fail_remote_prefill(self, request_id: str) -> None:
         """The prefill worker failed: recompute the prompt here (its reserved blocks are dropped)."""

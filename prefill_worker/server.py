@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from engine.errors import InvalidRequest
-from engine.kv_transfer import KV_ORDER, KVLayout, gather_blocks, plan_slices, slice_bytes
+from engine.kv_transfer import KV_ORDER, KVLayout, KVSlice, gather_slices, tensor_bytes
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -42,13 +42,13 @@ DEFAULT_LEASE_S = 10.0
 
 @dataclass
 class _Staged:
-    first_block: int
-    blocks: torch.Tensor  # [layers, 2, blocks, block_size, heads, dim], a copy: the cache may move on
+    slices: list[tuple[KVSlice, torch.Tensor]]  # wire-layout copies: the cache may move on
 
 
 @dataclass
 class _Finished:
     output: RequestOutput
+    sampler_state: bytes = b""
 
 
 @dataclass
@@ -91,14 +91,14 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
                 ready = min(request.num_computed_tokens, transfer.num_prompt_tokens) // self.block_size
             if ready > transfer.next_block:
                 block_ids = engine.kv_manager.block_ids(request_id)[transfer.next_block : ready]
-                staged = _Staged(transfer.next_block, gather_blocks(engine.runner.kv_caches, block_ids))
-                self.engine.post(transfer.inbox.put_nowait, staged)
+                slices = gather_slices(engine.runner.kv_caches, block_ids, transfer.next_block, self.layout)
+                self.engine.post(transfer.inbox.put_nowait, _Staged(slices))
                 transfer.next_block = ready
             if output is not None:
                 freed = engine.release_kv(request_id)
                 self.engine.post(self.ctx.metrics.blocks_freed.inc, freed)
                 del self._transfers[request_id]
-                self.engine.post(transfer.inbox.put_nowait, _Finished(output))
+                self.engine.post(transfer.inbox.put_nowait, _Finished(output, engine.sampler_state(request_id)))
 
     def _cancel(self, request_id: str) -> None:
         """Engine thread: drop the stream's transfer and free the request's blocks, whatever its state."""
@@ -146,16 +146,15 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
             while True:
                 item = await transfer.inbox.get()
                 if isinstance(item, _Staged):
-                    num_staged = item.blocks.shape[2]
-                    for part in plan_slices(item.first_block, num_staged, self.layout):
-                        data = slice_bytes(item.blocks, item.first_block, part)
+                    for part, wire in item.slices:
+                        data = tensor_bytes(wire)
                         num_bytes += len(data)
                         yield pb.PrefillResponse(request_id=caller_id, kv=pb.KVChunk(
                             first_block=part.first_block, num_blocks=part.num_blocks, first_layer=part.first_layer,
                             num_layers=part.num_layers, data=data))
                     continue
                 done = True
-                yield self._final_message(caller_id, item.output, time.perf_counter() - started)
+                yield self._final_message(caller_id, item, time.perf_counter() - started)
                 break
             self.ctx.metrics.record_transfer(num_bytes, time.perf_counter() - started)
         finally:
@@ -163,7 +162,8 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
             if not done:
                 self._cancel(request_id)
 
-    def _final_message(self, caller_id: str, output: RequestOutput, seconds: float) -> pb.PrefillResponse:
+    def _final_message(self, caller_id: str, finished: _Finished, seconds: float) -> pb.PrefillResponse:
+        output = finished.output
         completion = output.outputs[0]
         if completion.finish_reason == "abort" or not completion.token_ids:
             return pb.PrefillResponse(request_id=caller_id, error=pb.GenerateError(
@@ -172,7 +172,7 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
         logprob = logprobs_to_proto(token, completion.logprobs[0]) if completion.logprobs else None
         return pb.PrefillResponse(request_id=caller_id, done=pb.PrefillDone(
             first_token_id=token, first_token_logprob=logprob, num_cached_tokens=output.num_cached_tokens,
-            timings=pb.Timings(prefill_s=seconds)))
+            timings=pb.Timings(prefill_s=seconds), sampler_state=finished.sampler_state))
 
     def _validate(self, request: pb.PrefillRequest) -> tuple[SamplingParams, float]:
         if not request.prompt_token_ids:

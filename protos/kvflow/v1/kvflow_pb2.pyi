@@ -341,18 +341,20 @@ class KVChunk(_message.Message):
     def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "num_cached_tokens", "timings", "prompt_logprobs")
+    __slots__ = ("first_token_id", "first_token_logprob", "num_cached_tokens", "timings", "prompt_logprobs", "sampler_state")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: TokenLogprob
     num_cached_tokens: int
     timings: Timings
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    sampler_state: bytes
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "header", "kv", "done", "error")

@@ -1,0 +1,123 @@
+"""Engine-level P/D hooks, in one process with the `tiny` preset: held KV with a lease on the prefill side,
+remote-prefill admission on the decode side, block (de)serialization, fallback and abort accounting."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from engine.config import EngineArgs
+from engine.kv_transfer import KVLayout, KVSlice, KVTransferError, gather_slices, tensor_bytes, write_blocks
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+ARGS = dict(model="tiny", kv_cache_memory_bytes=16 << 20, max_model_len=1024)
+
+
+def make(**overrides: object) -> LLMEngine:
+    return LLMEngine(EngineArgs(**{**ARGS, **overrides}).create_engine_config())  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[LLMEngine, LLMEngine, LLMEngine]:
+    return make(max_num_batched_tokens=32), make(), make()  # prefill (small chunks), decode, unified
+
+
+def run_to_end(engine: LLMEngine, request_id: str) -> list[int]:
+    for _ in range(10_000):
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output.outputs[0].token_ids
+    raise AssertionError("request never finished")
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(500) for _ in range(n)] for n in (3, 16, 17, 200)]
+
+
+@pytest.mark.parametrize("seed,temperature", [(None, 0.0), (11, 0.9)])
+def test_remote_prefill_equals_unified(engines, seed, temperature) -> None:  # noqa: ANN001
+    prefill, decode, unified = engines
+    layout = KVLayout.of_caches(prefill.runner.kv_caches, prefill.config.model.dtype)
+    for i, prompt in enumerate(prompts()):
+        params = dict(max_tokens=6, temperature=temperature, seed=seed)
+        rid = f"{i}-{seed}"
+        unified.add_request(rid, prompt, SamplingParams(**params))
+        expected = run_to_end(unified, rid)
+
+        slot = decode.add_remote_prefill_request(rid, prompt, SamplingParams(**params))
+        assert slot is not None and len(slot.block_ids) == -(-len(prompt) // 16)
+        free_before = prefill.kv_manager.pool.num_free_blocks
+        prefill.add_request(rid, prompt, SamplingParams(**{**params, "max_tokens": 1}), kv_lease_s=10)
+        first = run_to_end(prefill, rid)[0]
+        sampler_state = prefill.sampler_state(rid)
+        assert bool(sampler_state) == (seed is not None)
+        held = prefill.kv_manager.block_ids(rid)
+        assert len(held) == len(slot.block_ids), "finished request's blocks are held for the transfer"
+        for part, wire in gather_slices(prefill.runner.kv_caches, held[slot.num_cached_blocks :],
+                                        slot.num_cached_blocks, layout, max_bytes=4096):
+            ids = slot.block_ids[part.first_block : part.first_block + part.num_blocks]
+            write_blocks(decode.runner.kv_caches, layout, ids, part, tensor_bytes(wire))
+        assert prefill.release_kv(rid) == len(held)
+        assert prefill.kv_manager.pool.num_free_blocks == free_before
+
+        prompt_tokens = decode.stats.prompt_tokens
+        decode.finish_remote_prefill(rid, first, None, sampler_state)
+        assert run_to_end(decode, rid) == expected
+        assert decode.stats.prompt_tokens == prompt_tokens, "the decode side computed no prompt token"
+
+
+def test_lease_expiry_frees_held_blocks() -> None:
+    engine = make()
+    baseline = engine.kv_manager.pool.num_free_blocks
+    engine.add_request("r", list(range(40)), SamplingParams(max_tokens=1), kv_lease_s=0.2)
+    run_to_end(engine, "r")
+    assert engine.kv_manager.pool.num_free_blocks == baseline - 3
+    time.sleep(0.25)
+    engine.expire_kv_leases()
+    assert engine.kv_manager.pool.num_free_blocks == baseline
+    assert engine.num_lease_expired_blocks == 3
+    engine.add_request("a", list(range(40)), SamplingParams(max_tokens=50), kv_lease_s=10)
+    engine.step()
+    engine.abort_request("a")  # aborted requests are never held
+    engine.step()
+    assert engine.kv_manager.pool.num_free_blocks == baseline
+
+
+def test_remote_admission_threshold_room_fallback_and_abort() -> None:
+    engine = make(num_gpu_blocks_override=8, max_model_len=112)  # 7 usable blocks
+    baseline = engine.kv_manager.pool.num_free_blocks
+    assert engine.add_remote_prefill_request("short", list(range(20)), SamplingParams(max_tokens=2),
+                                             min_uncached_tokens=21) is None
+    assert engine.add_remote_prefill_request("big", list(range(100)), SamplingParams(max_tokens=2)) is not None
+    assert engine.add_remote_prefill_request("no-room", list(range(200, 240)), SamplingParams(max_tokens=2)) is None
+    engine.abort_request("big")
+    engine.step()  # delivers the abort
+    assert engine.get_num_unfinished_requests() == 0 and engine.kv_manager.pool.num_free_blocks == baseline
+    with pytest.raises(ValueError, match="single-sample"):
+        engine.add_remote_prefill_request("n2", [1, 2, 3], SamplingParams(n=2))
+
+    slot = engine.add_remote_prefill_request("fb", list(range(40)), SamplingParams(max_tokens=3, temperature=0))
+    assert slot is not None and engine.kv_manager.pool.num_free_blocks == baseline - 3
+    assert not engine.has_unfinished_requests(), "a request waiting for remote KV is never scheduled"
+    engine.fail_remote_prefill("fb")  # recompute locally
+    assert len(run_to_end(engine, "fb")) == 3
+    assert engine.kv_manager.pool.num_free_blocks == baseline
+
+    slot = engine.add_remote_prefill_request("ab", list(range(100, 140)), SamplingParams(max_tokens=3))
+    assert slot is not None
+    engine.abort_request("ab")
+    assert engine.kv_manager.pool.num_free_blocks == baseline
+
+
+def test_write_blocks_rejects_bad_payloads() -> None:
+    engine = make()
+    layout = KVLayout.of_caches(engine.runner.kv_caches, engine.config.model.dtype)
+    with pytest.raises(KVTransferError, match="expected"):
+        write_blocks(engine.runner.kv_caches, layout, [1], KVSlice(0, 1, 0, layout.num_layers), b"\0" * 10)
+    with pytest.raises(KVTransferError, match="layers"):
+        part = KVSlice(0, 1, layout.num_layers, 1)
+        write_blocks(engine.runner.kv_caches, layout, [1], part, b"\0" * layout.payload_bytes(1, 1))
