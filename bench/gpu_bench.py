@@ -298,7 +298,7 @@ def check_fused_kernels(report: Report) -> None:
             q = torch.randn(batch, heads, dim, generator=g, device=DEV).bfloat16()
             tickets = torch.zeros(batch * kv_heads, dtype=torch.int32, device=DEV)
             runs = [dec.paged_decode_attention(q, kc, vc, tables, lens, dim**-0.5, max_seq_len=8192,
-                                               tickets=tickets) for _ in range(20)]
+                                               tickets=tickets, single_pass=True) for _ in range(20)]
             two = dec.paged_decode_attention(q, kc, vc, tables, lens, dim**-0.5, max_seq_len=8192,
                                              single_pass=False)
             ref = dec.paged_decode_attention_ref(q.double(), kc.double(), vc.double(), tables, lens, dim**-0.5)

@@ -23,6 +23,9 @@ from kernels.paged_prefill_attention import paged_prefill_attention
 from kernels.rotary_kv_write import rotary_and_write_kv
 
 TICKETS = 1 << 16  # int32 split tickets of the single-pass decode kernel: batch x kv heads up to this
+# The single-pass decode kernel (last split combines) measured slower than split + combine kernel on an H200
+# (Llama-8B shapes, batch 1: 9.0 vs 5.8 us per layer; Qwen-0.5B: 9.6 vs 5.2 us; bench/GPU_NOTES.md): off.
+SINGLE_PASS_DECODE = False
 
 
 @dataclass(frozen=True)
@@ -126,9 +129,10 @@ class TritonPagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens
         if meta.decode_block_tables is not None and meta.decode_seq_lens is not None:
-            tickets = self._tickets_for(q.device, nd * key_cache.shape[2])
+            tickets = self._tickets_for(q.device, nd * key_cache.shape[2]) if SINGLE_PASS_DECODE else None
             paged_decode_attention(q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                   scale, out=out[:nd], max_seq_len=meta.decode_max_seq_len, tickets=tickets)
+                                   scale, out=out[:nd], max_seq_len=meta.decode_max_seq_len, tickets=tickets,
+                                   single_pass=SINGLE_PASS_DECODE)
         tables, cu_seqlens, seq_lens = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens
         if tables is not None and cu_seqlens is not None and seq_lens is not None:
             paged_prefill_attention(q[nd:], key_cache, value_cache, tables, cu_seqlens, seq_lens, scale,

@@ -118,7 +118,7 @@ def test_single_pass_decode_matches_reference_and_two_kernel_combine(splits: int
     for _ in range(2):  # a second launch reuses the same tickets
         out = torch.full_like(q, float("nan"))
         dec.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.2, out=out, num_splits=splits, block_n=16,
-                                   tickets=tickets)
+                                   tickets=tickets, single_pass=True)
         assert torch.equal(tickets, torch.zeros_like(tickets))
     two = dec.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.2, num_splits=splits, block_n=16,
                                      single_pass=False)
