@@ -215,6 +215,21 @@ def _run_engine(engine: LLMEngine, prompts: list[list[int]], params: list[Sampli
 
 
 @plain
+def test_compute_logits_into_a_shared_buffer() -> None:
+    """The decode graphs write logits into prefixes of one buffer: same values as a fresh tensor."""
+    config = EngineArgs(model="tiny", load_format="dummy", device="cpu").create_engine_config()
+    model = CausalLM(config.model.arch, config.model.hf_config, TorchPagedAttention(4), 64)
+    model.init_dummy_weights(0)
+    hidden = torch.randn(3, config.model.arch.hidden_size)
+    buf = torch.full((5, config.model.arch.vocab_size), float("nan"))
+    with torch.inference_mode():
+        out = model.compute_logits(hidden, out=buf[:3])
+        assert out.data_ptr() == buf.data_ptr() and torch.equal(out, model.compute_logits(hidden))
+        bf16 = model.to(torch.bfloat16)  # the cast into the float32 buffer is the same exact widening
+        assert torch.equal(bf16.compute_logits(hidden.bfloat16(), out=buf[:3]), bf16.compute_logits(hidden.bfloat16()))
+
+
+@plain
 def test_decode_graph_path_and_decode_ahead_keep_outputs() -> None:
     """The runner's graph path with decode-ahead gives the same tokens as the plain CPU path: greedy requests
     (ahead replays used, finishing by length and by stop token, block boundaries with block size 4), a request

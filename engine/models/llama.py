@@ -181,9 +181,12 @@ class CausalLM(nn.Module):
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)
         return self.norm.add_norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits; `out` (float32 [rows, vocab]) receives them instead of a new tensor (the decode
+        graphs share one buffer across batch sizes)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q|k|v and gate|up; every parameter must be covered."""
