@@ -92,9 +92,9 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
             except InvalidRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 return
-            path, transfer_s = pb.PREFILL_PATH_LOCAL, 0.0
+            path, transfer_s, remote_cached = pb.PREFILL_PATH_LOCAL, 0.0, 0
             if slot is not None:
-                path, transfer_s = await self._pull(address, slot, extra_keys)
+                path, transfer_s, remote_cached = await self._pull(address, slot, extra_keys)
             choices = [_Choice() for _ in range(params.n)]
             first_token_s: float | None = None
             while True:
@@ -108,7 +108,7 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
                     first_token_s = time.perf_counter() - arrival
                 timings = pb.Timings(ttft_s=first_token_s or 0.0, kv_transfer_s=transfer_s,
                                      e2e_s=time.perf_counter() - arrival)
-                usage = self._usage(item)
+                usage = self._usage(item, remote_cached)
                 if request.stream:
                     for completion in item.outputs:
                         chunk = self._chunk(completion, choices[completion.index], usage, timings)
@@ -128,8 +128,10 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
             if not finished:  # the caller went away (or we failed): free the request's blocks now
                 self.engine.submit(lambda e: e.abort_request(request_id))
 
-    async def _pull(self, address: str, slot: RemoteSlot, extra_keys: tuple[str, ...]) -> tuple[int, float]:
-        """Get the prompt KV into the reserved blocks; on failure recompute locally. Returns (path, seconds)."""
+    async def _pull(self, address: str, slot: RemoteSlot, extra_keys: tuple[str, ...]) -> tuple[int, float, int]:
+        """Get the prompt KV into the reserved blocks; on failure recompute locally.
+
+        Returns (path, transfer seconds, prompt tokens the prefill worker found in its prefix cache)."""
         request_id = slot.request_id
 
         def sink(block_ids: list[int], part: KVSlice, data: bytes) -> None:
@@ -146,12 +148,12 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
         except KVTransferError as exc:
             if exc.reason == "aborted":
                 await self.engine.call(lambda e: e.abort_request(request_id))
-                return pb.PREFILL_PATH_LOCAL, 0.0
+                return pb.PREFILL_PATH_LOCAL, 0.0, 0
             logger.warning("request %s: KV transfer from %s failed (%s); prefilling locally", request_id, address,
                            exc)
             self.ctx.metrics.record_fallback(exc.reason)
             await self.engine.call(lambda e: e.fail_remote_prefill(request_id))
-            return pb.PREFILL_PATH_LOCAL, 0.0
+            return pb.PREFILL_PATH_LOCAL, 0.0, 0
         finally:
             self._pulling.discard(request_id)
             self._abort_after_pull.discard(request_id)
@@ -159,7 +161,7 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
         await self.engine.call(
             lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs,
                                               result.sampler_state))
-        return pb.PREFILL_PATH_DISAGGREGATED, result.seconds
+        return pb.PREFILL_PATH_DISAGGREGATED, result.seconds, result.remote_cached_tokens
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[SamplingParams, str | dict[str, list[int]]]:
         params = sampling_params_from_proto(request.sampling_params)
@@ -173,10 +175,11 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
         raise InvalidRequest("the request needs `text` or `token_ids`")
 
     @staticmethod
-    def _usage(output: RequestOutput) -> pb.Usage:
+    def _usage(output: RequestOutput, remote_cached: int) -> pb.Usage:
+        # A transferred prompt was computed by the prefill worker: its prefix hit is what this request saved.
         return pb.Usage(prompt_tokens=len(output.prompt_token_ids),
                         completion_tokens=sum(len(c.token_ids) for c in output.outputs),
-                        cached_tokens=output.num_cached_tokens)
+                        cached_tokens=max(output.num_cached_tokens, remote_cached))
 
     @staticmethod
     def _chunk(completion: CompletionOutput, sent: _Choice, usage: pb.Usage, timings: pb.Timings

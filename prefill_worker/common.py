@@ -248,6 +248,9 @@ def add_worker_args(parser: object) -> None:
                         help="prefix index the router reads ('memory' or redis://...); workers always serve "
                              "StreamKVEvents, which the router consumes")
     parser.add_argument("--worker-id", default=None)  # type: ignore[attr-defined]
+    parser.add_argument("--advertise-address", default=None,  # type: ignore[attr-defined]
+                        help="host:port routers should dial (default --host:--port); registered in Redis when "
+                             "--index is redis://")
 
 
 def validate_index_url(url: str) -> None:
@@ -280,6 +283,13 @@ async def serve_worker(args: object, role_name: str,
     if args.metrics_port is not None:  # type: ignore[attr-defined]
         metrics.serve(args.metrics_port, args.host)  # type: ignore[attr-defined]
     logger.info("%s worker %s serving %s on %s", role_name, worker_id, model_name, address)
+    registration = None
+    if args.index.startswith(("redis://", "rediss://")):  # type: ignore[attr-defined]
+        from engine.routing.registration import WorkerRegistration  # redis only when it is used
+
+        registration = WorkerRegistration(args.index, role_name,  # type: ignore[attr-defined]
+                                          args.advertise_address or address)  # type: ignore[attr-defined]
+        registration.start()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -288,6 +298,8 @@ async def serve_worker(args: object, role_name: str,
     await stop.wait()
     logger.info("draining in-flight requests (up to %.0f s)", DRAIN_GRACE_S)
     health.draining = True
+    if registration is not None:  # routers stop sending new work here first
+        registration.stop()
     await server.stop(DRAIN_GRACE_S)
     await engine.stop()
     logger.info("%s worker %s stopped", role_name, worker_id)

@@ -8,7 +8,6 @@ Redis registration contract (workers write, routers read):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -17,14 +16,14 @@ from typing import Protocol
 import redis
 
 from engine.routing.redis_index import redact, redis_client
+from engine.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, WorkerRegistration
 from router.config import RouterConfig
 from router.workers import ROLES
 
 logger = logging.getLogger(__name__)
 
 OnChange = Callable[[str, list[str]], None]
-REGISTRATION_PREFIX = "kvflow:workers:"
-REGISTRATION_TTL_S = 3.0
+__all__ = ["REGISTRATION_TTL_S", "WorkerRegistration", "make_discovery"]
 
 
 class Discovery(Protocol):
@@ -80,36 +79,6 @@ class RedisDiscovery:
                     logger.error("worker registry %s unreachable: %s", redact(self.url), exc)
                 self._failing = True
             self._stop.wait(self.poll_s)
-
-
-class WorkerRegistration:
-    """Keeps `kvflow:workers:<role>:<address>` alive in Redis while the worker runs (for --discovery redis)."""
-
-    def __init__(self, url: str, role: str, address: str, ttl_s: float = REGISTRATION_TTL_S) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.key = f"{REGISTRATION_PREFIX}{role}:{address}"
-        self.address = address
-        self.ttl_ms = int(ttl_s * 1000)
-        self._client = redis_client(url)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="redis-registration", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(redis.RedisError):  # the TTL removes it anyway
-            self._client.delete(self.key)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._client.set(self.key, self.address, px=self.ttl_ms)
-            except redis.RedisError as exc:
-                logger.warning("cannot refresh worker registration %s: %s", self.key, exc)
-            self._stop.wait(self.ttl_ms / 3000)
 
 
 def make_discovery(config: RouterConfig, on_change: OnChange) -> Discovery:
