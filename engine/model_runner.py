@@ -29,6 +29,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionBatch, KVCache, TorchPagedAttention
 from engine.config import EngineConfig
+from engine.cpu_linear import pack_linears_for_cpu
 from engine.cuda_graphs import DecodeGraphs, DecodeResult, capture_sizes
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
@@ -128,6 +129,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # the load time logged below includes the device work
         else:
             self.model = model.to(self.dtype).eval()
+            if self.dtype == torch.float32:
+                pack_linears_for_cpu(self.model, batch_hint=min(config.scheduler.max_num_seqs, 128))
             self.model.rotary.to(torch.float32)  # cos/sin cache stays fp32, cast per use
         logger.info("loaded %s (%.1fM params, %s) in %.1fs", config.model.model, arch.num_params / 1e6,
                     config.model.dtype, time.perf_counter() - started)

@@ -11,6 +11,7 @@ without it (CPU) they are the plain torch ops, with exactly the arithmetic of `x
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -172,6 +173,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_ops)
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, fused_ops)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.cpu_logits_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: object) -> torch.Tensor:
@@ -184,8 +186,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; `out` (float32 [rows, vocab]) receives them instead of a new tensor (the decode
         graphs share one buffer across batch sizes)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        if self.cpu_logits_head is not None:  # oneDNN-packed copy on the CPU path (engine/cpu_linear.py)
+            logits = self.cpu_logits_head(hidden)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight)
         return logits.float() if out is None else out.copy_(logits)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
