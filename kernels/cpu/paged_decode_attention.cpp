@@ -1,6 +1,6 @@
 // Decode attention (one query token per sequence) read straight from the paged KV cache, for the CPU path.
-// Each (sequence, kv head) task reads its K and V blocks exactly once for all the query heads that share them
-// (GQA), so a step moves the cache once instead of gathering a padded copy and reading it again.
+// Each sequence's K and V rows are read exactly once for all query heads (GQA included), so a step moves the
+// cache once instead of gathering a padded copy and reading it again.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -33,52 +33,56 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One task per sequence: every token's K (then V) row of all kv heads is one contiguous read, used by every
+  // query head, so each cached byte is fetched from memory once.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(group * head_dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+    std::vector<float> acc(num_heads * head_dim);
+    std::vector<float> denom(num_heads);
+    const int64_t row = num_kv_heads * head_dim;  // floats per token in one block
+    for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t length = len[seq];
       TORCH_CHECK(length >= 1 && length <= max_blocks * block_size, "seq_len outside its block table");
-      scores.assign(group * length, 0.f);
-      const float* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
+      scores.resize(num_heads * length);
+      const float* q_seq = q + seq * num_heads * head_dim;
+      const int64_t* seq_table = table + seq * max_blocks;
       for (int64_t t = 0; t < length; ++t) {
-        const int64_t block = table[seq * max_blocks + t / block_size];
-        const float* key = k + ((block * block_size + t % block_size) * num_kv_heads + kv_head) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q_seq + g * head_dim;
+        const float* key = k + (seq_table[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* qh = q_seq + h * head_dim;
+          const float* kh = key + (h / group) * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * key[d];
-          scores[g * length + t] = dot * fscale;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+          scores[h * length + t] = dot * fscale;
         }
       }
-      std::vector<float> denom(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * length;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * length;
         const float peak = *std::max_element(s, s + length);
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < length; ++t) {
           s[t] = std::exp(s[t] - peak);
           total += s[t];
         }
-        denom[g] = total;
+        denom[h] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < length; ++t) {
-        const int64_t block = table[seq * max_blocks + t / block_size];
-        const float* value = v + ((block * block_size + t % block_size) * num_kv_heads + kv_head) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * length + t];
-          float* a = acc.data() + g * head_dim;
+        const float* value = v + (seq_table[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * length + t];
+          const float* vh = value + (h / group) * head_dim;
+          float* a = acc.data() + h * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* dst = o + (seq * num_heads + kv_head * group + g) * head_dim;
-        const float inv = 1.f / denom[g];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[g * head_dim + d] * inv;
+      float* dst = o + seq * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv = 1.f / denom[h];
+        for (int64_t d = 0; d < head_dim; ++d) dst[h * head_dim + d] = acc[h * head_dim + d] * inv;
       }
     }
   });
