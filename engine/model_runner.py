@@ -30,6 +30,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionBatch, KVCache, TorchPagedAttention
 from engine.config import EngineConfig
 from engine.cpu_linear import pack_linears_for_cpu
+from engine.cpu_memory import keep_freed_memory_for_reuse
 from engine.cuda_graphs import DecodeGraphs, DecodeResult, capture_sizes
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
@@ -131,6 +132,7 @@ class ModelRunner:
             self.model = model.to(self.dtype).eval()
             if self.dtype == torch.float32:
                 pack_linears_for_cpu(self.model, batch_hint=min(config.scheduler.max_num_seqs, 128))
+            keep_freed_memory_for_reuse()
             self.model.rotary.to(torch.float32)  # cos/sin cache stays fp32, cast per use
         logger.info("loaded %s (%.1fM params, %s) in %.1fs", config.model.model, arch.num_params / 1e6,
                     config.model.dtype, time.perf_counter() - started)

@@ -48,13 +48,16 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       const int64_t* seq_table = table + seq * max_blocks;
       for (int64_t t = 0; t < length; ++t) {
         const float* key = k + (seq_table[t / block_size] * block_size + t % block_size) * row;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* qh = q_seq + h * head_dim;
-          const float* kh = key + (h / group) * head_dim;
-          float dot = 0.f;
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {  // one K head row serves its `group` query heads
+          const float* kh = key + kv * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
+            const float* qh = q_seq + h * head_dim;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-          scores[h * length + t] = dot * fscale;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+            scores[h * length + t] = dot * fscale;
+          }
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -71,12 +74,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < length; ++t) {
         const float* value = v + (seq_table[t / block_size] * block_size + t % block_size) * row;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float p = scores[h * length + t];
-          const float* vh = value + (h / group) * head_dim;
-          float* a = acc.data() + h * head_dim;
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+          const float* vh = value + kv * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
+            const float p = scores[h * length + t];
+            float* a = acc.data() + h * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+          }
         }
       }
       float* dst = o + seq * num_heads * head_dim;
