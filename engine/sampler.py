@@ -70,13 +70,13 @@ class Sampler:
             logits = apply_penalties(logits, rows)
         # Decisions come from host-side params, never from device tensors: no GPU sync here.
         is_greedy = [r.params.is_greedy for r in rows]
-        greedy_tokens = logits.argmax(dim=-1)
         if all(is_greedy):
-            return greedy_tokens
-        greedy = torch.tensor(is_greedy, device=logits.device)
+            return logits.argmax(dim=-1)
         device = logits.device
-        temperature = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=device)
-        logits = logits / temperature[:, None]
+        greedy_tokens = logits.argmax(dim=-1) if any(is_greedy) else None
+        temperatures = [max(r.params.temperature, 1e-5) for r in rows]
+        if any(t != 1.0 for t in temperatures):
+            logits = logits / torch.tensor(temperatures, device=device)[:, None]
         vocab = logits.shape[-1]
         top_ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
         top_ps = [r.params.top_p for r in rows]
@@ -96,7 +96,9 @@ class Sampler:
                 uniform[i] = torch.rand((), generator=row.generator, device=device)
         targets = (uniform * cdf[:, -1])[:, None]
         random_tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=vocab - 1)
-        return torch.where(greedy, greedy_tokens, random_tokens)
+        if greedy_tokens is None:
+            return random_tokens
+        return torch.where(torch.tensor(is_greedy, device=device), greedy_tokens, random_tokens)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[PositionLogprobs]:

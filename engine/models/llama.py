@@ -79,6 +79,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        half = head_dim // 2
+        self.register_buffer("cos_half", self.cos[:, :half].contiguous(), persistent=False)
+        self.register_buffer("sin_half", self.sin[:, :half].contiguous(), persistent=False)
         self.fused = fused
         if fused:  # the kernel's layout (vLLM's): [max_pos, D] = cos of each frequency, then sin
             half = head_dim // 2
@@ -89,14 +92,19 @@ class RotaryEmbedding(nn.Module):
         if self.fused:
             rotary_embedding(positions, q, k, self.cos_sin)  # in place, fp32 math
             return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] -> a new rotated tensor. Per half, exactly HF's `x * cos + rotate_half(x) * sin`
+        (cos/sin repeat across halves), with fewer full-size temporaries."""
+        half = x.shape[-1] // 2
+        cos = self.cos_half[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin_half[positions].unsqueeze(1).to(x.dtype)
+        first, second = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        torch.sub(first * cos, second * sin, out=out[..., :half])
+        torch.add(second * cos, first * sin, out=out[..., half:])
+        return out
 
 
 class Attention(nn.Module):
@@ -116,7 +124,8 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: object) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -126,7 +135,12 @@ class Attention(nn.Module):
             out = self.backend.forward_rotary(positions, q, k, v, kv_cache, meta, self.scale,  # type: ignore[attr-defined]
                                               rotary.cos_sin)
         else:
-            q, k = rotary(positions, q, k)
+            if self.q_norm is None:  # q and k are adjacent in qkv: rotate them in one pass
+                qk = rotary.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(
+                    num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            else:
+                q, k = rotary(positions, q, k)
             out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
