@@ -38,8 +38,7 @@ lint: install
 	$(BIN)/ruff check .
 
 bench-cpu: install
-	$(BIN)/kvflow bench throughput --model smollm2 --dtype float32 --num-prompts 64 --input-len 128 \
-	  --output-len 128 --ignore-eos --output-json bench/results/cpu_throughput_smollm2.json
+	bash bench/cpu_throughput.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

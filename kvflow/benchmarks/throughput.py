@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from engine.config import EngineArgs
 from engine.sampling_params import SamplingParams
@@ -60,7 +62,8 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "num_kv_blocks": llm.llm_engine.num_gpu_blocks, "num_preemptions": llm.stats.num_preemptions,
-        "host": platform.machine(), "ignore_eos": ignore_eos,
+        "host": platform.machine(), "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+        "torch": torch.__version__, "ignore_eos": ignore_eos,
     }
     return result, context
 
