@@ -28,8 +28,8 @@ from engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")
-plain = pytest.mark.skipif(INTERPRET, reason="runs in the parent process")
+interp = pytest.mark.triton_interpreter  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
+plain = pytest.mark.outside_interpreter
 
 
 @plain

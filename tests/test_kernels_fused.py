@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("triton")
+import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -27,10 +26,10 @@ from kernels.kv_cache_write import write_kv_cache  # noqa: E402
 from kernels.rotary import build_cos_sin_cache, rotary_embedding  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")
+interp = pytest.mark.triton_interpreter  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
 
 
-@pytest.mark.skipif(INTERPRET, reason="already running under the interpreter")
+@pytest.mark.outside_interpreter
 def test_fused_kernels_under_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]

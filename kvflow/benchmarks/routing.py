@@ -28,6 +28,19 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
+def _histogram_quantile(text: str, name: str, quantile: float) -> float | None:
+    """Upper bound of the bucket holding the quantile (Prometheus text format, unlabelled histogram)."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if bound == "+Inf" else float(bound), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    return next(bound for bound, count in sorted(buckets) if count >= quantile * total)
+
+
 def run_routing_bench(engine_args: EngineArgs, prefill_workers: int, decode_workers: int, num_prefixes: int,
                       prefix_len: int, input_len: int, output_len: int, repeats: int, max_concurrency: int,
                       policies: tuple[str, ...] = POLICY_NAMES) -> dict[str, Any]:
@@ -69,6 +82,7 @@ def run_routing_bench(engine_args: EngineArgs, prefill_workers: int, decode_work
                     "ttft_mean_s": summary["mean_ttft_ms"] / 1e3, "e2el_p50_s": summary["median_e2el_ms"] / 1e3,
                     "prefix_hit_rate": hits / queries if queries else 0.0,
                     "matched_blocks": _metric(metrics, "kvflow:route_prefix_matched_blocks_total"),
+                    "index_lag_p99_s_upper_bound": _histogram_quantile(metrics, "kvflow:index_lag_seconds", 0.99),
                     "completed": summary["completed"], "failed": summary["failed"],
                     "request_throughput": summary["request_throughput"]}
             finally:
