@@ -39,6 +39,26 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
     return [{"prompt_token_ids": row.tolist()} for row in ids]
 
 
+def cpu_model() -> str:
+    """e.g. 'AMD EPYC (family 26, model 2)': the dev VM's host CPU changes between sessions, and with it the speed."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break
+    except OSError:
+        return platform.processor() or "unknown"
+    return f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+
+
+def host_context() -> dict[str, Any]:
+    return {"host": platform.machine(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2), "torch": torch.__version__}
+
+
 def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
                    ignore_eos: bool, seed: int = 0) -> tuple[ThroughputResult, dict[str, Any]]:
     from kvflow.llm import LLM
@@ -62,8 +82,7 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "num_kv_blocks": llm.llm_engine.num_gpu_blocks, "num_preemptions": llm.stats.num_preemptions,
-        "host": platform.machine(), "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-        "torch": torch.__version__, "ignore_eos": ignore_eos,
+        **host_context(), "ignore_eos": ignore_eos,
     }
     return result, context
 
