@@ -233,7 +233,10 @@ def check_vs_hf(report: Report, preset: str, dtype: str, prompts: list[list[int]
     release_memory()
 
 
-def check_eager_vs_graphs(report: Report, preset: str, dtype: str) -> None:
+def check_eager_vs_graphs(report: Report, preset: str, dtype: str, across_batches: bool = True) -> None:
+    """Greedy ids with --enforce-eager on and off, prompts run in groups of 1, 3 and 8. fp32: every run equals
+    eager batch 8. bf16 (`across_batches=False`): eager == graphs at each group size (batches of <= 16 tokens take
+    the small-batch GEMMs, larger prefills cuBLAS, so bf16 ids may legitimately differ between group sizes)."""
     prompts = [p[: 5 + 7 * i] for i, p in enumerate(random_prompts(8, 64, 500, seed=3))]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     results = {}
@@ -247,6 +250,11 @@ def check_eager_vs_graphs(report: Report, preset: str, dtype: str) -> None:
             results[(eager, group)] = outs
         del engine
         release_memory()
+    if not across_batches:
+        same_group = [g for g in (1, 3, 8) if results[(True, g)] == results[(False, g)]]
+        report.check(f"eager_vs_graphs_{preset}_{dtype}", len(same_group) == 3,
+                     f"eager == graphs at group sizes {same_group} of (1, 3, 8)")
+        return
     ref = results[(True, 8)]
     same = [k for k, v in results.items() if v == ref]
     report.check(f"eager_vs_graphs_batch_sizes_{preset}_{dtype}", len(same) == len(results),
@@ -332,6 +340,115 @@ def check_fused_kernels(report: Report) -> None:
         same = all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
         report.check(f"fused_rotary_kv_write_{label}", same, f"bit-identical to rotary + write_kv_cache: {same}")
     report.record({"workload": "fused_kernel_timings", **timings})
+
+
+SMALL_GEMM_SHAPES = {  # (hidden, q + 2 kv, intermediate, vocab)
+    "llama8b": (4096, 6144, 14336, 128256),
+    "qwen05b": (896, 1152, 4864, 151936),
+}
+SMALL_GEMV_CONFIGS = [(4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4),
+                      (8, 1024, 8)]
+SMALL_GEMM_CONFIGS = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 4),
+                      (64, 256, 8, 3), (128, 128, 4, 4), (32, 512, 4, 3)]
+
+
+def unfused_chain(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none", residual: torch.Tensor | None = None,
+                  norm_weight: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  argmax: bool = False, small: bool = False, impl: str = "dot") -> Any:
+    """What the engine ran before kernels/small_gemm.py: norm / SwiGLU kernel, cuBLAS, cast, torch argmax;
+    `small`: the same with the matmul (and argmax) through small_gemm without prologue."""
+    import torch.nn.functional as F
+
+    from kernels.rms_norm import fused_add_rms_norm
+    from kernels.silu_and_mul import silu_and_mul
+    from kernels.small_gemm import small_gemm
+
+    if prologue == "norm":
+        assert residual is not None and norm_weight is not None
+        x = fused_add_rms_norm(x, residual, norm_weight, 1e-5)[0]  # in place: values drift, timing does not
+    elif prologue == "silu":
+        x = silu_and_mul(x)
+    if small:
+        return small_gemm(x, weight, out=out, argmax=argmax, impl=impl)
+    y = F.linear(x, weight)
+    if out is not None:
+        y = out.copy_(y)
+    return y.argmax(dim=-1) if argmax else y
+
+
+def check_small_gemm(report: Report) -> None:
+    """kernels/small_gemm.py on the GPU at Llama-8B / Qwen-0.5B layer shapes, M = 1 and 4: each prologue vs the
+    fp32 torch reference, the residual sum bit-equal, the fused argmax equal to torch's; then, per shape at M = 1,
+    the fused kernel vs the unfused chain it replaces (norm kernel + cuBLAS, SwiGLU kernel + cuBLAS, cuBLAS +
+    cast + argmax) inside a CUDA graph, and a sweep of block configs (GB/s of weight read)."""
+    from kernels.small_gemm import small_gemm, small_gemm_ref
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    timings: dict[str, Any] = {}
+    for label, (hidden, qkv, inter, vocab) in SMALL_GEMM_SHAPES.items():
+        bf = torch.bfloat16
+        w_qkv = (torch.randn(qkv, hidden, generator=g, device=DEV) / hidden**0.5).to(bf)
+        w_o = (torch.randn(hidden, hidden, generator=g, device=DEV) / hidden**0.5).to(bf)
+        w_gu = (torch.randn(2 * inter, hidden, generator=g, device=DEV) / hidden**0.5).to(bf)
+        w_down = (torch.randn(hidden, inter, generator=g, device=DEV) / inter**0.5).to(bf)
+        w_head = (torch.randn(vocab, hidden, generator=g, device=DEV) / hidden**0.5).to(bf)
+        norm_w = (1 + 0.1 * torch.randn(hidden, generator=g, device=DEV)).to(bf)
+        worst, exact = 0.0, True
+        for m in (1, 4):
+            x = torch.randn(m, hidden, generator=g, device=DEV).to(bf)
+            res = torch.randn(m, hidden, generator=g, device=DEV).to(bf)
+            gu = torch.randn(m, 2 * inter, generator=g, device=DEV).to(bf)
+            cases = [(x, w_qkv, dict(prologue="norm", residual=res, norm_weight=norm_w)), (x, w_o, {}),
+                     (gu, w_down, dict(prologue="silu"))]
+            for xin, w, kw in cases:
+                y, rsum, _ = small_gemm(xin, w, **kw)
+                ref, ref_sum = small_gemm_ref(xin, w, **kw)
+                worst = max(worst, float((y.double() - ref.double()).norm() / ref.double().norm()))
+                if ref_sum is not None:
+                    exact &= rsum is not None and torch.equal(rsum, ref_sum)
+            logits = torch.empty(m, vocab, device=DEV)
+            logits, _, tokens = small_gemm(x, w_head, out=logits, argmax=True)
+            exact &= tokens is not None and torch.equal(tokens, logits.argmax(dim=-1))
+        report.check(f"small_gemm_{label}", worst < 1e-2 and exact,
+                     f"worst rel err vs fp32 ref {worst:.2e}; residual sum and argmax exact: {exact}")
+        for m in (1, 4):
+            x = torch.randn(m, hidden, generator=g, device=DEV).to(bf)
+            res = torch.randn(m, hidden, generator=g, device=DEV).to(bf)
+            gu = torch.randn(m, 2 * inter, generator=g, device=DEV).to(bf)
+            logits = torch.empty(m, vocab, device=DEV)
+            norm_kw = dict(prologue="norm", residual=res, norm_weight=norm_w)
+            cases = {"qkv_norm": (x, w_qkv, norm_kw), "o": (x, w_o, {}), "gate_up_norm": (x, w_gu, norm_kw),
+                     "down_silu": (gu, w_down, dict(prologue="silu")),
+                     "lm_head_argmax": (x, w_head, dict(out=logits, argmax=True))}
+            for name, (xin, w, kw) in cases.items():
+                t_fused = graph_time_per_call(functools.partial(small_gemm, xin, w, **kw))
+                t_unfused = graph_time_per_call(functools.partial(unfused_chain, xin, w, **kw))
+                gbps = w.numel() * w.element_size() / t_fused / 1e9
+                entry: dict[str, Any] = {"fused_us": 1e6 * t_fused, "unfused_us": 1e6 * t_unfused,
+                                         "fused_weight_gbps": gbps}
+                if m == 1:
+                    entry["gemv_us"] = 1e6 * graph_time_per_call(
+                        functools.partial(small_gemm, xin, w, impl="gemv", **kw))
+                    entry["plain_dot_us"] = 1e6 * graph_time_per_call(
+                        functools.partial(unfused_chain, xin, w, small=True, **kw))
+                    entry["plain_gemv_us"] = 1e6 * graph_time_per_call(
+                        functools.partial(unfused_chain, xin, w, small=True, impl="gemv", **kw))
+                    gemv_sweep = {}
+                    for gcfg in SMALL_GEMV_CONFIGS:
+                        t = graph_time_per_call(functools.partial(small_gemm, xin, w, impl="gemv", config=gcfg, **kw))
+                        gemv_sweep["x".join(map(str, gcfg))] = round(1e6 * t, 2)
+                    entry["gemv_sweep_us"] = gemv_sweep
+                    sweep = {}
+                    for cfg in SMALL_GEMM_CONFIGS:
+                        try:
+                            t = graph_time_per_call(functools.partial(small_gemm, xin, w, config=cfg, **kw))
+                            sweep["x".join(map(str, cfg))] = round(1e6 * t, 2)
+                        except Exception as exc:  # a config the shape cannot take (e.g. out of shared memory)
+                            sweep["x".join(map(str, cfg))] = f"error: {type(exc).__name__}"
+                    entry["sweep_us"] = sweep
+                timings[f"{label}_{name}_m{m}"] = entry
+                print(f"small_gemm {label} {name} m={m}: " + json.dumps(entry), flush=True)
+    report.record({"workload": "small_gemm_timings", **timings})
 
 
 def kernel_table(fn: Callable[[], Any], reps: int) -> None:
@@ -482,7 +599,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="every workload at reduced size (smoke test)")
     parser.add_argument("--record", action="store_true", help="write bench/results/gpu_<device>.json")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: correctness qwen llama8b (default: all)")
+                        help="subset of: correctness qwen llama8b decode_ab (default: all but decode_ab)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = Report(os.environ.get("OUT"))
@@ -498,9 +615,29 @@ def main() -> None:
     report.meta.update(copy_gbps=copy_bps / 1e9, matmul_tflops=mm_flops / 1e12)
     print("META " + json.dumps(report.meta), flush=True)
     parts = set(args.only or ["correctness", "qwen", "llama8b"])
+
+    def decode_ab() -> None:
+        """Batch-1 decode with the other single-row GEMM variants (engine/models/llama.py SmallGemmMode):
+        cuBLAS with separate norm/SwiGLU kernels, and the kernels/small_gemm.py variants the default is not."""
+        variants = {"cublas": ("0", "gemv"), "fused_gemv": ("fused", "gemv"), "plain_gemv": ("plain", "gemv")}
+        for preset, label, max_len, seqs in (("qwen2.5-0.5b", "qwen05b", 2048, 8),
+                                             ("llama-3.1-8b", "llama8b", 8192 + 64, 256)):
+            for variant, (mode, impl) in variants.items():
+                os.environ["KVFLOW_SMALL_GEMM"], os.environ["KVFLOW_SMALL_GEMM_IMPL"] = mode, impl
+                try:
+                    engine = build_engine(preset, max_model_len=max_len, max_num_seqs=seqs,
+                                          enable_prefix_caching=False)
+                    decode_workload(report, f"{label}_b1_decode_{variant}", engine, None, 128,
+                                    64 if quick else 256, 2, 0)
+                finally:
+                    os.environ.pop("KVFLOW_SMALL_GEMM")
+                    os.environ.pop("KVFLOW_SMALL_GEMM_IMPL")
+                del engine
+                release_memory()
     quick = args.quick
 
     def correctness() -> None:
+        check_small_gemm(report)
         check_fused_kernels(report)
         prompts = [p[: 6 + 9 * i] for i, p in enumerate(random_prompts(4, 64, 500, seed=11))]
         for preset in ("tiny-llama", "tiny-qwen2", "tiny-qwen3"):
@@ -508,6 +645,8 @@ def main() -> None:
             check_vs_hf(report, preset, "bfloat16", prompts, 24)
         check_eager_vs_graphs(report, "tiny-llama", "float32")
         check_eager_vs_graphs(report, "tiny-qwen3", "float32")
+        check_eager_vs_graphs(report, "tiny-llama", "bfloat16", across_batches=False)
+        check_eager_vs_graphs(report, "tiny-qwen2", "bfloat16", across_batches=False)
 
     def qwen() -> None:
         hf = build_hf("qwen2.5-0.5b", torch.bfloat16)
@@ -558,8 +697,15 @@ def main() -> None:
         prefill_workload(report, "llama8b_prefill_8k", engine, 8192, 2 if quick else 3)
         del engine
         release_memory()
+        # Larger batches, as vLLM's offline defaults on >= 70 GiB GPUs allow (16,384 batched tokens, more seqs):
+        # 512 seqs x 640 tokens still fit an H100's KV pool, so nothing is preempted.
+        engine = build_engine("llama-3.1-8b", max_model_len=8192 + 64, max_num_seqs=64 if quick else 512,
+                              max_num_batched_tokens=16384, enable_prefix_caching=False)
+        throughput_workload(report, "llama8b_1000_seqs512_tokens16k", engine, num_prompts, 512, 128, hf_batch)
+        del engine
+        release_memory()
 
-    for name, fn in (("correctness", correctness), ("qwen", qwen), ("llama8b", llama8b)):
+    for name, fn in (("correctness", correctness), ("qwen", qwen), ("llama8b", llama8b), ("decode_ab", decode_ab)):
         if name in parts:
             guarded(report, name, fn)
 

@@ -38,6 +38,8 @@ class DecodeModel(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def compute_logits_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 @dataclass(frozen=True)
 class CapturedDecode:
@@ -131,16 +133,15 @@ class DecodeGraphs:
             prefill_block_tables=None, prefill_cu_seqlens_q=None, prefill_seq_lens=None, prefill_max_q_len=0,
         )
         args = (self.longs[:size], self.longs[size : 2 * size], kv_caches, meta)
-        warm = model.compute_logits(model(*args))  # warm-up outside: Triton compiles, cuBLAS picks its kernels
+        hidden = model(*args)  # warm-up outside: Triton compiles, cuBLAS picks its kernels
         if self.logits_buf is None:  # the largest size is captured first
-            self.logits_buf = torch.empty_like(warm)
-        warm.argmax(dim=-1)
-        del warm
+            self.logits_buf = torch.empty_like(model.compute_logits(hidden))
+        model.compute_logits_argmax(hidden, out=self.logits_buf[:size])
+        del hidden
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = model.compute_logits(model(*args), out=self.logits_buf[:size])
-            tokens = logits.argmax(dim=-1)
+            logits, tokens = model.compute_logits_argmax(model(*args), out=self.logits_buf[:size])
         self.graphs[size] = CapturedDecode(graph, logits, tokens)
 
     def can_run(self, num_seqs: int, max_seq_len: int) -> bool:

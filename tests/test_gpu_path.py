@@ -23,7 +23,7 @@ from engine.config import EngineArgs
 from engine.cuda_graphs import DecodeResult, capture_sizes, default_capture_sizes, padded_size
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, select_attention_backend
-from engine.models.llama import CausalLM
+from engine.models.llama import CausalLM, SmallGemmMode
 from engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_triton_and_fused_ops_match_torch_under_interpreter() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert "2 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "3 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -162,6 +162,51 @@ def test_fused_model_matches_torch_model() -> None:
                 out = fused_model(ids, pos_t, caches["fused"],
                                   fused_model.layers[0].self_attn.backend.build_metadata(batch, torch.device("cpu")))
             assert _rel(out, out_ref) < 1e-5, (preset, _rel(out, out_ref))
+
+
+VARIANTS = (SmallGemmMode(True, 1 << 30, True, "gemv"), SmallGemmMode(True, 1 << 30, True, "dot"),
+            SmallGemmMode(True, 0, False, "gemv"), None)  # fused prologues, the same on tensor cores, none; None: off
+
+
+@interp
+def test_small_batch_gemm_layers_match_the_unfused_layers() -> None:
+    """bf16, single-token steps: the layers through kernels/small_gemm.py (norm + qkv with bias for qwen2,
+    o, norm + gate|up, SwiGLU + down; float32 logits with the argmax fused) against the same fused model with
+    them switched off (norm/SwiGLU kernels + torch linears). The interpreter rounds bf16 its own way, so the
+    comparison is within bf16 tolerance; the fused argmax must be the argmax of the logits it returned."""
+    for preset in ("tiny-llama", "tiny-qwen2"):
+        config = EngineArgs(model=preset, load_format="dummy").create_engine_config()
+        arch, hf = config.model.arch, config.model.hf_config
+        models = {}
+        for variant in VARIANTS:
+            model = CausalLM(arch, hf, TritonPagedAttention(4), 64, fused_ops=True)
+            model.init_dummy_weights(0)
+            model.to(torch.bfloat16)
+            for module in [model, *model.layers]:
+                module.small_gemm = variant is not None
+                module.small_gemm_mode = variant or SmallGemmMode()
+            models[variant] = model
+        shape = (16, 4, arch.num_kv_heads, arch.head_dim)
+        caches = {v: [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+                      for _ in range(arch.num_layers)] for v in models}
+        g = torch.Generator().manual_seed(1)
+        steps = [AttentionBatch([7], [7], [[1, 2]], [4, 5, 6, 7, 8, 9, 10]),  # prefill: the unfused layers
+                 AttentionBatch([1], [8], [[1, 2]], [11]), AttentionBatch([1], [9], [[1, 2, 3]], [12])]
+        positions = [list(range(7)), [7], [8]]
+        for batch, pos in zip(steps, positions, strict=True):
+            ids = torch.randint(0, arch.vocab_size, (len(pos),), generator=g)
+            outs = {}
+            for variant, model in models.items():
+                meta = model.layers[0].self_attn.backend.build_metadata(batch, torch.device("cpu"))
+                with torch.inference_mode():
+                    hidden = model(ids, torch.as_tensor(pos), caches[variant], meta)
+                    logits, tokens = model.compute_logits_argmax(
+                        hidden, torch.full((len(pos), arch.vocab_size), float("nan")))
+                assert torch.equal(tokens, logits.argmax(dim=-1))
+                outs[variant] = (hidden, logits)
+            for variant in VARIANTS[:-1]:
+                for i in (0, 1):  # hidden states, logits
+                    assert _rel(outs[variant][i], outs[None][i]) < 3e-2, (preset, variant, i)
 
 
 class EagerDecodeGraphs:

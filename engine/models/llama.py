@@ -11,7 +11,9 @@ without it (CPU) they are the plain torch ops, with exactly the arithmetic of `x
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from engine.config import ModelArch
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
 from kernels.silu_and_mul import silu_and_mul
+from kernels.small_gemm import small_gemm
 
 
 class RMSNorm(nn.Module):
@@ -48,6 +51,31 @@ class RMSNorm(nn.Module):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x
         return self(residual), residual
+
+
+@dataclass(frozen=True)
+class SmallGemmMode:
+    """How single-token steps run their linear layers on the Triton path (kernels/small_gemm.py), as measured on
+    an H100 (bench/GPU_NOTES.md): CUDA-core GEMVs beat cuBLAS's split-K pair; SwiGLU folds into the down
+    projection for free; the residual-add + RMSNorm folds in only for narrow hidden sizes (its extra pass over
+    the hidden vector, repeated by every program, costs more than the separate norm kernel at 4096).
+    Read once at model build; KVFLOW_SMALL_GEMM = auto | plain (no prologues) | fused (all prologues) | 0 (cuBLAS)
+    and KVFLOW_SMALL_GEMM_IMPL = gemv | dot exist for A/B timing in bench/gpu_bench.py."""
+
+    enabled: bool = True
+    norm_max_hidden: int = 2048  # fuse the norm into the GEMM when hidden_size <= this
+    fuse_silu: bool = True
+    impl: str = "gemv"
+
+    @staticmethod
+    def from_env() -> SmallGemmMode:
+        mode = os.environ.get("KVFLOW_SMALL_GEMM", "auto")
+        impl = os.environ.get("KVFLOW_SMALL_GEMM_IMPL", "gemv")
+        if mode not in ("auto", "plain", "fused", "0") or impl not in ("gemv", "dot"):
+            raise ValueError(f"KVFLOW_SMALL_GEMM must be auto, plain, fused or 0 and KVFLOW_SMALL_GEMM_IMPL gemv or "
+                             f"dot, got {mode!r} and {impl!r}")
+        norm_max = {"auto": 2048, "plain": 0, "fused": 1 << 30, "0": 0}[mode]
+        return SmallGemmMode(enabled=mode != "0", norm_max_hidden=norm_max, fuse_silu=mode != "plain", impl=impl)
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -123,8 +151,13 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: object) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        out = self.attend(positions, self.qkv_proj(x), rotary, kv_cache, meta)
+        return self.o_proj(out)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+               meta: object) -> torch.Tensor:
+        """qkv [T, q + 2 kv] -> attention output [T, q] (before o_proj): q/k norms, rotary, KV write, attention."""
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -142,10 +175,12 @@ class Attention(nn.Module):
             else:
                 q, k = rotary(positions, q, k)
             out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 CPU_MLP_ROWS = 1024
+SMALL_GEMM_ROWS = 1
+HEAD_IMPL = "dot"  # the vocabulary projection: tensor-core tiles matched or beat the GEMV (95 vs 101 us, Qwen)
 
 
 class MLP(nn.Module):
@@ -180,14 +215,56 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, backend, fused)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
         self.mlp = MLP(arch, fused)
+        self.small_gemm_mode = SmallGemmMode.from_env()
+        self.small_gemm = fused and self.small_gemm_mode.enabled
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding, kv_cache: KVCache, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's output (the embeddings for the first layer); returns (MLP output, residual)."""
+        if self.small_gemm and uses_small_gemm(x):
+            return self._forward_small_batch(positions, x, residual, rotary, kv_cache, meta)
         h, residual = self.input_layernorm.add_norm(x, residual)
         h = self.self_attn(positions, h, rotary, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_small_batch(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                             rotary: RotaryEmbedding, kv_cache: KVCache, meta: object
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer for single-token steps on CUDA: the four linears as one-row GEMV kernels with SwiGLU
+        (and, for narrow models, the residual-add + RMSNorm) folded in, instead of cuBLAS's split-K GEMM +
+        reduce pairs and separate norm / activation kernels (kernels/small_gemm.py, `SmallGemmMode`)."""
+        attn, mlp, mode = self.self_attn, self.mlp, self.small_gemm_mode
+        if x.shape[-1] <= mode.norm_max_hidden:
+            qkv, residual = _norm_linear(x, residual, self.input_layernorm, attn.qkv_proj, mode.impl)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+            qkv = small_gemm(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, impl=mode.impl)[0]
+        h = small_gemm(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight, impl=mode.impl)[0]
+        if h.shape[-1] <= mode.norm_max_hidden:
+            gate_up, residual = _norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, mode.impl)
+        else:
+            h, residual = self.post_attention_layernorm.add_norm(h, residual)
+            gate_up = small_gemm(h, mlp.gate_up_proj.weight, impl=mode.impl)[0]
+        if mode.fuse_silu:
+            return small_gemm(gate_up, mlp.down_proj.weight, prologue="silu", impl=mode.impl)[0], residual
+        return small_gemm(silu_and_mul(gate_up), mlp.down_proj.weight, impl=mode.impl)[0], residual
+
+
+def uses_small_gemm(x: torch.Tensor) -> bool:
+    """Single-token half-precision steps (batch-1 decode) take the fused small-batch GEMMs: with more rows their
+    prologues run on a padded tile and lose to cuBLAS (measured, bench/GPU_NOTES.md); fp32 keeps cuBLAS, whose
+    results the fp32 HF-equality checks compare against. Only models built with the Triton ops ask: on CUDA, or
+    on CPU under Triton's interpreter in the tests."""
+    return x.shape[0] <= SMALL_GEMM_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear, impl: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(residual + x)), residual + x) in one kernel; with no residual yet, x starts it."""
+    y, residual_sum, _ = small_gemm(x, linear.weight, prologue="norm", bias=linear.bias, residual=residual,
+                                    norm_weight=norm.weight, eps=norm.eps, impl=impl)
+    return y, (x if residual_sum is None else residual_sum)
 
 
 class CausalLM(nn.Module):
@@ -201,6 +278,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, fused_ops)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.cpu_logits_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.small_gemm_mode = SmallGemmMode.from_env()
+        self.small_gemm = fused_ops and self.small_gemm_mode.enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: object) -> torch.Tensor:
@@ -215,10 +294,25 @@ class CausalLM(nn.Module):
         graphs share one buffer across batch sizes)."""
         if self.cpu_logits_head is not None:  # oneDNN-packed copy on the CPU path (engine/cpu_linear.py)
             logits = self.cpu_logits_head(hidden)
+        elif self.small_gemm and uses_small_gemm(hidden):  # float32 straight from the GEMM's accumulator
+            return small_gemm(hidden, self._head_weight(), impl=HEAD_IMPL,
+                              out=out if out is not None else torch.empty(
+                                  hidden.shape[0], self.arch.vocab_size, dtype=torch.float32, device=hidden.device))[0]
         else:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight)
+            logits = F.linear(hidden, self._head_weight())
         return logits.float() if out is None else out.copy_(logits)
+
+    def compute_logits_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`compute_logits` into `out` and the greedy ids (the first index of each row's max) of those logits;
+        on the small-batch path the argmax is reduced inside the GEMM and never re-reads the logits."""
+        if self.small_gemm and self.cpu_logits_head is None and uses_small_gemm(hidden):
+            logits, _, tokens = small_gemm(hidden, self._head_weight(), out=out, argmax=True, impl=HEAD_IMPL)
+            return logits, tokens  # type: ignore[return-value]
+        logits = self.compute_logits(hidden, out=out)
+        return logits, logits.argmax(dim=-1)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q|k|v and gate|up; every parameter must be covered."""
