@@ -619,7 +619,8 @@ def main() -> None:
     def decode_ab() -> None:
         """Batch-1 decode with the other single-row GEMM variants (engine/models/llama.py SmallGemmMode):
         cuBLAS with separate norm/SwiGLU kernels, and the kernels/small_gemm.py variants the default is not."""
-        variants = {"cublas": ("0", "gemv"), "fused_gemv": ("fused", "gemv"), "plain_gemv": ("plain", "gemv")}
+        variants = {"auto": ("auto", "gemv"), "cublas": ("0", "gemv"), "fused_gemv": ("fused", "gemv"),
+                    "plain_gemv": ("plain", "gemv")}
         for preset, label, max_len, seqs in (("qwen2.5-0.5b", "qwen05b", 2048, 8),
                                              ("llama-3.1-8b", "llama8b", 8192 + 64, 256)):
             for variant, (mode, impl) in variants.items():
