@@ -617,22 +617,23 @@ def main() -> None:
     parts = set(args.only or ["correctness", "qwen", "llama8b"])
 
     def decode_ab() -> None:
-        """Batch-1 decode with the other single-row GEMM variants (engine/models/llama.py SmallGemmMode):
-        cuBLAS with separate norm/SwiGLU kernels, and the kernels/small_gemm.py variants the default is not."""
-        variants = {"auto": ("auto", "gemv"), "cublas": ("0", "gemv"), "fused_gemv": ("fused", "gemv"),
-                    "plain_gemv": ("plain", "gemv")}
+        """Batch-1 decode A/B: the default, without programmatic dependent launch (KVFLOW_PDL=0), cuBLAS with
+        separate norm/SwiGLU kernels (engine/models/llama.py SmallGemmMode), and GEMVs without prologues."""
+        variants = {"auto": {}, "auto_no_pdl": {"KVFLOW_PDL": "0"}, "cublas": {"KVFLOW_SMALL_GEMM": "0"},
+                    "cublas_no_pdl": {"KVFLOW_SMALL_GEMM": "0", "KVFLOW_PDL": "0"},
+                    "plain_gemv": {"KVFLOW_SMALL_GEMM": "plain"}}
         for preset, label, max_len, seqs in (("qwen2.5-0.5b", "qwen05b", 2048, 8),
                                              ("llama-3.1-8b", "llama8b", 8192 + 64, 256)):
-            for variant, (mode, impl) in variants.items():
-                os.environ["KVFLOW_SMALL_GEMM"], os.environ["KVFLOW_SMALL_GEMM_IMPL"] = mode, impl
+            for variant, env in variants.items():
+                os.environ.update(env)
                 try:
                     engine = build_engine(preset, max_model_len=max_len, max_num_seqs=seqs,
                                           enable_prefix_caching=False)
                     decode_workload(report, f"{label}_b1_decode_{variant}", engine, None, 128,
                                     64 if quick else 256, 2, 0)
                 finally:
-                    os.environ.pop("KVFLOW_SMALL_GEMM")
-                    os.environ.pop("KVFLOW_SMALL_GEMM_IMPL")
+                    for key in env:
+                        os.environ.pop(key)
                 del engine
                 release_memory()
     quick = args.quick

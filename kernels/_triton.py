@@ -9,6 +9,7 @@ NameError.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,6 +24,14 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
 
+try:  # pragma: no cover - depends on the Triton version
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - depends on the Triton version
+    gdc_launch_dependents = gdc_wait = None  # type: ignore[assignment]
+    HAS_GDC = False
+
 __all__ = [
     "HAS_TRITON",
     "triton",
@@ -31,6 +40,10 @@ __all__ = [
     "next_pow2",
     "check_cache_layout",
     "dot_needs_upcast",
+    "use_pdl",
+    "pdl_launch",
+    "gdc_wait",
+    "gdc_launch_dependents",
 ]
 
 
@@ -79,3 +92,25 @@ def dot_needs_upcast(dtype: torch.dtype) -> bool:
     its native bf16 products.
     """
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _device_supports_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Launch with programmatic dependent launch (Hopper and later): the next kernel's programs are scheduled
+    while this one drains and wait in `gdc_wait` until its writes are visible, hiding the ~1 us gap between the
+    small kernels of a decode step. Kernels that take a `PDL` flag call `gdc_wait` before touching memory, so
+    read-after-write and write-after-read order hold. KVFLOW_PDL=0 turns it off (A/B timing)."""
+    if not HAS_GDC or device.type != "cuda" or os.environ.get("KVFLOW_PDL", "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel with a `PDL` flag: PDL=use_pdl(device), plus launch_pdl when on."""
+    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}

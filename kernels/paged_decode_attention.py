@@ -29,7 +29,10 @@ from kernels._triton import (
     HAS_TRITON,
     check_cache_layout,
     dot_needs_upcast,
+    gdc_launch_dependents,
+    gdc_wait,
     next_pow2,
+    pdl_launch,
     require_triton,
     tl,
     triton,
@@ -76,7 +79,11 @@ if HAS_TRITON:
         S_PAD: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -184,7 +191,11 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_PAD)
@@ -370,6 +381,7 @@ def paged_decode_attention(
         num_splits,
         num_warps=num_warps,
         **common,
+        **pdl_launch(query.device),
     )
     if num_splits > 1 and not combine:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -384,6 +396,7 @@ def paged_decode_attention(
             D_PAD=d_pad,
             S_PAD=next_pow2(num_splits),
             num_warps=4,
+            **pdl_launch(query.device),
         )
     return out
 

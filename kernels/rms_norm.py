@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
+from kernels._triton import (
+    HAS_TRITON,
+    gdc_launch_dependents,
+    gdc_wait,
+    next_pow2,
+    pdl_launch,
+    require_triton,
+    tl,
+    triton,
+)
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_ref", "fused_add_rms_norm_ref"]
 
@@ -30,7 +39,11 @@ if HAS_TRITON:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -81,6 +94,7 @@ def _launch(x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, out
         HAS_RESIDUAL=res is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
+        **pdl_launch(x.device),
     )
 
 

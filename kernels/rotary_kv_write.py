@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, check_cache_layout, next_pow2, require_triton, tl, triton
+from kernels._triton import (
+    HAS_TRITON,
+    check_cache_layout,
+    gdc_launch_dependents,
+    gdc_wait,
+    next_pow2,
+    pdl_launch,
+    require_triton,
+    tl,
+    triton,
+)
 from kernels.kv_cache_write import write_kv_cache_ref
 from kernels.rotary import rotary_embedding_ref
 
@@ -46,7 +56,11 @@ if HAS_TRITON:
         HALF: tl.constexpr,
         HALF_PAD: tl.constexpr,
         PAGE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + t)
         offs_half = tl.arange(0, HALF_PAD)
@@ -129,7 +143,7 @@ def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, QH_PAD=next_pow2(num_heads),
         KH_PAD=next_pow2(num_kv_heads), HALF=half, HALF_PAD=next_pow2(half), PAGE=key_cache.shape[1],
-        num_warps=4 if elems >= 2048 else 1,
+        num_warps=4 if elems >= 2048 else 1, **pdl_launch(q.device),
     )
 
 

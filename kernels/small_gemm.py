@@ -23,7 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, dot_needs_upcast, require_triton, tl, triton
+from kernels._triton import (
+    HAS_TRITON,
+    dot_needs_upcast,
+    gdc_launch_dependents,
+    gdc_wait,
+    pdl_launch,
+    require_triton,
+    tl,
+    triton,
+)
 
 __all__ = ["MAX_ROWS", "small_gemm", "small_gemm_ref", "argmax_from_partials", "PROLOGUES"]
 
@@ -49,7 +58,11 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -141,7 +154,10 @@ if HAS_TRITON:
             tl.store(PartIdx + offs_m * parts + pid, first, mask=mask_m)
 
     @triton.jit
-    def _argmax_reduce_kernel(PartMax, PartIdx, Out, P, BLOCK: tl.constexpr):
+    def _argmax_reduce_kernel(PartMax, PartIdx, Out, P, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_idx = tl.full([BLOCK], 2147483647, tl.int32)
@@ -170,9 +186,13 @@ if HAS_TRITON:
         ARGMAX: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One row, no tensor cores: the prologue stays in registers (no trip through shared memory into the
         MMA), products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile reduced once at the end."""
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -301,7 +321,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none",
             part_max if part_max is not None else out, part_idx if part_idx is not None else out,
             n, k, weight.stride(0), float(eps),
             PROLOGUE=_PROLOGUE_CODE[prologue], HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            ARGMAX=argmax, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            ARGMAX=argmax, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch(x.device),
         )
         if argmax:
             argmax_from_partials(part_max, part_idx, tokens)  # type: ignore[arg-type]
@@ -317,6 +337,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none",
         PROLOGUE=_PROLOGUE_CODE[prologue], HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         ARGMAX=argmax, UPCAST=dot_needs_upcast(weight.dtype) or weight.dtype == torch.float32, ONE_ROW=m == 1,
         BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x.device),
     )
     if argmax:
         argmax_from_partials(part_max, part_idx, tokens)  # type: ignore[arg-type]
@@ -327,7 +348,7 @@ def argmax_from_partials(part_max: torch.Tensor, part_idx: torch.Tensor, out: to
     """Per row, the index of the largest partial max (lowest index on ties): [M, P] -> out [M] int64."""
     require_triton("argmax_from_partials")
     m, p = part_max.shape
-    _argmax_reduce_kernel[(m,)](part_max, part_idx, out, p, BLOCK=1024, num_warps=4)
+    _argmax_reduce_kernel[(m,)](part_max, part_idx, out, p, BLOCK=1024, num_warps=4, **pdl_launch(out.device))
     return out
 
 
