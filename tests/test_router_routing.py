@@ -112,7 +112,9 @@ def test_requests_follow_their_cached_prefix(harness: Harness) -> None:
         assert route.prefill.address == holders[seed] and route.matched_blocks == 8
         complete = harness.generate(prompt(seed) + [7] * BLOCK)
         assert complete.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
-    assert len(set(holders.values())) == 2, "load should spread distinct prefixes over both workers"
+    # Which worker took each fresh prefix is not asserted: requests run one after another, so both workers are
+    # idle (KV usage counts referenced blocks only) and the tie is broken at random (a "both workers used" check
+    # failed 1 run in 8). Load-based spreading is checked deterministically in test_routing_policy.py.
 
 
 def test_index_matches_worker_caches_under_eviction(harness: Harness) -> None:
