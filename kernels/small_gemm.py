@@ -44,6 +44,40 @@ _BLOCK_M = 16
 if HAS_TRITON:
 
     @triton.jit
+    def _row_rstd(X, Res, ResOut, K, eps, pid, HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row's 1 / rms of x (+ residual); program 0 stores the residual sum."""
+        sq = 0.0
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            s = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                s += tl.load(Res + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                if pid == 0:
+                    tl.store(ResOut + offs_k, s.to(ResOut.dtype.element_ty), mask=mask_k)
+            sq += tl.sum(s * s, axis=0)
+        return 1.0 / tl.sqrt(sq / K + eps)
+
+    @triton.jit
+    def _row_operand(X, Res, NormW, W, offs_k, mask_k, K, rstd, PROLOGUE: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+        """One row's [BLOCK_K] slice of prologue(x), rounded to the weight dtype as the unfused kernels store it."""
+        if PROLOGUE == 2:
+            gate = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            up = tl.load(X + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            a = (gate / (1.0 + tl.exp(-gate)) * up).to(W.dtype.element_ty)
+        elif PROLOGUE == 1:
+            s = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                s += tl.load(Res + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            nw = tl.load(NormW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            a = (s * rstd * nw).to(W.dtype.element_ty)
+        else:
+            a = tl.load(X + offs_k, mask=mask_k, other=0.0).to(W.dtype.element_ty)
+        return a
+
+
+    @triton.jit
     def _small_gemm_kernel(
         X, Res, ResOut, NormW, W, Bias, Y, PartMax, PartIdx,
         M, N, K,
@@ -69,36 +103,25 @@ if HAS_TRITON:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
-        if PROLOGUE == 1:
+        rstd1 = 1.0
+        if PROLOGUE == 1 and ONE_ROW:
+            rstd1 = _row_rstd(X, Res, ResOut, K, eps, pid, HAS_RESIDUAL, BLOCK_K)
+        if PROLOGUE == 1 and not ONE_ROW:
             # First pass over K: the rows' mean square (and the residual sum, stored once by program 0).
-            if ONE_ROW:
-                sq1 = 0.0
-            else:
-                sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+            sq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < K
-                if ONE_ROW:
-                    s1 = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    if HAS_RESIDUAL:
-                        s1 += tl.load(Res + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                        if pid == 0:
-                            tl.store(ResOut + offs_k, s1.to(ResOut.dtype.element_ty), mask=mask_k)
-                    sq1 += tl.sum(s1 * s1, axis=0)
-                else:
-                    mask = mask_m[:, None] & mask_k[None, :]
-                    s = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-                    if HAS_RESIDUAL:
-                        s += tl.load(Res + offs_m.to(tl.int64)[:, None] * stride_rm + offs_k[None, :], mask=mask,
-                                     other=0.0).to(tl.float32)
-                        if pid == 0:
-                            tl.store(ResOut + offs_m.to(tl.int64)[:, None] * stride_om + offs_k[None, :],
-                                     s.to(ResOut.dtype.element_ty), mask=mask)
-                    sq += tl.sum(s * s, axis=1)
-            if ONE_ROW:
-                rstd1 = 1.0 / tl.sqrt(sq1 / K + eps)
-            else:
-                rstd = 1.0 / tl.sqrt(sq / K + eps)
+                mask = mask_m[:, None] & mask_k[None, :]
+                s = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    s += tl.load(Res + offs_m.to(tl.int64)[:, None] * stride_rm + offs_k[None, :], mask=mask,
+                                 other=0.0).to(tl.float32)
+                    if pid == 0:
+                        tl.store(ResOut + offs_m.to(tl.int64)[:, None] * stride_om + offs_k[None, :],
+                                 s.to(ResOut.dtype.element_ty), mask=mask)
+                sq += tl.sum(s * s, axis=1)
+            rstd = 1.0 / tl.sqrt(sq / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         w_cols = W + offs_n.to(tl.int64)[None, :] * stride_wn
         for k0 in range(0, K, BLOCK_K):
@@ -107,18 +130,7 @@ if HAS_TRITON:
             if ONE_ROW:
                 # One real row: the prologue runs on a [BLOCK_K] vector, which is then broadcast to the 16 rows
                 # tl.dot needs (the copies are masked at the store), so the padding costs no arithmetic.
-                if PROLOGUE == 2:
-                    gate1 = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    up1 = tl.load(X + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    a1 = (gate1 / (1.0 + tl.exp(-gate1)) * up1).to(W.dtype.element_ty)
-                elif PROLOGUE == 1:
-                    s1 = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    if HAS_RESIDUAL:
-                        s1 += tl.load(Res + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    nw1 = tl.load(NormW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    a1 = (s1 * rstd1 * nw1).to(W.dtype.element_ty)
-                else:
-                    a1 = tl.load(X + offs_k, mask=mask_k, other=0.0).to(W.dtype.element_ty)
+                a1 = _row_operand(X, Res, NormW, W, offs_k, mask_k, K, rstd1, PROLOGUE, HAS_RESIDUAL)
                 a = tl.broadcast_to(a1[None, :], (BLOCK_M, BLOCK_K))
             else:
                 mask = mask_m[:, None] & mask_k[None, :]
@@ -196,36 +208,16 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+        rstd = 1.0
         if PROLOGUE == 1:
-            sq = 0.0
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                s = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    s += tl.load(Res + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    if pid == 0:
-                        tl.store(ResOut + offs_k, s.to(ResOut.dtype.element_ty), mask=mask_k)
-                sq += tl.sum(s * s, axis=0)
-            rstd = 1.0 / tl.sqrt(sq / K + eps)
+            rstd = _row_rstd(X, Res, ResOut, K, eps, pid, HAS_RESIDUAL, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            if PROLOGUE == 2:
-                gate = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                up = tl.load(X + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                a = (gate / (1.0 + tl.exp(-gate)) * up).to(W.dtype.element_ty)
-            elif PROLOGUE == 1:
-                s = tl.load(X + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    s += tl.load(Res + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                nw = tl.load(NormW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                a = (s * rstd * nw).to(W.dtype.element_ty)
-            else:
-                a = tl.load(X + offs_k, mask=mask_k, other=0.0).to(W.dtype.element_ty)
+            a = _row_operand(X, Res, NormW, W, offs_k, mask_k, K, rstd, PROLOGUE, HAS_RESIDUAL)
             acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
