@@ -346,8 +346,6 @@ SMALL_GEMM_SHAPES = {  # (hidden, q + 2 kv, intermediate, vocab)
     "llama8b": (4096, 6144, 14336, 128256),
     "qwen05b": (896, 1152, 4864, 151936),
 }
-SMALL_GEMV_CONFIGS = [(4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4),
-                      (8, 1024, 8)]
 SMALL_GEMM_CONFIGS = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 4),
                       (64, 256, 8, 3), (128, 128, 4, 4), (32, 512, 4, 3)]
 
@@ -380,7 +378,8 @@ def check_small_gemm(report: Report) -> None:
     """kernels/small_gemm.py on the GPU at Llama-8B / Qwen-0.5B layer shapes, M = 1 and 4: each prologue vs the
     fp32 torch reference, the residual sum bit-equal, the fused argmax equal to torch's; then, per shape at M = 1,
     the fused kernel vs the unfused chain it replaces (norm kernel + cuBLAS, SwiGLU kernel + cuBLAS, cuBLAS +
-    cast + argmax) inside a CUDA graph, and a sweep of block configs (GB/s of weight read)."""
+    cast + argmax) inside a CUDA graph, and a sweep of the tl.dot kernel's block configs (the GEMV's streaming
+    variants are timed in context by bench/gpu_gemv.py)."""
     from kernels.small_gemm import small_gemm, small_gemm_ref
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -433,11 +432,6 @@ def check_small_gemm(report: Report) -> None:
                         functools.partial(unfused_chain, xin, w, small=True, **kw))
                     entry["plain_gemv_us"] = 1e6 * graph_time_per_call(
                         functools.partial(unfused_chain, xin, w, small=True, impl="gemv", **kw))
-                    gemv_sweep = {}
-                    for gcfg in SMALL_GEMV_CONFIGS:
-                        t = graph_time_per_call(functools.partial(small_gemm, xin, w, impl="gemv", config=gcfg, **kw))
-                        gemv_sweep["x".join(map(str, gcfg))] = round(1e6 * t, 2)
-                    entry["gemv_sweep_us"] = gemv_sweep
                     sweep = {}
                     for cfg in SMALL_GEMM_CONFIGS:
                         try:
@@ -599,7 +593,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="every workload at reduced size (smoke test)")
     parser.add_argument("--record", action="store_true", help="write bench/results/gpu_<device>.json")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: correctness qwen llama8b decode_ab (default: all but decode_ab)")
+                        help="subset of: correctness qwen llama8b gemv decode_ab (default: all but decode_ab)")
+    parser.add_argument("--ab", nargs="*", default=None, help="decode_ab variants to run (default: all)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = Report(os.environ.get("OUT"))
@@ -614,17 +609,25 @@ def main() -> None:
     torch.cuda.empty_cache()
     report.meta.update(copy_gbps=copy_bps / 1e9, matmul_tflops=mm_flops / 1e12)
     print("META " + json.dumps(report.meta), flush=True)
-    parts = set(args.only or ["correctness", "qwen", "llama8b"])
+    parts = set(args.only or ["correctness", "gemv", "qwen", "llama8b"])
 
     def decode_ab() -> None:
         """Batch-1 decode A/B: the default, without programmatic dependent launch (KVFLOW_PDL=0), cuBLAS with
-        separate norm/SwiGLU kernels (engine/models/llama.py SmallGemmMode), and GEMVs without prologues."""
+        separate norm/SwiGLU kernels (engine/models/llama.py SmallGemmMode), GEMVs without prologues, and the
+        GEMV's load-streaming flags (KVFLOW_GEMV, kernels/small_gemm.py GemvConfig); --ab picks some."""
         variants = {"auto": {}, "auto_no_pdl": {"KVFLOW_PDL": "0"}, "cublas": {"KVFLOW_SMALL_GEMM": "0"},
                     "cublas_no_pdl": {"KVFLOW_SMALL_GEMM": "0", "KVFLOW_PDL": "0"},
-                    "plain_gemv": {"KVFLOW_SMALL_GEMM": "plain"}}
+                    "plain_gemv": {"KVFLOW_SMALL_GEMM": "plain"}, "gemv_none": {"KVFLOW_GEMV": "none"},
+                    "gemv_pipelined": {"KVFLOW_GEMV": "pipelined"}, "gemv_prefetch": {"KVFLOW_GEMV": "prefetch"},
+                    "gemv_pipelined_prefetch": {"KVFLOW_GEMV": "pipelined,prefetch"},
+                    "gemv_all": {"KVFLOW_GEMV": "pipelined,prefetch,evict_first"}}
+        unknown = set(args.ab or ()) - set(variants)
+        if unknown:
+            raise ValueError(f"unknown --ab variants {sorted(unknown)}; known: {sorted(variants)}")
+        chosen = {k: v for k, v in variants.items() if not args.ab or k in args.ab}
         for preset, label, max_len, seqs in (("qwen2.5-0.5b", "qwen05b", 2048, 8),
                                              ("llama-3.1-8b", "llama8b", 8192 + 64, 256)):
-            for variant, env in variants.items():
+            for variant, env in chosen.items():
                 os.environ.update(env)
                 try:
                     engine = build_engine(preset, max_model_len=max_len, max_num_seqs=seqs,
@@ -636,6 +639,15 @@ def main() -> None:
                         os.environ.pop(key)
                 del engine
                 release_memory()
+
+    def gemv() -> None:
+        from gpu_gemv import gemv_stream_record
+
+        record, checks = gemv_stream_record()
+        for name, ok, detail in checks:
+            report.check(name, ok, detail)
+        report.record({"device": report.meta["device"], **record})
+
     quick = args.quick
 
     def correctness() -> None:
@@ -707,7 +719,9 @@ def main() -> None:
         del engine
         release_memory()
 
-    for name, fn in (("correctness", correctness), ("qwen", qwen), ("llama8b", llama8b), ("decode_ab", decode_ab)):
+    parts_in_order = (("correctness", correctness), ("gemv", gemv), ("qwen", qwen), ("llama8b", llama8b),
+                      ("decode_ab", decode_ab))
+    for name, fn in parts_in_order:
         if name in parts:
             guarded(report, name, fn)
 

@@ -40,6 +40,7 @@ __all__ = [
     "next_pow2",
     "check_cache_layout",
     "dot_needs_upcast",
+    "sm_count",
     "use_pdl",
     "pdl_launch",
     "gdc_wait",
@@ -92,6 +93,19 @@ def dot_needs_upcast(dtype: torch.dtype) -> bool:
     its native bf16 products.
     """
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (tile heuristics size grids by it); 132 (an H100 / H200) for
+    the CPU interpreter, where only the tiles' validity matters."""
+    if device.type != "cuda":
+        return 132
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

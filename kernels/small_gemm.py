@@ -21,6 +21,8 @@ steps. Rows of x are re-read by every program, from L2 (a few KB). The torch ref
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._triton import (
@@ -30,11 +32,12 @@ from kernels._triton import (
     gdc_wait,
     pdl_launch,
     require_triton,
+    sm_count,
     tl,
     triton,
 )
 
-__all__ = ["MAX_ROWS", "small_gemm", "small_gemm_ref", "argmax_from_partials", "PROLOGUES"]
+__all__ = ["MAX_ROWS", "GemvConfig", "prefers_gemv_head", "small_gemm", "small_gemm_ref", "argmax_from_partials", "PROLOGUES"]
 
 MAX_ROWS = 16
 PROLOGUES = ("none", "norm", "silu")
@@ -198,27 +201,51 @@ if HAS_TRITON:
         ARGMAX: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PIPELINED: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        EVICT: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One row, no tensor cores: the prologue stays in registers (no trip through shared memory into the
-        MMA), products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile reduced once at the end."""
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        MMA), products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile reduced once at the end.
+
+        PIPELINED keeps the next weight tile (and operand slice) in flight while this one is multiplied, so each
+        program has two tiles of loads outstanding instead of one. PREFETCH (with PDL) issues the first weight
+        tile before `gdc_wait`: weights are never written during a step, so the program streams them while the
+        previous kernel drains, and only the activations wait."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+        offs_b = tl.arange(0, BLOCK_K)
+        w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+        if PDL and PREFETCH:
+            w = tl.load(w_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K)[None, :], other=0.0,
+                        eviction_policy=EVICT)
+        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
+            gdc_wait()
+            gdc_launch_dependents()
+        if not (PDL and PREFETCH):
+            w = tl.load(w_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K)[None, :], other=0.0,
+                        eviction_policy=EVICT)
         rstd = 1.0
         if PROLOGUE == 1:
             rstd = _row_rstd(X, Res, ResOut, K, eps, pid, HAS_RESIDUAL, BLOCK_K)
+        a = _row_operand(X, Res, NormW, W, offs_b, offs_b < K, K, rstd, PROLOGUE, HAS_RESIDUAL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):  # k0: the next tile (past K on the last pass: masked)
+            offs_k = k0 + offs_b
             mask_k = offs_k < K
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            a = _row_operand(X, Res, NormW, W, offs_k, mask_k, K, rstd, PROLOGUE, HAS_RESIDUAL)
-            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            if PIPELINED:
+                w_next = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                                 eviction_policy=EVICT)
+                a_next = _row_operand(X, Res, NormW, W, offs_k, mask_k, K, rstd, PROLOGUE, HAS_RESIDUAL)
+                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+                w, a = w_next, a_next
+            else:
+                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                            eviction_policy=EVICT)
+                a = _row_operand(X, Res, NormW, W, offs_k, mask_k, K, rstd, PROLOGUE, HAS_RESIDUAL)
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -231,9 +258,50 @@ if HAS_TRITON:
             tl.store(PartIdx + pid, tl.min(tl.where(vals == best, offs_n, N), axis=0))
 
 
-def _gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of the one-row kernel: many small programs keep enough loads in flight."""
-    return 8, 512 if k >= 512 else max(16, 1 << (k - 1).bit_length()), 4
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiling and load streaming of the one-row kernel (impl="gemv"); None tiles come from the shape.
+
+    Defaults from bench/gpu_gemv.py on an H200 (every layer's GEMVs back to back with distinct weights, as in a
+    decode step): prefetching the first weight tile before `gdc_wait` took the Llama-8B step's GEMVs from 3.74 to
+    3.37 ms together with the tiles below; the pipelined loads and the evict-first hint changed little once the
+    tiles were wide, so they stay off."""
+
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    pipelined: bool = False  # next weight tile in flight while this one is multiplied
+    prefetch: bool = True  # with PDL, the first weight tile loads before waiting on the previous kernel
+    evict_first: bool = False  # weights are read once per step: ask L2 to drop them first
+
+    def tiles(self, n: int, k: int, sm_count: int, argmax: bool = False) -> tuple[int, int, int]:
+        """(BLOCK_N, BLOCK_K, num_warps). 4 rows x 1024 weights per program (8 KiB per load round; rows of 512
+        when K is shorter); where 4-row programs would number fewer than 4 per SM (narrow outputs such as
+        Qwen-0.5B's 896 / 1152 columns), 8 rows x 1024 (x 2048 with 8 warps when K >= 4096) so each program
+        streams more; and 8 rows for the vocabulary projection, whose argmax partials the reduce kernel reads."""
+        few_programs = n // 4 < 4 * sm_count
+        block_n, block_k = (8, 2048 if k >= 4096 else 1024) if few_programs else (4, 1024 if k >= 1024 else 512)
+        block_n = 8 if argmax else block_n
+        block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no tile wider than K needs
+        block_n, block_k = self.block_n or block_n, self.block_k or block_k
+        return block_n, block_k, self.num_warps or (8 if block_n * block_k >= 16384 else 4)
+
+    @staticmethod
+    def parse(text: str) -> GemvConfig:
+        """'none' or a comma list of the streaming flags (pipelined, prefetch, evict_first): the A/B switch."""
+        flags = {f.strip() for f in text.split(",") if f.strip() and f.strip() != "none"}
+        unknown = flags - {"pipelined", "prefetch", "evict_first"}
+        if unknown:
+            raise ValueError(f"unknown GEMV streaming flags {sorted(unknown)}; use pipelined, prefetch, evict_first")
+        return GemvConfig(pipelined="pipelined" in flags, prefetch="prefetch" in flags,
+                          evict_first="evict_first" in flags)
+
+
+def prefers_gemv_head(hidden: int) -> bool:
+    """Whether the vocabulary projection (with the fused argmax) runs faster on the GEMV than on the tl.dot kernel:
+    for long rows (Llama-8B, 4096: 250 vs 275 us on an H200); for short ones the tensor-core kernel's multi-stage
+    pipeline wins (Qwen-0.5B, 896: 81 vs 88 us)."""
+    return hidden >= 2048
 
 
 def _config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -272,15 +340,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, prologue: str, residual: torch
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none", bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                out: torch.Tensor | None = None, argmax: bool = False,
-               config: tuple[int, ...] | None = None, impl: str = "dot"
+               config: tuple[int, ...] | None = None, impl: str = "dot", gemv: GemvConfig | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """y = prologue(x) @ weight^T (+ bias) for x of <= MAX_ROWS rows.
 
     Returns (y, residual_sum, argmax): residual_sum is x + residual (a new tensor) when the norm prologue adds a
     residual, else None; argmax ([M] int64, first index of the row max of y) when asked for, else None. `out` may
     give y's buffer (any float dtype, e.g. float32 logits); `config` overrides the (BLOCK_N, BLOCK_K, num_warps,
-    num_stages) heuristic (the benchmark's sweep). `impl="gemv"` runs a single row on CUDA cores instead of
-    `tl.dot` (config then (BLOCK_N, BLOCK_K, num_warps)).
+    num_stages) heuristic of the tl.dot kernel (the benchmark's sweep). `impl="gemv"` runs a single row on CUDA
+    cores instead, tiled and streamed as `gemv` says (default GemvConfig()).
     """
     require_triton("small_gemm")
     k = _check(x, weight, prologue, residual, norm_weight, bias)
@@ -292,10 +360,9 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none",
     residual_sum = torch.empty_like(x) if residual is not None else None
     if impl not in ("dot", "gemv"):
         raise ValueError(f"impl must be 'dot' or 'gemv', got {impl!r}")
-    gemv = impl == "gemv" and m == 1
-    if gemv:
-        block_n, block_k, num_warps = config or _gemv_config(n, k)  # type: ignore[misc]
-        num_stages = 1
+    gemv_cfg = (gemv or GemvConfig()) if impl == "gemv" and m == 1 else None
+    if gemv_cfg is not None:
+        block_n, block_k, num_warps = gemv_cfg.tiles(n, k, sm_count(x.device), argmax)
     else:
         block_n, block_k, num_warps, num_stages = config or _config(n, k)  # type: ignore[misc]
     grid = triton.cdiv(n, block_n)
@@ -306,14 +373,16 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, *, prologue: str = "none",
         tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     if m == 0:
         return out, residual_sum, tokens
-    if gemv:
+    if gemv_cfg is not None:
         _gemv_kernel[(grid,)](
             x, residual if residual is not None else x, residual_sum if residual_sum is not None else x,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight, out,
             part_max if part_max is not None else out, part_idx if part_idx is not None else out,
             n, k, weight.stride(0), float(eps),
             PROLOGUE=_PROLOGUE_CODE[prologue], HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            ARGMAX=argmax, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch(x.device),
+            ARGMAX=argmax, BLOCK_N=block_n, BLOCK_K=block_k, PIPELINED=gemv_cfg.pipelined,
+            PREFETCH=gemv_cfg.prefetch, EVICT="evict_first" if gemv_cfg.evict_first else "",
+            num_warps=num_warps, **pdl_launch(x.device),
         )
         if argmax:
             argmax_from_partials(part_max, part_idx, tokens)  # type: ignore[arg-type]

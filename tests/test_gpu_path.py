@@ -25,6 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner, select_attention_backend
 from engine.models.llama import CausalLM, SmallGemmMode
 from engine.sampling_params import SamplingParams
+from kernels.small_gemm import GemvConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -165,7 +166,9 @@ def test_fused_model_matches_torch_model() -> None:
 
 
 VARIANTS = (SmallGemmMode(True, 1 << 30, True, "gemv"), SmallGemmMode(True, 1 << 30, True, "dot"),
-            SmallGemmMode(True, 0, False, "gemv"), None)  # fused prologues, the same on tensor cores, none; None: off
+            SmallGemmMode(True, 0, False, "gemv"),
+            SmallGemmMode(True, 1 << 30, True, "gemv", GemvConfig(block_k=16, pipelined=True, prefetch=True)),
+            None)  # fused prologues, the same on tensor cores, none, pipelined GEMV loads over K tiles; None: off
 
 
 @interp

@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kernels.small_gemm import MAX_ROWS, small_gemm, small_gemm_ref  # noqa: E402
+from kernels.small_gemm import MAX_ROWS, GemvConfig, small_gemm, small_gemm_ref  # noqa: E402
 
 interp = pytest.mark.triton_interpreter  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
-NUM_INTERPRETER_CASES = 20
+NUM_INTERPRETER_CASES = 24
 
 
 @pytest.mark.outside_interpreter
@@ -50,6 +50,10 @@ def test_small_gemm_rejects_bad_input() -> None:
         small_gemm(torch.zeros(2, 32), w, prologue="gelu")
     with pytest.raises(ValueError, match="impl must be"):
         small_gemm(torch.zeros(1, 32), w, impl="cublas")
+    with pytest.raises(ValueError, match="unknown GEMV streaming flags"):
+        GemvConfig.parse("pipelined,turbo")
+    assert GemvConfig.parse("none") == GemvConfig(prefetch=False)
+    assert GemvConfig.parse("prefetch, pipelined") == GemvConfig(pipelined=True, prefetch=True)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -142,22 +146,29 @@ def test_fused_argmax_breaks_ties_to_the_first_index() -> None:
     assert tokens is not None and int(tokens[0]) == 20
 
 
+GEMV_CONFIGS = [GemvConfig(), GemvConfig(block_n=4, block_k=64, num_warps=4, pipelined=True),
+                GemvConfig(block_n=16, block_k=32, num_warps=2, pipelined=True, prefetch=True, evict_first=True)]
+
+
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_row_cuda_core_kernel(dtype: torch.dtype) -> None:
-    """impl="gemv" (one row, no tl.dot): every prologue, bias, residual sum, float32 output and fused argmax."""
+@pytest.mark.parametrize("gemv", GEMV_CONFIGS, ids=["default", "pipelined", "all_flags_small_tiles"])
+def test_one_row_cuda_core_kernel(dtype: torch.dtype, gemv: GemvConfig) -> None:
+    """impl="gemv" (one row, no tl.dot): every prologue, bias, residual sum, float32 output and fused argmax,
+    with the default tiles (one K tile here) and with small tiles (several K tiles, the masked tail, the
+    pipelined loads)."""
     x, w, residual, norm_w, bias = _inputs(1, 40, 300, dtype, seed=9)
     gu, w_down, _, _, _ = _inputs(1, 24, 200, dtype, seed=10, x_cols=400)
     cases = [(x, w, dict(bias=bias)), (x, w, dict(prologue="norm", residual=residual, norm_weight=norm_w)),
              (x, w, dict(prologue="norm", norm_weight=norm_w)), (gu, w_down, dict(prologue="silu"))]
     for xin, weight, kw in cases:
-        y, residual_sum, _ = small_gemm(xin, weight, impl="gemv", **kw)
+        y, residual_sum, _ = small_gemm(xin, weight, impl="gemv", gemv=gemv, **kw)
         ref, ref_sum = small_gemm_ref(xin, weight, **kw)
         assert _rel_err(y, ref) < TOL[dtype], kw
         assert (residual_sum is None) == (ref_sum is None)
         if residual_sum is not None and ref_sum is not None:
             assert _rel_err(residual_sum, ref_sum) < TOL[dtype]
-    logits, _, tokens = small_gemm(x, w, impl="gemv", out=torch.empty(1, 40), argmax=True)
+    logits, _, tokens = small_gemm(x, w, impl="gemv", gemv=gemv, out=torch.empty(1, 40), argmax=True)
     assert tokens is not None and torch.equal(tokens, logits.argmax(dim=-1))
 
 

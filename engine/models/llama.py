@@ -25,7 +25,7 @@ from engine.config import ModelArch
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
 from kernels.silu_and_mul import silu_and_mul
-from kernels.small_gemm import small_gemm
+from kernels.small_gemm import GemvConfig, prefers_gemv_head, small_gemm
 
 
 class RMSNorm(nn.Module):
@@ -59,13 +59,15 @@ class SmallGemmMode:
     an H100 (bench/GPU_NOTES.md): CUDA-core GEMVs beat cuBLAS's split-K pair; SwiGLU folds into the down
     projection for free; the residual-add + RMSNorm folds in only for narrow hidden sizes (its extra pass over
     the hidden vector, repeated by every program, costs more than the separate norm kernel at 4096).
-    Read once at model build; KVFLOW_SMALL_GEMM = auto | plain (no prologues) | fused (all prologues) | 0 (cuBLAS)
-    and KVFLOW_SMALL_GEMM_IMPL = gemv | dot exist for A/B timing in bench/gpu_bench.py."""
+    Read once at model build; KVFLOW_SMALL_GEMM = auto | plain (no prologues) | fused (all prologues) | 0 (cuBLAS),
+    KVFLOW_SMALL_GEMM_IMPL = gemv | dot and KVFLOW_GEMV (the GEMV's streaming flags, `GemvConfig.parse`) exist for
+    A/B timing in bench/gpu_bench.py."""
 
     enabled: bool = True
     norm_max_hidden: int = 2048  # fuse the norm into the GEMM when hidden_size <= this
     fuse_silu: bool = True
     impl: str = "gemv"
+    gemv: GemvConfig = GemvConfig()  # the GEMV's tiles (per shape) and load streaming
 
     @staticmethod
     def from_env() -> SmallGemmMode:
@@ -75,7 +77,9 @@ class SmallGemmMode:
             raise ValueError(f"KVFLOW_SMALL_GEMM must be auto, plain, fused or 0 and KVFLOW_SMALL_GEMM_IMPL gemv or "
                              f"dot, got {mode!r} and {impl!r}")
         norm_max = {"auto": 2048, "plain": 0, "fused": 1 << 30, "0": 0}[mode]
-        return SmallGemmMode(enabled=mode != "0", norm_max_hidden=norm_max, fuse_silu=mode != "plain", impl=impl)
+        gemv = GemvConfig.parse(os.environ["KVFLOW_GEMV"]) if "KVFLOW_GEMV" in os.environ else GemvConfig()
+        return SmallGemmMode(enabled=mode != "0", norm_max_hidden=norm_max, fuse_silu=mode != "plain", impl=impl,
+                             gemv=gemv)
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -180,7 +184,6 @@ class Attention(nn.Module):
 
 CPU_MLP_ROWS = 1024
 SMALL_GEMM_ROWS = 1
-HEAD_IMPL = "dot"  # the vocabulary projection: tensor-core tiles matched or beat the GEMV (95 vs 101 us, Qwen)
 
 
 class MLP(nn.Module):
@@ -236,19 +239,22 @@ class DecoderLayer(nn.Module):
         reduce pairs and separate norm / activation kernels (kernels/small_gemm.py, `SmallGemmMode`)."""
         attn, mlp, mode = self.self_attn, self.mlp, self.small_gemm_mode
         if x.shape[-1] <= mode.norm_max_hidden:
-            qkv, residual = _norm_linear(x, residual, self.input_layernorm, attn.qkv_proj, mode.impl)
+            qkv, residual = _norm_linear(x, residual, self.input_layernorm, attn.qkv_proj, mode)
         else:
             h, residual = self.input_layernorm.add_norm(x, residual)
-            qkv = small_gemm(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, impl=mode.impl)[0]
-        h = small_gemm(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight, impl=mode.impl)[0]
+            qkv = small_gemm(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, impl=mode.impl, gemv=mode.gemv)[0]
+        h = small_gemm(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight, impl=mode.impl,
+                       gemv=mode.gemv)[0]
         if h.shape[-1] <= mode.norm_max_hidden:
-            gate_up, residual = _norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, mode.impl)
+            gate_up, residual = _norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, mode)
         else:
             h, residual = self.post_attention_layernorm.add_norm(h, residual)
-            gate_up = small_gemm(h, mlp.gate_up_proj.weight, impl=mode.impl)[0]
+            gate_up = small_gemm(h, mlp.gate_up_proj.weight, impl=mode.impl, gemv=mode.gemv)[0]
         if mode.fuse_silu:
-            return small_gemm(gate_up, mlp.down_proj.weight, prologue="silu", impl=mode.impl)[0], residual
-        return small_gemm(silu_and_mul(gate_up), mlp.down_proj.weight, impl=mode.impl)[0], residual
+            down = small_gemm(gate_up, mlp.down_proj.weight, prologue="silu", impl=mode.impl, gemv=mode.gemv)[0]
+        else:
+            down = small_gemm(silu_and_mul(gate_up), mlp.down_proj.weight, impl=mode.impl, gemv=mode.gemv)[0]
+        return down, residual
 
 
 def uses_small_gemm(x: torch.Tensor) -> bool:
@@ -259,11 +265,11 @@ def uses_small_gemm(x: torch.Tensor) -> bool:
     return x.shape[0] <= SMALL_GEMM_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear, impl: str
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear,
+                 mode: SmallGemmMode) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(residual + x)), residual + x) in one kernel; with no residual yet, x starts it."""
     y, residual_sum, _ = small_gemm(x, linear.weight, prologue="norm", bias=linear.bias, residual=residual,
-                                    norm_weight=norm.weight, eps=norm.eps, impl=impl)
+                                    norm_weight=norm.weight, eps=norm.eps, impl=mode.impl, gemv=mode.gemv)
     return y, (x if residual_sum is None else residual_sum)
 
 
@@ -295,7 +301,7 @@ class CausalLM(nn.Module):
         if self.cpu_logits_head is not None:  # oneDNN-packed copy on the CPU path (engine/cpu_linear.py)
             logits = self.cpu_logits_head(hidden)
         elif self.small_gemm and uses_small_gemm(hidden):  # float32 straight from the GEMM's accumulator
-            return small_gemm(hidden, self._head_weight(), impl=HEAD_IMPL,
+            return small_gemm(hidden, self._head_weight(), impl=self._head_impl(), gemv=self.small_gemm_mode.gemv,
                               out=out if out is not None else torch.empty(
                                   hidden.shape[0], self.arch.vocab_size, dtype=torch.float32, device=hidden.device))[0]
         else:
@@ -306,10 +312,14 @@ class CausalLM(nn.Module):
         """`compute_logits` into `out` and the greedy ids (the first index of each row's max) of those logits;
         on the small-batch path the argmax is reduced inside the GEMM and never re-reads the logits."""
         if self.small_gemm and self.cpu_logits_head is None and uses_small_gemm(hidden):
-            logits, _, tokens = small_gemm(hidden, self._head_weight(), out=out, argmax=True, impl=HEAD_IMPL)
+            logits, _, tokens = small_gemm(hidden, self._head_weight(), out=out, argmax=True,
+                                           impl=self._head_impl(), gemv=self.small_gemm_mode.gemv)
             return logits, tokens  # type: ignore[return-value]
         logits = self.compute_logits(hidden, out=out)
         return logits, logits.argmax(dim=-1)
+
+    def _head_impl(self) -> str:
+        return "gemv" if self.small_gemm_mode.impl == "gemv" and prefers_gemv_head(self.arch.hidden_size) else "dot"
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
