@@ -17,6 +17,10 @@ from engine.errors import InvalidRequest
 GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 PreemptionMode = Literal["recompute", "swap"]
+UsageContext = Literal["llm", "server"]
+USAGE_CONTEXTS = ("llm", "server")
+CPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,37 @@ def _resolve_device(device: str) -> str:
     return device
 
 
+def default_batch_limits(device: str, usage_context: str, total_memory_bytes: int | None,
+                         device_name: str | None) -> tuple[int, int]:
+    """Default (max_num_seqs, max_num_batched_tokens), following vLLM V1's `EngineArgs.get_batch_defaults`.
+
+    Large GPUs (>= 70 GiB, e.g. H100/H200) get 1024 sequences and a bigger token budget for throughput; A100s
+    keep the small defaults because big token budgets hurt them (vLLM PR #17885). The offline `LLM` class
+    ("llm") gets a larger token budget than an API server ("server"), which favours inter-token latency.
+    CPU keeps kvflow's fixed 256 / 8192 for both contexts.
+    """
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {', '.join(map(repr, USAGE_CONTEXTS))}, "
+                         f"got {usage_context!r}")
+    if not device.startswith("cuda"):
+        return CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS
+    large = (total_memory_bytes is not None and total_memory_bytes >= 70 * GiB
+             and "a100" not in (device_name or "").lower())
+    if large:
+        return 1024, 16384 if usage_context == "llm" else 8192
+    return 256, 8192 if usage_context == "llm" else 2048
+
+
+def device_batch_limits(device: str, usage_context: str) -> tuple[int, int]:
+    """`default_batch_limits` for a resolved device, reading a CUDA device's total memory and name from torch."""
+    if not device.startswith("cuda"):
+        return default_batch_limits(device, usage_context, None, None)
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return default_batch_limits(device, usage_context, props.total_memory, props.name)
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     aliases = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
     dtype = aliases.get(dtype, dtype)
@@ -139,8 +174,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None  # None: by device and usage context (default_batch_limits)
+    max_num_batched_tokens: int | None = None  # None: likewise
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
@@ -153,6 +188,9 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
+    # Who runs the engine: the offline LLM class / bench / generate ("llm") or an API server's worker
+    # ("server"); picks the batch defaults as vLLM's UsageContext does. Set in code, not a CLI flag.
+    usage_context: UsageContext = "llm"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -172,8 +210,11 @@ class EngineArgs:
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=None,
+                       help="default: by device and usage, as vLLM (1024 on >= 70 GiB GPUs, else 256)")
+        g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="default: by device and usage, as vLLM (16384 offline / 8192 server on >= 70 GiB "
+                            "GPUs; 8192 / 2048 on smaller GPUs; 8192 on CPU)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode)
@@ -212,10 +253,12 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})"
             )
+        default_seqs, default_tokens = device_batch_limits(device, self.usage_context)
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         if self.max_num_batched_tokens is not None:
             batched = self.max_num_batched_tokens
         else:
-            batched = 8192 if self.enable_chunked_prefill else max(max_model_len, 8192)
+            batched = default_tokens if self.enable_chunked_prefill else max(max_model_len, default_tokens)
         if not self.enable_chunked_prefill and batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) < max_model_len ({max_model_len}) needs chunked prefill; "
@@ -244,7 +287,7 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
         )
         scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=batched,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
@@ -263,7 +306,7 @@ class EngineArgs:
         checks = [
             (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
-            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              "max_num_batched_tokens must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
@@ -273,6 +316,8 @@ class EngineArgs:
             (self.generation_config in ("auto", "vllm"), "generation_config must be 'auto' or 'vllm'"),
             (self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet (one GPU per worker)"),
             (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
+            (self.usage_context in USAGE_CONTEXTS,
+             f"usage_context must be 'llm' or 'server', got {self.usage_context!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -289,5 +334,7 @@ __all__ = [
     "ModelConfig",
     "ObservabilityConfig",
     "SchedulerConfig",
+    "default_batch_limits",
+    "device_batch_limits",
     "resolve_dtype",
 ]

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 # Flags with BooleanOptionalAction in EngineArgs.add_cli_args: False is spelled --no-<flag>.
 _NEGATABLE = {"enable_prefix_caching", "enable_chunked_prefill"}
-_NOT_FORWARDED = {"disable_log_stats"}  # a worker-local logging choice
+# disable_log_stats: a worker-local logging choice; usage_context: set in code (workers are servers), no flag.
+_NOT_FORWARDED = {"disable_log_stats", "usage_context"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

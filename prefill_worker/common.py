@@ -7,6 +7,7 @@ The decode worker imports this module too: it is a prefill worker plus local dec
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -258,10 +259,15 @@ def validate_index_url(url: str) -> None:
         raise ValueError(f"--index must be 'memory' or redis://[:password@]host:port/db, got {url!r}")
 
 
+def server_engine_args(args: object) -> EngineArgs:
+    """A worker serves the API (prefill and decode roles alike): vLLM's server batch defaults."""
+    return dataclasses.replace(EngineArgs.from_cli_args(args), usage_context="server")  # type: ignore[arg-type]
+
+
 async def serve_worker(args: object, role_name: str,
                        add_servicers: Callable[[grpc.aio.Server, WorkerContext], object]) -> None:
     """Build the engine, serve gRPC (+ health, + /metrics) until SIGTERM/SIGINT, then drain and exit."""
-    engine_args = EngineArgs.from_cli_args(args)  # type: ignore[arg-type]
+    engine_args = server_engine_args(args)
     validate_index_url(args.index)  # type: ignore[attr-defined]
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"  # type: ignore[attr-defined]
     llm_engine = await asyncio.to_thread(LLMEngine.from_engine_args, engine_args, True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -40,11 +41,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+def server_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine arguments of an API server: vLLM's server batch defaults (the workers resolve them too)."""
+    return dataclasses.replace(EngineArgs.from_cli_args(args), usage_context="server")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvflow.launcher import ClusterSpec, WorkerCluster
     from router.config import RouterConfig
 
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = server_engine_args(args)
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir)
     cluster = WorkerCluster(spec)
