@@ -9,6 +9,7 @@ random-weight config (`from_config`, bf16, sdpa):
 
   llama8b_b1_decode   Llama-3.1-8B shapes, batch 1, 128 in / 256 out         roofline fraction of decode
   llama8b_1000        Llama-3.1-8B shapes, 1000 prompts, 512 in / 128 out    MFU; HF timed at batch 64
+                      (the engine's default batch limits; then 256 seqs / 8k and 512 / 16k tokens)
   qwen05b_b1_decode   Qwen2.5-0.5B shapes, batch 1, 128 in / 256 out         roofline fraction of decode
   llama8b_prefill_8k  one 8192-token prefill step                             MFU
 
@@ -536,13 +537,19 @@ def throughput_workload(report: Report, name: str, engine: LLMEngine, num_prompt
                         out_len: int, hf_rec: dict[str, Any] | None) -> None:
     arch = engine.config.model.arch
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    run_requests(engine, random_prompts(4, prompt_len, arch.vocab_size, seed=1), params)  # warm-up
+    # Warm-up at the run's batch shapes (full prefill steps, mixed steps, decode beyond the captured sizes): the
+    # Triton kernels specialize per shape class and compile on first use, which cost the first engine of a
+    # process ~6 s of a 27 s run before (bench/GPU_NOTES.md).
+    warm_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    warm = min(num_prompts, engine.config.scheduler.max_num_seqs + 64)
+    run_requests(engine, random_prompts(warm, prompt_len, arch.vocab_size, seed=1), warm_params)
     res = run_requests(engine, random_prompts(num_prompts, prompt_len, arch.vocab_size, seed=2), params)
     seconds = res["elapsed"]
     peak = report.meta["matmul_tflops"] * 1e12
     total_tokens = num_prompts * (prompt_len + out_len)
     rec = {"workload": name, "model_shapes": engine.config.model.model, "num_prompts": num_prompts,
            "prompt_len": prompt_len, "out_len": out_len, "max_num_seqs": engine.config.scheduler.max_num_seqs,
+           "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
            "kvflow_out_tok_s": res["out_tokens"] / seconds, "kvflow_total_tok_s": total_tokens / seconds,
            "kvflow_seconds": seconds, "steps": res["steps"],
            "mfu": total_tokens * 2 * arch.num_params / seconds / peak,
@@ -620,7 +627,8 @@ def main() -> None:
                     "plain_gemv": {"KVFLOW_SMALL_GEMM": "plain"}, "gemv_none": {"KVFLOW_GEMV": "none"},
                     "gemv_pipelined": {"KVFLOW_GEMV": "pipelined"}, "gemv_prefetch": {"KVFLOW_GEMV": "prefetch"},
                     "gemv_pipelined_prefetch": {"KVFLOW_GEMV": "pipelined,prefetch"},
-                    "gemv_all": {"KVFLOW_GEMV": "pipelined,prefetch,evict_first"}}
+                    "gemv_all": {"KVFLOW_GEMV": "pipelined,prefetch,evict_first"},
+                    "fused_norm": {"KVFLOW_SMALL_GEMM": "fused"}}
         unknown = set(args.ab or ()) - set(variants)
         if unknown:
             raise ValueError(f"unknown --ab variants {sorted(unknown)}; known: {sorted(variants)}")
@@ -699,8 +707,9 @@ def main() -> None:
         print(f"HF llama8b batch {hf_batch['hf_batch']}: {hf_batch['hf_out_tok_s']:.0f} out tok/s", flush=True)
         del hf
         release_memory()
-        engine = build_engine("llama-3.1-8b", max_model_len=8192 + 64, max_num_seqs=64 if quick else 256,
-                              enable_prefix_caching=False)
+        # The engine's own batch limits (vLLM's defaults: 1024 seqs / 16,384 batched tokens on >= 70 GiB GPUs).
+        engine = build_engine("llama-3.1-8b", max_model_len=8192 + 64, enable_prefix_caching=False,
+                              **(dict(max_num_seqs=64) if quick else {}))
         out_len = 64 if quick else 256
         decode_workload(report, "llama8b_b1_decode", engine, None, 128, out_len, 2, 0)
         rec = report.records[-1]
@@ -711,13 +720,14 @@ def main() -> None:
         prefill_workload(report, "llama8b_prefill_8k", engine, 8192, 2 if quick else 3)
         del engine
         release_memory()
-        # Larger batches, as vLLM's offline defaults on >= 70 GiB GPUs allow (16,384 batched tokens, more seqs):
-        # 512 seqs x 640 tokens still fit an H100's KV pool, so nothing is preempted.
-        engine = build_engine("llama-3.1-8b", max_model_len=8192 + 64, max_num_seqs=64 if quick else 512,
-                              max_num_batched_tokens=16384, enable_prefix_caching=False)
-        throughput_workload(report, "llama8b_1000_seqs512_tokens16k", engine, num_prompts, 512, 128, hf_batch)
-        del engine
-        release_memory()
+        # Smaller batch limits for comparison (vLLM's on smaller GPUs, and a middle point).
+        for seqs, tokens in ((256, 8192), (512, 16384)):
+            engine = build_engine("llama-3.1-8b", max_model_len=8192 + 64, max_num_seqs=64 if quick else seqs,
+                                  max_num_batched_tokens=tokens, enable_prefix_caching=False)
+            throughput_workload(report, f"llama8b_1000_seqs{seqs}_tokens{tokens // 1024}k", engine, num_prompts,
+                                512, 128, hf_batch)
+            del engine
+            release_memory()
 
     parts_in_order = (("correctness", correctness), ("gemv", gemv), ("qwen", qwen), ("llama8b", llama8b),
                       ("decode_ab", decode_ab))
