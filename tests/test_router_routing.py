@@ -104,8 +104,10 @@ def test_requests_follow_their_cached_prefix(harness: Harness) -> None:
     holders = {}
     for seed in range(4):
         harness.generate(prompt(seed))
-        route = router.route(prompt(seed))  # the policy sees the prefix now (events land within ms)
-        holders[seed] = route.prefill.address
+        # The holder is known once its KV event has landed (ms, but later on a loaded CI box; routing before
+        # that is a tie between idle workers and would name a random one).
+        wait_for(lambda s=seed: router.route(prompt(s)).matched_blocks == 8, 5)
+        holders[seed] = router.route(prompt(seed)).prefill.address
     for seed in range(4):
         wait_for(lambda s=seed: router.route(prompt(s) + [7] * BLOCK).matched_blocks == 8, 5)
         route = router.route(prompt(seed) + [7] * BLOCK)
@@ -123,12 +125,15 @@ def test_index_matches_worker_caches_under_eviction(harness: Harness) -> None:
     for seed in range(100, 112):  # 12 x 8 blocks through 2 x 39 blocks: LRU eviction on both workers
         harness.generate(prompt(seed))
     time.sleep(0.6)  # one heartbeat: every event has been applied
+    early = harness.router.tokenizers.hasher.hash_blocks(prompt(0))  # an earlier test's prompt: evicted or not
     for worker in harness.router.pool.workers("prefill"):
         truth = worker_snapshot(worker.address)
         assert index.blocks_of(worker.worker_id) == truth
         assert len(truth) <= 39
-    assert all(index.match(harness.router.tokenizers.hasher.hash_blocks(prompt(0)), [w.worker_id])[w.worker_id] == 0
-               for w in harness.router.pool.workers("prefill")), "evicted prefix still indexed"
+        # Which worker evicted it depends on how routing split the 12 prompts (ties between idle workers are
+        # random); whatever happened, the index must answer what the worker's cache holds.
+        cached = next((i for i, h in enumerate(early) if h not in truth), len(early))
+        assert index.match(early, [worker.worker_id])[worker.worker_id] == cached, "index disagrees on an old prefix"
 
 
 def test_killed_worker_ignored_then_restarted_clean(harness: Harness, cluster: WorkerCluster) -> None:
