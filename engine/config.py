@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from engine.errors import InvalidRequest
 
@@ -18,7 +18,7 @@ GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 PreemptionMode = Literal["recompute", "swap"]
 UsageContext = Literal["llm", "server"]
-USAGE_CONTEXTS = ("llm", "server")
+USAGE_CONTEXTS: tuple[str, ...] = get_args(UsageContext)
 CPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_BATCHED_TOKENS = 8192
 

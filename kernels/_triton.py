@@ -43,8 +43,7 @@ __all__ = [
     "sm_count",
     "use_pdl",
     "pdl_launch",
-    "gdc_wait",
-    "gdc_launch_dependents",
+    "pdl_wait",
 ]
 
 
@@ -128,3 +127,18 @@ def use_pdl(device: torch.device) -> bool:
 def pdl_launch(device: torch.device) -> dict[str, bool]:
     """Launch keywords for a kernel with a `PDL` flag: PDL=use_pdl(device), plus launch_pdl when on."""
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """A kernel's first step under programmatic dependent launch: wait for the previous kernel's writes (and
+        its reads of what this one overwrites), then let the next kernel's programs be scheduled. Nothing this
+        kernel reads or writes may be touched before it, except data no kernel of the step writes (weights)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+else:  # pragma: no cover - depends on the environment
+    pdl_wait = None  # the kernel modules import it unconditionally and define their kernels only with Triton

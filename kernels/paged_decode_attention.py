@@ -29,10 +29,9 @@ from kernels._triton import (
     HAS_TRITON,
     check_cache_layout,
     dot_needs_upcast,
-    gdc_launch_dependents,
-    gdc_wait,
     next_pow2,
     pdl_launch,
+    pdl_wait,
     require_triton,
     tl,
     triton,
@@ -81,9 +80,7 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -193,9 +190,7 @@ if HAS_TRITON:
         S_PAD: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_PAD)

@@ -11,10 +11,9 @@ import torch
 
 from kernels._triton import (
     HAS_TRITON,
-    gdc_launch_dependents,
-    gdc_wait,
     next_pow2,
     pdl_launch,
+    pdl_wait,
     require_triton,
     tl,
     triton,
@@ -41,9 +40,7 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N

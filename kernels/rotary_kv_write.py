@@ -13,10 +13,9 @@ import torch
 from kernels._triton import (
     HAS_TRITON,
     check_cache_layout,
-    gdc_launch_dependents,
-    gdc_wait,
     next_pow2,
     pdl_launch,
+    pdl_wait,
     require_triton,
     tl,
     triton,
@@ -58,9 +57,7 @@ if HAS_TRITON:
         PAGE: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + t)
         offs_half = tl.arange(0, HALF_PAD)

@@ -28,9 +28,8 @@ import torch
 from kernels._triton import (
     HAS_TRITON,
     dot_needs_upcast,
-    gdc_launch_dependents,
-    gdc_wait,
     pdl_launch,
+    pdl_wait,
     require_triton,
     sm_count,
     tl,
@@ -97,9 +96,7 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -170,9 +167,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _argmax_reduce_kernel(PartMax, PartIdx, Out, P, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         row = tl.program_id(0)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_idx = tl.full([BLOCK], 2147483647, tl.int32)
@@ -211,7 +206,7 @@ if HAS_TRITON:
 
         PIPELINED keeps the next weight tile (and operand slice) in flight while this one is multiplied, so each
         program has two tiles of loads outstanding instead of one. PREFETCH (with PDL) issues the first weight
-        tile before `gdc_wait`: weights are never written during a step, so the program streams them while the
+        tile before `pdl_wait`: weights are never written during a step, so the program streams them while the
         previous kernel drains, and only the activations wait."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -221,9 +216,7 @@ if HAS_TRITON:
         if PDL and PREFETCH:
             w = tl.load(w_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K)[None, :], other=0.0,
                         eviction_policy=EVICT)
-        if PDL:  # wait for the previous kernel's writes (and its reads of what this one overwrites)
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_wait(PDL)
         if not (PDL and PREFETCH):
             w = tl.load(w_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K)[None, :], other=0.0,
                         eviction_policy=EVICT)
@@ -263,7 +256,7 @@ class GemvConfig:
     """Tiling and load streaming of the one-row kernel (impl="gemv"); None tiles come from the shape.
 
     Defaults from bench/gpu_gemv.py on an H200 (every layer's GEMVs back to back with distinct weights, as in a
-    decode step): prefetching the first weight tile before `gdc_wait` took the Llama-8B step's GEMVs from 3.74 to
+    decode step): prefetching the first weight tile before `pdl_wait` took the Llama-8B step's GEMVs from 3.74 to
     3.37 ms together with the tiles below; the pipelined loads and the evict-first hint changed little once the
     tiles were wide, so they stay off."""
 
