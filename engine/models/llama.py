@@ -81,6 +81,11 @@ class SmallGemmMode:
         return SmallGemmMode(enabled=mode != "0", norm_max_hidden=norm_max, fuse_silu=mode != "plain", impl=impl,
                              gemv=gemv)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`small_gemm` with this mode's kernel and GEMV config."""
+        return small_gemm(x, weight, impl=self.impl, gemv=self.gemv, **kwargs)
+
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling exactly as transformers computes them (all rope types)."""
@@ -242,19 +247,16 @@ class DecoderLayer(nn.Module):
             qkv, residual = _norm_linear(x, residual, self.input_layernorm, attn.qkv_proj, mode)
         else:
             h, residual = self.input_layernorm.add_norm(x, residual)
-            qkv = small_gemm(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, impl=mode.impl, gemv=mode.gemv)[0]
-        h = small_gemm(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight, impl=mode.impl,
-                       gemv=mode.gemv)[0]
+            qkv = mode.linear(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias)[0]
+        h = mode.linear(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight)[0]
         if h.shape[-1] <= mode.norm_max_hidden:
             gate_up, residual = _norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, mode)
         else:
             h, residual = self.post_attention_layernorm.add_norm(h, residual)
-            gate_up = small_gemm(h, mlp.gate_up_proj.weight, impl=mode.impl, gemv=mode.gemv)[0]
+            gate_up = mode.linear(h, mlp.gate_up_proj.weight)[0]
         if mode.fuse_silu:
-            down = small_gemm(gate_up, mlp.down_proj.weight, prologue="silu", impl=mode.impl, gemv=mode.gemv)[0]
-        else:
-            down = small_gemm(silu_and_mul(gate_up), mlp.down_proj.weight, impl=mode.impl, gemv=mode.gemv)[0]
-        return down, residual
+            return mode.linear(gate_up, mlp.down_proj.weight, prologue="silu")[0], residual
+        return mode.linear(silu_and_mul(gate_up), mlp.down_proj.weight)[0], residual
 
 
 def uses_small_gemm(x: torch.Tensor) -> bool:
@@ -268,8 +270,8 @@ def uses_small_gemm(x: torch.Tensor) -> bool:
 def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear,
                  mode: SmallGemmMode) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(residual + x)), residual + x) in one kernel; with no residual yet, x starts it."""
-    y, residual_sum, _ = small_gemm(x, linear.weight, prologue="norm", bias=linear.bias, residual=residual,
-                                    norm_weight=norm.weight, eps=norm.eps, impl=mode.impl, gemv=mode.gemv)
+    y, residual_sum, _ = mode.linear(x, linear.weight, prologue="norm", bias=linear.bias, residual=residual,
+                                     norm_weight=norm.weight, eps=norm.eps)
     return y, (x if residual_sum is None else residual_sum)
 
 
