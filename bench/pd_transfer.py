@@ -33,9 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from decode_worker.grpc_transport import GrpcKVTransport  # noqa: E402
+from prefill_worker.common import layout_from_proto  # noqa: E402
+
 from engine.kv_transfer import DTYPES, KVSlice, PullJob, write_blocks  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from prefill_worker.common import layout_from_proto  # noqa: E402
 from protos.kvflow.v1 import kvflow_pb2 as pb  # noqa: E402
 from protos.kvflow.v1 import kvflow_pb2_grpc  # noqa: E402
 

@@ -9,6 +9,7 @@ caller from this worker only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -17,26 +18,20 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.grpc_transport import GrpcKVTransport
+from decode_worker.transports import KVTransports
 from engine.errors import InvalidRequest
-from engine.kv_transfer import KVSlice, KVTransferError, PullJob, write_blocks
+from engine.kv_transfer import DEFAULT_LEASE_S, KVTransferError, PullJob
 from engine.llm_engine import LLMEngine, RemoteSlot
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from prefill_worker.common import (
-    WorkerContext,
-    engine_layout,
-    info_response,
-    logprobs_to_proto,
-    sampling_params_from_proto,
-)
+from kvflow.wire import logprobs_to_proto, sampling_params_from_proto
+from kvflow.worker.runtime import WorkerContext, WorkerServicer, info_response
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-LEASE_S = 10.0
 
 
 @dataclass
@@ -47,17 +42,16 @@ class _Choice:
     text: list[str] = field(default_factory=list)
 
 
-class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
+class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
     def __init__(self, ctx: WorkerContext, disagg_min_prompt_tokens: int) -> None:
         self.ctx = ctx
         self.engine = ctx.engine
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
-        self.layout = engine_layout(ctx.engine.engine)
-        self.kv_caches = ctx.engine.engine.runner.kv_caches
-        self.transport = GrpcKVTransport(self.layout, ctx.worker_id)
+        self.transports = KVTransports(ctx.kv_transfer_backend, ctx.kv_port, ctx.worker_id,
+                                       ctx.channels)
         self._active: set[str] = set()
-        self._pulling: set[str] = set()  # requests whose reserved blocks the transport is writing
-        self._abort_after_pull: set[str] = set()
+        self._pulls: dict[str, asyncio.Task] = {}  # requests whose reserved blocks a transport is writing
+        self._aborted_pulls: set[str] = set()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -133,31 +127,27 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
 
         Returns (path, transfer seconds, prompt tokens the prefill worker found in its prefix cache)."""
         request_id = slot.request_id
-
-        def sink(block_ids: list[int], part: KVSlice, data: bytes) -> None:
-            if request_id in self._abort_after_pull:
-                raise KVTransferError("aborted", "the request was aborted")
-            # These blocks belong to a request waiting for its KV: no scheduled step reads or writes them.
-            write_blocks(self.kv_caches, self.layout, block_ids, part, data)
-
         job = PullJob(request_id, slot.prompt_token_ids, slot.params, slot.block_ids, slot.num_cached_blocks,
-                      extra_keys, LEASE_S)
-        self._pulling.add(request_id)
+                      extra_keys, DEFAULT_LEASE_S)
+        task = asyncio.ensure_future(self.transports.pull(address, job))
+        self._pulls[request_id] = task
         try:
-            result = await self.transport.pull(address, job, sink)
+            result = await task
+        except asyncio.CancelledError:
+            if request_id not in self._aborted_pulls:
+                raise  # the caller went away: Generate's cleanup aborts the request
+            await self.engine.call(lambda e: e.abort_request(request_id))  # Abort RPC mid-pull
+            return pb.PREFILL_PATH_LOCAL, 0.0, 0
         except KVTransferError as exc:
-            if exc.reason == "aborted":
-                await self.engine.call(lambda e: e.abort_request(request_id))
-                return pb.PREFILL_PATH_LOCAL, 0.0, 0
             logger.warning("request %s: KV transfer from %s failed (%s); prefilling locally", request_id, address,
                            exc)
             self.ctx.metrics.record_fallback(exc.reason)
             await self.engine.call(lambda e: e.fail_remote_prefill(request_id))
             return pb.PREFILL_PATH_LOCAL, 0.0, 0
         finally:
-            self._pulling.discard(request_id)
-            self._abort_after_pull.discard(request_id)
-        self.ctx.metrics.record_transfer(result.num_bytes, result.seconds)
+            self._pulls.pop(request_id, None)
+            self._aborted_pulls.discard(request_id)
+        self.ctx.metrics.record_transfer(result.backend, result.num_bytes, result.seconds)
         await self.engine.call(
             lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs,
                                               result.sampler_state))
@@ -223,8 +213,10 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         found = request.request_id in self._active
-        if request.request_id in self._pulling:  # freeing now would race the KV writes: stop the pull first
-            self._abort_after_pull.add(request.request_id)
+        pull = self._pulls.get(request.request_id)
+        if pull is not None:  # freeing now would race the KV writes: the pull stops them first, then aborts
+            self._aborted_pulls.add(request.request_id)
+            pull.cancel()
         elif found:
             self.engine.submit(lambda e: e.abort_request(request.request_id))
         return pb.AbortResponse(found=found)
@@ -232,11 +224,6 @@ class GenerationServicer(kvflow_pb2_grpc.GenerationServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
                                                               self.disagg_min_prompt_tokens))
-
-    async def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[pb.KVEventBatch]:
-        async for batch in self.ctx.events.subscribe():
-            yield batch
 
 
 def add_generation_servicer(server: grpc.aio.Server, ctx: WorkerContext,

@@ -16,11 +16,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.block_pool import KVEvent
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineLoad, LLMEngine
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats, FinishedRequestTiming
 
@@ -32,28 +31,8 @@ IDLE_POLL_S = 0.05
 LOAD_INTERVAL_S = 0.1
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    num_running: int
-    num_waiting: int  # queued plus waiting for remote KV
-    queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
-    kv_cache_usage: float
-    num_kv_blocks: int
-    num_free_blocks: int
-    num_preemptions: int
-
-
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; no more requests are served."""
-
-
-def engine_load(engine: LLMEngine) -> EngineLoad:
-    sched = engine.scheduler
-    pending = [*sched.waiting, *sched.running]
-    queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in pending)
-    pool = engine.kv_manager.pool
-    return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
-                      pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions)
 
 
 class AsyncEngine:
@@ -138,6 +117,9 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._run_commands(block=not engine.has_unfinished_requests())
+                pending = engine.take_pending_outputs()
+                if pending:
+                    self.post(self._dispatch, pending)
                 if engine.has_unfinished_requests():
                     try:
                         outputs = engine.step()
@@ -157,7 +139,7 @@ class AsyncEngine:
                 now = time.monotonic()
                 events = engine.kv_manager.pool.take_events() if self.on_kv_events is not None else []
                 if self.on_kv_events is not None and (events or now - last_load >= LOAD_INTERVAL_S):
-                    self.post(self.on_kv_events, events, engine_load(engine))
+                    self.post(self.on_kv_events, events, engine.load())
                     last_load = now
                 if self.on_stats is not None and now - last_stats >= self.stats_interval_s:
                     self.post(self.on_stats, copy.deepcopy(engine.stats), engine.take_finished_timings())

@@ -1,25 +1,26 @@
-"""Moving a prompt's KV blocks between workers: the layout contract, block (de)serialization, and the transport
-interface.
+"""The KV transfer contract between workers: the wire layout, how a request's blocks are cut into messages, and
+what a transport reports.
 
-The payload is raw little-endian tensor bytes (never pickle) in `KVLayout.order`: for each layer, K then V, the
-blocks in request order, each [block_size, num_kv_heads, head_dim]. A transport moves those bytes; gRPC is one
-implementation (prefill_worker/ and decode_worker/), NCCL would be another behind the same `KVTransport` protocol.
+The payload of a message is one contiguous tensor in `KVLayout.order`: for each layer, K then V, the blocks in
+request order, each [block_size, num_kv_heads, head_dim]. A transport moves those tensors (raw little-endian
+bytes in a gRPC message, or a torch.distributed send/recv on a link); the engine side of it is `engine.kv_port`.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from engine.outputs import PositionLogprobs
+from engine.sampling_params import SamplingParams
 
 KV_ORDER = "layer,kv,block,token,head,dim"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)  # under gRPC's 4 MiB default message limit
+DEFAULT_LEASE_S = 10.0  # the prefill side frees a finished request's blocks if no transfer takes them by then
+GRPC_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)  # under gRPC's 4 MiB default message limit
+LINK_MAX_CHUNK_BYTES = 256 << 20  # one torch.distributed message: large enough to reach the link's peak rate
 
 
 class KVTransferError(RuntimeError):
@@ -39,15 +40,14 @@ class KVLayout:
     head_dim: int
     order: str = KV_ORDER
 
-    @classmethod
-    def of_caches(cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dtype: str) -> KVLayout:
-        _, block_size, heads, head_dim = kv_caches[0][0].shape
-        return cls(dtype, len(kv_caches), block_size, heads, head_dim)
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
     @property
     def block_layer_bytes(self) -> int:
         """Bytes of one block in one layer, K and V together."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
     @property
     def block_bytes(self) -> int:
@@ -55,6 +55,9 @@ class KVLayout:
 
     def payload_bytes(self, num_blocks: int, num_layers: int) -> int:
         return num_blocks * num_layers * self.block_layer_bytes
+
+    def wire_shape(self, part: KVSlice) -> tuple[int, ...]:
+        return (part.num_layers, 2, part.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -68,40 +71,7 @@ class KVSlice:
     num_layers: int
 
 
-def gather_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int],
-                  first_layer: int = 0, num_layers: int | None = None) -> torch.Tensor:
-    """Copy blocks out of the cache as one contiguous [layers, 2, blocks, block_size, heads, dim] tensor, i.e.
-    exactly the wire layout of that slice.
-
-    Runs on the engine thread: afterwards the blocks may be freed while the copy is serialized and sent.
-    """
-    layers = kv_caches[first_layer : first_layer + num_layers if num_layers is not None else None]
-    key = kv_caches[0][0]
-    index = torch.as_tensor(block_ids, dtype=torch.int64, device=key.device)
-    out = torch.empty((len(layers), 2, len(block_ids), *key.shape[1:]), dtype=key.dtype, device=key.device)
-    for layer, (k, v) in enumerate(layers):
-        torch.index_select(k, 0, index, out=out[layer, 0])
-        torch.index_select(v, 0, index, out=out[layer, 1])
-    return out
-
-
-def gather_slices(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], first_block: int,
-                  layout: KVLayout, max_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[tuple[KVSlice, torch.Tensor]]:
-    """Copy request blocks [first_block, first_block + len(block_ids)) out as message-sized wire tensors."""
-    out = []
-    for part in plan_slices(first_block, len(block_ids), layout, max_bytes):
-        ids = block_ids[part.first_block - first_block : part.first_block - first_block + part.num_blocks]
-        out.append((part, gather_blocks(kv_caches, ids, part.first_layer, part.num_layers)))
-    return out
-
-
-def tensor_bytes(wire: torch.Tensor) -> bytes:
-    """The raw bytes of a contiguous wire tensor (one copy, straight into the bytes object)."""
-    return wire.view(torch.uint8).cpu().numpy().tobytes()
-
-
-def plan_slices(first_block: int, num_blocks: int, layout: KVLayout,
-                max_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Iterator[KVSlice]:
+def plan_slices(first_block: int, num_blocks: int, layout: KVLayout, max_bytes: int) -> Iterator[KVSlice]:
     """Split blocks into messages of at most `max_bytes` (whole blocks x all layers, or one block x fewer
     layers when a single block is larger than that)."""
     if layout.block_bytes <= max_bytes:
@@ -115,28 +85,20 @@ def plan_slices(first_block: int, num_blocks: int, layout: KVLayout,
             yield KVSlice(block, 1, layer, min(layers, layout.num_layers - layer))
 
 
-def write_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout, block_ids: list[int],
-                 part: KVSlice, data: bytes) -> None:
-    """Write a received slice into the local cache blocks `block_ids` (the slice's blocks, in order).
-
-    Callers write only into blocks that no scheduled step touches (a request waiting for its remote KV).
-    """
+def check_slice(layout: KVLayout, part: KVSlice, num_bytes: int, total_blocks: int, skip_blocks: int) -> None:
+    """A received slice must lie inside the blocks being transferred and carry exactly its layout's bytes."""
+    if (part.num_blocks < 1 or part.first_block < skip_blocks or part.first_block + part.num_blocks > total_blocks
+            or part.num_layers < 1 or part.first_layer + part.num_layers > layout.num_layers):
+        raise KVTransferError("bad_stream", f"KV slice {part} is outside blocks [{skip_blocks}, {total_blocks}) "
+                                            f"x {layout.num_layers} layers")
     expected = layout.payload_bytes(part.num_blocks, part.num_layers)
-    if len(data) != expected or len(block_ids) != part.num_blocks:
-        raise KVTransferError("bad_payload", f"KV chunk has {len(data)} bytes for {part.num_blocks} blocks x "
-                                             f"{part.num_layers} layers; expected {expected}")
-    if part.first_layer + part.num_layers > len(kv_caches):
-        raise KVTransferError("bad_payload", "KV chunk layers exceed the model's layer count")
-    key = kv_caches[0][0]
-    with warnings.catch_warnings():  # read-only source: it is only copied from, never written
-        warnings.simplefilter("ignore", UserWarning)
-        src = torch.frombuffer(data, dtype=torch.uint8)
-    src = src.view(key.dtype).view(part.num_layers, 2, part.num_blocks, *key.shape[1:]).to(key.device)
-    index = torch.as_tensor(block_ids, dtype=torch.int64, device=key.device)
-    for offset in range(part.num_layers):
-        k, v = kv_caches[part.first_layer + offset]
-        k.index_copy_(0, index, src[offset, 0])
-        v.index_copy_(0, index, src[offset, 1])
+    if num_bytes != expected:
+        raise KVTransferError("bad_payload", f"KV slice {part} has {num_bytes} bytes; expected {expected}")
+
+
+def tensor_bytes(wire: torch.Tensor) -> bytes:
+    """The raw bytes of a contiguous host wire tensor (one copy, straight into the bytes object)."""
+    return wire.view(torch.uint8).numpy().tobytes()
 
 
 @dataclass(frozen=True)
@@ -145,31 +107,22 @@ class PullJob:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: object  # engine SamplingParams; the transport converts it for the wire
+    sampling_params: SamplingParams  # after generation-config defaults: the prefill side samples with these
     block_ids: list[int]  # local block table for the whole prompt
     skip_blocks: int  # leading blocks already cached locally: not sent
     extra_keys: tuple[str, ...]
-    lease_s: float
+    lease_s: float = DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True)
 class PullResult:
+    """A finished pull: every block is written on the device (the writes have completed, not just been queued)."""
+
     first_token_id: int
     first_token_logprobs: PositionLogprobs | None
     num_blocks_received: int
     num_bytes: int
     remote_cached_tokens: int
-    seconds: float
+    seconds: float  # from the pull's start to the last block written
+    backend: str  # "grpc" | "nccl" | "gloo"
     sampler_state: bytes = b""  # seeded requests: the prefill side's generator state after the first token
-
-
-# Called for each received slice with its local block ids and bytes; it writes them into the cache.
-KVSink = Callable[[list[int], KVSlice, bytes], None]
-
-
-class KVTransport(Protocol):
-    """Decode side: get the prompt's KV from a prefill worker into local blocks, and the first token."""
-
-    def pull(self, address: str, job: PullJob, sink: KVSink) -> Awaitable[PullResult]: ...
-
-    async def close(self) -> None: ...

@@ -15,7 +15,8 @@ from engine.config import EngineArgs, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_all
 from engine.errors import InvalidRequest
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner, RunnerRequestState
+from engine.kv_port import KVPort
+from engine.model_runner import ModelRunner
 from engine.models.loader import load_generation_defaults
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
@@ -30,6 +31,17 @@ logger = logging.getLogger(__name__)
 OutputKind = Literal["cumulative", "delta", "final"]
 PromptInput = str | list[int] | dict[str, Any]
 HASH_SEED = 0  # block hashes must agree across every worker of a model, whatever each engine's sampling seed
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_running: int
+    num_waiting: int  # queued plus waiting for remote KV
+    queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
+    kv_cache_usage: float
+    num_kv_blocks: int
+    num_free_blocks: int
+    num_preemptions: int
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,7 @@ class LLMEngine:
             num_swap = config.cache.swap_space_bytes // self.runner.block_bytes
         self.runner.initialize_kv_cache(num_blocks, num_swap)
         self.num_gpu_blocks = num_blocks
+        self.kv_port = KVPort(self.runner.kv_caches, config.model.dtype)  # what KV transports may touch
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max concurrency %.1fx at %d tokens/request",
                     num_blocks, config.cache.block_size, capacity, capacity / config.model.max_model_len,
                     config.model.max_model_len)
@@ -187,30 +200,17 @@ class LLMEngine:
 
     def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
                               sampler_state: bytes = b"") -> None:
-        """The prompt's KV was written into the reserved blocks: decode on from the remotely sampled token.
+        """The prompt's KV was written into the reserved blocks (the writes have completed): decode on from the
+        remotely sampled token.
 
         `sampler_state` is the prefill side's seeded generator after that token (`sampler_state()`), so seeded
-        sampling continues exactly as a unified engine would.
+        sampling continues exactly as a unified engine would. Both reach the runner through `NewRequestData`.
         """
         state = self._states.get(request_id)
         if state is None:
             return  # aborted meanwhile
         sample = state.samples[0]
-        request = sample.request
-        params = request.sampling_params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-            if sampler_state:
-                try:
-                    generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
-                except RuntimeError as exc:  # another device type on the prefill side: the seed restarts
-                    logger.warning("request %s: cannot restore the prefill worker's sampler state (%s)",
-                                   request_id, exc)
-        self.runner.requests[request.request_id] = RunnerRequestState(
-            params, list(request.prompt_token_ids), [first_token], generator)
-        self.scheduler.mark_known_to_runner(request.request_id)
-        self.scheduler.resume_remote(request, first_token)
+        self.scheduler.resume_remote(sample.request, first_token, sampler_state)
         self._absorb(state, sample, logprobs, None)
         if state.finished:
             self._pending_outputs.append(self._finish_state(state))
@@ -220,16 +220,43 @@ class LLMEngine:
     def sampler_state(self, request_id: str) -> bytes:
         """Prefill side: the request's seeded generator state (empty if unseeded); read it right after the step
         that sampled, before the runner drops the request."""
-        state = self.runner.requests.get(request_id)
-        if state is None or state.generator is None:
-            return b""
-        return state.generator.get_state().numpy().tobytes()
+        return self.runner.generator_state(request_id)
 
     def fail_remote_prefill(self, request_id: str) -> None:
         """The prefill worker failed: recompute the prompt here (its reserved blocks are dropped)."""
         state = self._states.get(request_id)
         if state is not None and state.samples[0].request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             self.scheduler.requeue_remote(state.samples[0].request)
+
+    # ---- what the worker runtime and KV transports may ask (no reaching into scheduler or runner) -----------
+    def computed_prompt_blocks(self, request_id: str) -> int | None:
+        """Full prompt blocks whose KV is computed so far (None: no such request)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        return min(request.num_computed_tokens, request.num_prompt_tokens) // self.config.cache.block_size
+
+    def kv_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (also while its finished blocks are held for a transfer)."""
+        return self.kv_manager.block_ids(request_id)
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs produced between steps (a remote prefill's first token, aborts): deliver them now rather
+        than after the next step's compute."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def load(self) -> EngineLoad:
+        sched = self.scheduler
+        pending = [*sched.waiting, *sched.running]
+        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in pending)
+        pool = self.kv_manager.pool
+        return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
+                          pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
 
     def expire_kv_leases(self) -> None:
         self.num_lease_expired_blocks += self.kv_manager.release_expired(time.monotonic())

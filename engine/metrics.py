@@ -51,10 +51,11 @@ class EngineMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Time spent waiting in the queue.",
                                     E2E_BUCKETS)
-        self.transfer_bytes = counter("kvflow:kv_transfer_bytes", "KV bytes moved between workers.")
-        self.transfer_seconds = histogram("kvflow:kv_transfer_seconds",
-                                          "Duration of one request's KV transfer (overlapping prefill compute).",
-                                          TRANSFER_BUCKETS)
+        self.transfer_bytes = Counter("kvflow:kv_transfer_bytes", "KV bytes moved between workers, by transfer "
+                                      "backend (nccl, gloo, grpc).", ["model_name", "backend"], registry=r)
+        self.transfer_seconds = Histogram("kvflow:kv_transfer_seconds", "Duration of one request's KV transfer "
+                                          "(overlapping prefill compute), by backend.", ["model_name", "backend"],
+                                          buckets=TRANSFER_BUCKETS, registry=r)
         self.blocks_freed = counter("kvflow:kv_blocks_freed",
                                     "KV blocks freed after a transfer finished, was cancelled or its lease expired.")
         self.fallback = Counter("kvflow:disagg_fallback", "Disaggregated prefills that fell back to local "
@@ -90,9 +91,9 @@ class EngineMetrics:
                 for _ in range(timing.generation_tokens - 1):  # vLLM observes every inter-token interval
                     self.tpot.observe(timing.mean_tpot_s)
 
-    def record_transfer(self, num_bytes: int, seconds: float) -> None:
-        self.transfer_bytes.inc(num_bytes)
-        self.transfer_seconds.observe(seconds)
+    def record_transfer(self, backend: str, num_bytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels(self.model_name, backend).inc(num_bytes)
+        self.transfer_seconds.labels(self.model_name, backend).observe(seconds)
 
     def record_fallback(self, reason: str) -> None:
         self.fallback.labels(self.model_name, reason).inc()

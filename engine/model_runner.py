@@ -34,7 +34,13 @@ from engine.cpu_memory import keep_freed_memory_for_reuse
 from engine.cuda_graphs import DecodeGraphs, DecodeResult, capture_sizes
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
-from engine.outputs import ModelRunnerOutput, PositionLogprobs, ScheduledChunk, SchedulerOutput
+from engine.outputs import (
+    ModelRunnerOutput,
+    NewRequestData,
+    PositionLogprobs,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from engine.sampler import Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
 from kernels._triton import HAS_TRITON
@@ -281,10 +287,8 @@ class ModelRunner:
         for request_id in so.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in so.new_requests:
-            seed = new.sampling_params.seed
-            generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-            self.requests[new.request_id] = RunnerRequestState(new.sampling_params, new.prompt_token_ids,
-                                                               generator=generator)
+            self.requests[new.request_id] = RunnerRequestState(
+                new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), self._generator(new))
         self._swap(so.blocks_to_swap_out, to_cpu=True)
         self._swap(so.blocks_to_swap_in, to_cpu=False)
         if self.graphs is not None and so.chunks and not so.blocks_to_swap_in and not so.blocks_to_swap_out:
@@ -353,6 +357,25 @@ class ModelRunner:
         for state, token in zip(states, token_list, strict=True):
             state.output_token_ids.append(token)
         return ModelRunnerOutput(dict(zip(sample_ids, token_list, strict=True)), logprobs, prompt_logprobs)
+
+    def _generator(self, new: NewRequestData) -> torch.Generator | None:
+        seed = new.sampling_params.seed
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        if new.generator_state:
+            try:
+                generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
+            except RuntimeError as exc:  # another device type produced it: the seeded stream restarts
+                logger.warning("request %s: cannot restore the sampler state (%s)", new.request_id, exc)
+        return generator
+
+    def generator_state(self, request_id: str) -> bytes:
+        """A request's seeded generator state (empty if unseeded or unknown)."""
+        state = self.requests.get(request_id)
+        if state is None or state.generator is None:
+            return b""
+        return state.generator.get_state().numpy().tobytes()
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], states: list[RunnerRequestState]
                 ) -> tuple[torch.Tensor, dict[str, PositionLogprobs]]:

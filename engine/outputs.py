@@ -15,6 +15,9 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Tokens sampled before the runner saw the request (a remote prefill's first token): penalties count them.
+    output_token_ids: list[int] = field(default_factory=list)
+    generator_state: bytes = b""  # seeded requests resumed from elsewhere: continue that generator exactly
 
 
 @dataclass(frozen=True, slots=True)

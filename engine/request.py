@@ -52,6 +52,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # Decode side of P/D: the prefill worker's seeded-generator state after the first token (handed to the runner).
+    remote_sampler_state: bytes = b""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -83,11 +83,13 @@ class Scheduler:
         self.remote_waiting[request.request_id] = request
         return True
 
-    def resume_remote(self, request: Request, first_token: int) -> None:
-        """The prompt's KV is in the reserved blocks: run on as a decoding request with its first token."""
+    def resume_remote(self, request: Request, first_token: int, sampler_state: bytes = b"") -> None:
+        """The prompt's KV is in the reserved blocks: run on as a decoding request with its first token (and the
+        prefill side's generator state, handed to the runner with the request's `NewRequestData`)."""
         del self.remote_waiting[request.request_id]
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_time = time.monotonic()
+        request.remote_sampler_state = sampler_state
         self.kv.cache_blocks(request)
         request.append_output_token(first_token)
         status = self._check_stop(request, first_token)
@@ -105,10 +107,6 @@ class Scheduler:
         request.num_cached_tokens = -1
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
-
-    def mark_known_to_runner(self, request_id: str) -> None:
-        """The engine registered the request with the runner itself (it carries a token sampled elsewhere)."""
-        self._known_to_runner.add(request_id)
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -199,7 +197,8 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int, new_requests: list[NewRequestData]) -> ScheduledChunk:
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
-            new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params))
+            new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                               list(request.output_token_ids), request.remote_sampler_state))
         start = request.num_computed_tokens
         return ScheduledChunk(
             request_id=request.request_id,

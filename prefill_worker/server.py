@@ -1,48 +1,57 @@
-"""Prefill worker: runs prompts through its own scheduler (chunked prefill, prefix cache), streams each request's
+"""Prefill worker: runs prompts through its own scheduler (chunked prefill, prefix cache) and sends each request's
 KV blocks to the calling decode worker as prefill chunks complete, then the first sampled token.
 
-KV of full blocks is copied out on the engine thread right after the step that completed them (a step hook),
-so the transfer overlaps the remaining prefill compute. A finished request's blocks are held (lease) until that
-copy is taken; a cancelled stream aborts the request and frees its blocks at once.
+Right after the step that completed them (a step hook, on the engine thread), newly full blocks are exported
+through the engine's `KVPort` into contiguous staging tensors, so the transfer overlaps the remaining prefill
+compute. They travel over the decode worker's KV link (`KVLink`: NCCL or gloo) or, with the gRPC backend, as
+bytes in this stream. A finished request's blocks are held (lease) until that export is taken; a cancelled stream
+aborts the request and frees its blocks at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from engine.errors import InvalidRequest
-from engine.kv_transfer import KV_ORDER, KVLayout, KVSlice, gather_slices, tensor_bytes
+from engine.kv_port import KVExport, KVPort
+from engine.kv_transfer import (
+    DEFAULT_LEASE_S,
+    GRPC_MAX_CHUNK_BYTES,
+    KV_ORDER,
+    LINK_MAX_CHUNK_BYTES,
+    plan_slices,
+    tensor_bytes,
+)
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from prefill_worker.common import (
-    WorkerContext,
-    engine_layout,
-    info_response,
+from kvflow.wire import (
+    BACKEND_ENUMS,
+    BACKEND_NAMES,
     layout_from_proto,
     layout_to_proto,
     logprobs_to_proto,
     sampling_kwargs_from_proto,
 )
+from kvflow.worker.kv_link import SendLink
+from kvflow.worker.runtime import WorkerContext, WorkerServicer, info_response
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_LEASE_S = 10.0
+MAX_LEASE_S = 600.0
 
 
 @dataclass
 class _Staged:
-    slices: list[tuple[KVSlice, torch.Tensor]]  # wire-layout copies: the cache may move on
+    exports: list[KVExport]  # gRPC backend: slices for this stream to serialize
 
 
 @dataclass
@@ -55,26 +64,49 @@ class _Finished:
 class _Transfer:
     """One request's KV stream; `next_block` is touched on the engine thread only."""
 
-    request_id: str
+    request_id: str  # the engine's id
+    caller_id: str  # the decode worker's id, which link notices carry
     num_prompt_tokens: int
     total_blocks: int
     next_block: int
+    link: SendLink | None  # None: the blocks go as bytes in the Prefill stream
+    num_bytes: int = 0  # exported so far (engine thread)
     inbox: asyncio.Queue[_Staged | _Finished] = field(default_factory=asyncio.Queue)
 
+    def export(self, engine: LLMEngine, port: KVPort, ready: int) -> list[KVExport]:
+        """Engine thread: export blocks [next_block, ready). Link transfers are staged on the link at once (their
+        order there is the send order); gRPC ones are returned for this request's stream to serialize."""
+        block_ids = engine.kv_block_ids(self.request_id)
+        max_bytes = GRPC_MAX_CHUNK_BYTES if self.link is None else LINK_MAX_CHUNK_BYTES
+        exports = []
+        for part in plan_slices(self.next_block, ready - self.next_block, port.layout, max_bytes):
+            export = port.export(block_ids[part.first_block : part.first_block + part.num_blocks], part)
+            self.num_bytes += export.tensor.nbytes
+            if self.link is not None:
+                self.link.stage(self.caller_id, export)
+            else:
+                exports.append(export)
+        self.next_block = ready
+        return exports
 
-class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
+
+class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.engine = ctx.engine
-        self.layout: KVLayout = engine_layout(ctx.engine.engine)
+        self.port = ctx.kv_port
+        self.layout = self.port.layout
         self.block_size = self.layout.block_size
         self._transfers: dict[str, _Transfer] = {}  # engine thread only
         self._by_caller_id: dict[str, str] = {}  # caller request id -> internal id (event loop only)
+        # gRPC backend: device -> host copies of staged slices run here, never on the event loop.
+        self._serializer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-serialize")
+        self._serialize_stream: torch.cuda.Stream | None = None
         ctx.engine.step_hooks.append(self._stage_ready_blocks)
 
     # ---- engine thread -------------------------------------------------------------------------------------
     def _stage_ready_blocks(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """After each step: copy out newly completed blocks; on finish, the rest, then release the hold."""
+        """After each step: export newly completed blocks; on finish, the rest, then release the hold."""
         finished = {o.request_id: o for o in outputs if o.finished}
         for request_id, transfer in list(self._transfers.items()):
             output = finished.get(request_id)
@@ -82,20 +114,13 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
                 del self._transfers[request_id]
                 self.engine.post(transfer.inbox.put_nowait, _Finished(output))
                 continue
+            ready = transfer.total_blocks if output is not None else engine.computed_prompt_blocks(request_id)
+            if ready is not None and ready > transfer.next_block:
+                exports = transfer.export(engine, self.port, ready)
+                if exports:
+                    self.engine.post(transfer.inbox.put_nowait, _Staged(exports))
             if output is not None:
-                ready = transfer.total_blocks
-            else:
-                request = engine.scheduler.requests.get(request_id)
-                if request is None:
-                    continue
-                ready = min(request.num_computed_tokens, transfer.num_prompt_tokens) // self.block_size
-            if ready > transfer.next_block:
-                block_ids = engine.kv_manager.block_ids(request_id)[transfer.next_block : ready]
-                slices = gather_slices(engine.runner.kv_caches, block_ids, transfer.next_block, self.layout)
-                self.engine.post(transfer.inbox.put_nowait, _Staged(slices))
-                transfer.next_block = ready
-            if output is not None:
-                freed = engine.release_kv(request_id)
+                freed = engine.release_kv(request_id)  # the exports were queued before any reuse of the blocks
                 self.engine.post(self.ctx.metrics.blocks_freed.inc, freed)
                 del self._transfers[request_id]
                 self.engine.post(transfer.inbox.put_nowait, _Finished(output, engine.sampler_state(request_id)))
@@ -104,12 +129,23 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
         """Engine thread: drop the stream's transfer and free the request's blocks, whatever its state."""
         def cancel(engine: LLMEngine) -> None:
             self._transfers.pop(request_id, None)
-            held = len(engine.kv_manager.block_ids(request_id))
+            held = len(engine.kv_block_ids(request_id))
             engine.abort_request(request_id)
             engine.release_kv(request_id)
             if held:
                 self.engine.post(self.ctx.metrics.blocks_freed.inc, held)
         self.engine.submit(cancel)
+
+    # ---- serialization thread (gRPC backend) ---------------------------------------------------------------
+    def _to_bytes(self, export: KVExport) -> bytes:
+        if not self.port.on_cuda:
+            return tensor_bytes(export.tensor)
+        if self._serialize_stream is None:
+            self._serialize_stream = self.port.new_stream()
+        with self.port.transfer_stream(self._serialize_stream):
+            export.wait()
+            host = export.tensor.to("cpu", non_blocking=False)  # waits for this stream only
+        return tensor_bytes(host)
 
     # ---- RPCs ----------------------------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -117,13 +153,14 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
         caller_id = request.request_id or uuid.uuid4().hex
         request_id = f"{caller_id}@{uuid.uuid4().hex[:12]}"  # callers may reuse ids; blocks are keyed by this
         try:
-            params, lease_s = self._validate(request)
+            params, lease_s, link = self._validate(request)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            code = grpc.StatusCode.FAILED_PRECONDITION if "KV link" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc))
             return
         prompt = list(request.prompt_token_ids)
         total_blocks = -(-len(prompt) // self.block_size)
-        transfer = _Transfer(request_id, len(prompt), total_blocks, request.skip_blocks)
+        transfer = _Transfer(request_id, caller_id, len(prompt), total_blocks, request.skip_blocks, link)
 
         def admit(engine: LLMEngine) -> None:
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params, output_kind="final",
@@ -137,18 +174,20 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         self._by_caller_id[caller_id] = request_id
+        backend = link.backend if link is not None else "grpc"
         done = False
-        num_bytes = 0
+        loop = asyncio.get_running_loop()
         try:
             yield pb.PrefillResponse(request_id=caller_id, header=pb.KVHeader(
                 layout=layout_to_proto(self.layout), num_prompt_tokens=len(prompt),
-                num_blocks=total_blocks - request.skip_blocks, first_block=request.skip_blocks))
+                num_blocks=total_blocks - request.skip_blocks, first_block=request.skip_blocks,
+                backend=BACKEND_ENUMS[backend]))
             while True:
                 item = await transfer.inbox.get()
                 if isinstance(item, _Staged):
-                    for part, wire in item.slices:
-                        data = tensor_bytes(wire)
-                        num_bytes += len(data)
+                    for export in item.exports:
+                        data = await loop.run_in_executor(self._serializer, self._to_bytes, export)
+                        part = export.part
                         yield pb.PrefillResponse(request_id=caller_id, kv=pb.KVChunk(
                             first_block=part.first_block, num_blocks=part.num_blocks, first_layer=part.first_layer,
                             num_layers=part.num_layers, data=data))
@@ -156,7 +195,7 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
                 done = True
                 yield self._final_message(caller_id, item, time.perf_counter() - started)
                 break
-            self.ctx.metrics.record_transfer(num_bytes, time.perf_counter() - started)
+            self.ctx.metrics.record_transfer(backend, transfer.num_bytes, time.perf_counter() - started)
         finally:
             self._by_caller_id.pop(caller_id, None)
             if not done:
@@ -174,28 +213,34 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
             first_token_id=token, first_token_logprob=logprob, num_cached_tokens=output.num_cached_tokens,
             timings=pb.Timings(prefill_s=seconds), sampler_state=finished.sampler_state))
 
-    def _validate(self, request: pb.PrefillRequest) -> tuple[SamplingParams, float]:
+    def _validate(self, request: pb.PrefillRequest) -> tuple[SamplingParams, float, SendLink | None]:
         if not request.prompt_token_ids:
             raise InvalidRequest("prompt_token_ids is empty")
         if request.HasField("expected_layout"):
             expected = layout_from_proto(request.expected_layout)
             if expected.order and expected.order != KV_ORDER:
                 raise InvalidRequest(f"KV layout order {expected.order!r} is not supported; use {KV_ORDER!r}")
-            if (expected.dtype, expected.num_layers, expected.block_size, expected.num_kv_heads,
-                    expected.head_dim) != (self.layout.dtype, self.layout.num_layers, self.layout.block_size,
-                                           self.layout.num_kv_heads, self.layout.head_dim):
+            if expected != self.layout:
                 raise InvalidRequest(f"KV layout mismatch: decode expects {expected}, this worker has {self.layout}")
         if request.skip_blocks * self.block_size >= len(request.prompt_token_ids):
             raise InvalidRequest(f"skip_blocks={request.skip_blocks} covers the whole prompt; at least its last "
                                  "token must be prefilled")
-        if not (request.lease_s >= 0 and request.lease_s <= 600):
-            raise InvalidRequest(f"lease_s must be in [0, 600], got {request.lease_s}")
+        if not (request.lease_s >= 0 and request.lease_s <= MAX_LEASE_S):
+            raise InvalidRequest(f"lease_s must be in [0, {MAX_LEASE_S:.0f}], got {request.lease_s}")
+        backend = BACKEND_NAMES.get(request.kv_transfer_backend)
+        if backend is None:
+            raise InvalidRequest(f"unknown kv_transfer_backend {request.kv_transfer_backend}")
+        link = None
+        if backend != "grpc":
+            link = self.ctx.links.get(request.link_id)
+            if link is None or link.backend != backend:
+                raise InvalidRequest(f"KV link {request.link_id!r} ({backend}) is not open on this worker")
         kwargs = sampling_kwargs_from_proto(request.sampling_params)
         if kwargs.get("n", 1) != 1:
             raise InvalidRequest("a prefill serves one sequence (n must be 1)")
         kwargs.pop("prompt_logprobs", None)  # decode workers prefill prompt_logprobs requests themselves
         kwargs.update(max_tokens=1, min_tokens=0)  # only the first token is sampled here
-        return SamplingParams(**kwargs), request.lease_s or DEFAULT_LEASE_S  # type: ignore[arg-type]
+        return SamplingParams(**kwargs), request.lease_s or DEFAULT_LEASE_S, link
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         request_id = self._by_caller_id.get(request.request_id)
@@ -206,10 +251,13 @@ class PrefillServicer(kvflow_pb2_grpc.PrefillServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_PREFILL, self.ctx.worker_id))
 
-    async def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[pb.KVEventBatch]:
-        async for batch in self.ctx.events.subscribe():
-            yield batch
+    async def KVLink(self, request: pb.KVLinkRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.KVLinkMessage]:
+        if self.ctx.kv_transfer_backend == "grpc":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker runs --kv-transfer-backend grpc: no KV links")
+        async for message in self.ctx.links.serve(request, context):
+            yield message
 
 
 def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> PrefillServicer:

@@ -1,6 +1,9 @@
 """Triton interprets kernels on CPU only when TRITON_INTERPRET=1 is set before `import triton`, so the kernel test
 modules run their kernel cases in a subprocess with it set. Each case is collected in exactly one of the two
-processes (deselected, not skipped, in the other)."""
+processes (deselected, not skipped, in the other).
+
+The P/D worker tests share the SmolLM2 prompt sets and the unified engine's reference outputs (session fixtures).
+"""
 
 from __future__ import annotations
 
@@ -19,3 +22,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def tokenizer():  # noqa: ANN201
+    from tests.engine_helpers import hf_tokenizer  # transformers only where used
+
+    return hf_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def prompt_sets(tokenizer) -> dict[str, list[list[int]]]:  # noqa: ANN001
+    from tests.engine_helpers import PROMPTS
+
+    short = [tokenizer(p).input_ids for p in PROMPTS]
+    text = " ".join(PROMPTS) + " "
+    long = [tokenizer(f"Document {i}. " + text * reps).input_ids for i, reps in ((1, 4), (2, 14))]
+    return {"short": short, "long": long}
+
+
+@pytest.fixture(scope="session")
+def unified(prompt_sets: dict[str, list[list[int]]]) -> dict[tuple[int, ...], list[int]]:
+    """Reference greedy outputs of the unified engine (default 8192-token budget: one prefill chunk)."""
+    from kvflow import LLM, SamplingParams
+    from tests.pd_helpers import KV_BYTES, MAX_MODEL_LEN, MAX_TOKENS
+
+    llm = LLM("smollm2", kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
+    prompts = [*prompt_sets["short"], *prompt_sets["long"]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    del llm
+    return {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)}

@@ -113,16 +113,15 @@ def test_cli_defaults_are_none_and_offline_commands_stay_llm() -> None:
 
 
 def test_serve_and_workers_use_the_server_context() -> None:
-    from kvflow.commands.serve import server_engine_args as serve_args
-    from prefill_worker.common import server_engine_args as worker_args
+    from kvflow.worker.runtime import server_engine_args
 
     parser = build_parser()
     ns = parser.parse_args(["serve", "--model", "tiny", "--max-num-seqs", "12"])
-    args = serve_args(ns)
+    args = server_engine_args(ns)
     assert args.usage_context == "server" and args.model == "tiny" and args.max_num_seqs == 12
     for role in ("prefill", "decode"):
         ns = parser.parse_args([role, "--port", "1", "--model", "tiny"])
-        args = worker_args(ns)
+        args = server_engine_args(ns)
         assert args.usage_context == "server" and args.max_num_seqs is None
 
 

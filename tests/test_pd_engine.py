@@ -1,5 +1,6 @@
 """Engine-level P/D hooks, in one process with the `tiny` preset: held KV with a lease on the prefill side,
-remote-prefill admission on the decode side, block (de)serialization, fallback and abort accounting."""
+remote-prefill admission on the decode side, KV export/import through the engines' `KVPort` (also through bytes),
+fallback and abort accounting."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from engine.config import EngineArgs
-from engine.kv_transfer import KVLayout, KVSlice, KVTransferError, gather_slices, tensor_bytes, write_blocks
+from engine.kv_transfer import KVSlice, KVTransferError, plan_slices, tensor_bytes
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("seed,temperature", [(None, 0.0), (11, 0.9)])
 def test_remote_prefill_equals_unified(engines, seed, temperature) -> None:  # noqa: ANN001
     prefill, decode, unified = engines
-    layout = KVLayout.of_caches(prefill.runner.kv_caches, prefill.config.model.dtype)
+    layout = prefill.kv_port.layout
     for i, prompt in enumerate(prompts()):
         params = dict(max_tokens=6, temperature=temperature, seed=seed)
         rid = f"{i}-{seed}"
@@ -55,12 +56,14 @@ def test_remote_prefill_equals_unified(engines, seed, temperature) -> None:  # n
         first = run_to_end(prefill, rid)[0]
         sampler_state = prefill.sampler_state(rid)
         assert bool(sampler_state) == (seed is not None)
-        held = prefill.kv_manager.block_ids(rid)
+        held = prefill.kv_block_ids(rid)
         assert len(held) == len(slot.block_ids), "finished request's blocks are held for the transfer"
-        for part, wire in gather_slices(prefill.runner.kv_caches, held[slot.num_cached_blocks :],
-                                        slot.num_cached_blocks, layout, max_bytes=4096):
+        skip = slot.num_cached_blocks
+        for n, part in enumerate(plan_slices(skip, len(held) - skip, layout, max_bytes=4096)):
+            export = prefill.kv_port.export(held[part.first_block : part.first_block + part.num_blocks], part)
             ids = slot.block_ids[part.first_block : part.first_block + part.num_blocks]
-            write_blocks(decode.runner.kv_caches, layout, ids, part, tensor_bytes(wire))
+            wire = export.tensor if n % 2 else decode.kv_port.wire_from_bytes(part, tensor_bytes(export.tensor))
+            assert decode.kv_port.import_(ids, part, wire).wait()
         assert prefill.release_kv(rid) == len(held)
         assert prefill.kv_manager.pool.num_free_blocks == free_before
 
@@ -113,11 +116,19 @@ def test_remote_admission_threshold_room_fallback_and_abort() -> None:
     assert engine.kv_manager.pool.num_free_blocks == baseline
 
 
-def test_write_blocks_rejects_bad_payloads() -> None:
+def test_kv_port_rejects_bad_payloads() -> None:
     engine = make()
-    layout = KVLayout.of_caches(engine.runner.kv_caches, engine.config.model.dtype)
+    port = engine.kv_port
+    layout = port.layout
     with pytest.raises(KVTransferError, match="expected"):
-        write_blocks(engine.runner.kv_caches, layout, [1], KVSlice(0, 1, 0, layout.num_layers), b"\0" * 10)
+        port.wire_from_bytes(KVSlice(0, 1, 0, layout.num_layers), b"\0" * 10)
     with pytest.raises(KVTransferError, match="layers"):
         part = KVSlice(0, 1, layout.num_layers, 1)
-        write_blocks(engine.runner.kv_caches, layout, [1], part, b"\0" * layout.payload_bytes(1, 1))
+        port.import_([1], part, port.wire_from_bytes(part, b"\0" * layout.payload_bytes(1, 1)))
+    part = KVSlice(0, 1, 0, layout.num_layers)
+    with pytest.raises(KVTransferError, match="outside the KV cache"):
+        port.import_([engine.num_gpu_blocks], part, port.empty_wire(part))
+    with pytest.raises(KVTransferError, match="block ids"):
+        port.export([1, 2], part)
+    with pytest.raises(KVTransferError, match="does not match"):
+        port.import_([1], part, port.empty_wire(KVSlice(0, 2, 0, layout.num_layers)))

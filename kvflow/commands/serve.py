@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 import sys
@@ -41,13 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def server_engine_args(args: argparse.Namespace) -> EngineArgs:
-    """The engine arguments of an API server: vLLM's server batch defaults (the workers resolve them too)."""
-    return dataclasses.replace(EngineArgs.from_cli_args(args), usage_context="server")
-
-
 def run(args: argparse.Namespace) -> int:
     from kvflow.launcher import ClusterSpec, WorkerCluster
+    from kvflow.worker.runtime import server_engine_args
     from router.config import RouterConfig
 
     engine_args = server_engine_args(args)

@@ -9,7 +9,7 @@ from engine.config import EngineArgs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from prefill_worker.common import add_worker_args
+    from kvflow.worker.runtime import add_worker_args
 
     prefill = subparsers.add_parser("prefill", help="run a prefill worker (gRPC Prefill service)")
     add_worker_args(prefill)
@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    from prefill_worker.common import serve_worker
+    from kvflow.worker.runtime import serve_worker
     from prefill_worker.server import add_prefill_servicer
 
     asyncio.run(serve_worker(args, "prefill", add_prefill_servicer))
@@ -35,7 +35,7 @@ def run_prefill(args: argparse.Namespace) -> int:
 
 def run_decode(args: argparse.Namespace) -> int:
     from decode_worker.server import add_generation_servicer
-    from prefill_worker.common import serve_worker
+    from kvflow.worker.runtime import serve_worker
 
     if args.disagg_min_prompt_tokens < 0:
         raise ValueError("--disagg-min-prompt-tokens must be >= 0")

@@ -27,6 +27,13 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_UNIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_ROUTER: _ClassVar[WorkerRole]
+
+class KVTransferBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSFER_BACKEND_UNSPECIFIED: _ClassVar[KVTransferBackend]
+    KV_TRANSFER_BACKEND_GRPC: _ClassVar[KVTransferBackend]
+    KV_TRANSFER_BACKEND_NCCL: _ClassVar[KVTransferBackend]
+    KV_TRANSFER_BACKEND_GLOO: _ClassVar[KVTransferBackend]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -39,6 +46,10 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_UNIFIED: WorkerRole
 WORKER_ROLE_ROUTER: WorkerRole
+KV_TRANSFER_BACKEND_UNSPECIFIED: KVTransferBackend
+KV_TRANSFER_BACKEND_GRPC: KVTransferBackend
+KV_TRANSFER_BACKEND_NCCL: KVTransferBackend
+KV_TRANSFER_BACKEND_GLOO: KVTransferBackend
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens_false")
@@ -295,7 +306,7 @@ class InfoResponse(_message.Message):
     def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., worker_id: _Optional[str] = ..., version: _Optional[str] = ..., num_free_kv_blocks: _Optional[int] = ..., disagg_min_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "skip_blocks", "decode_worker_id", "expected_layout", "cache_salt", "lease_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "skip_blocks", "decode_worker_id", "expected_layout", "cache_salt", "lease_s", "kv_transfer_backend", "link_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +315,8 @@ class PrefillRequest(_message.Message):
     EXPECTED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
@@ -312,19 +325,23 @@ class PrefillRequest(_message.Message):
     expected_layout: KVLayout
     cache_salt: _containers.RepeatedScalarFieldContainer[str]
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cache_salt: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    kv_transfer_backend: KVTransferBackend
+    link_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cache_salt: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ..., kv_transfer_backend: _Optional[_Union[KVTransferBackend, str]] = ..., link_id: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("layout", "num_prompt_tokens", "num_blocks", "first_block")
+    __slots__ = ("layout", "num_prompt_tokens", "num_blocks", "first_block", "backend")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     num_prompt_tokens: int
     num_blocks: int
     first_block: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+    backend: KVTransferBackend
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_block: _Optional[int] = ..., backend: _Optional[_Union[KVTransferBackend, str]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("first_block", "num_blocks", "first_layer", "num_layers", "data")
@@ -355,6 +372,64 @@ class PrefillDone(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     sampler_state: bytes
     def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
+
+class KVLinkRequest(_message.Message):
+    __slots__ = ("link_id", "decode_worker_id", "backend", "layout")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    link_id: str
+    decode_worker_id: str
+    backend: KVTransferBackend
+    layout: KVLayout
+    def __init__(self, link_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[KVTransferBackend, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class KVLinkReady(_message.Message):
+    __slots__ = ("store_host", "store_port", "store_prefix", "timeout_s")
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    store_host: str
+    store_port: int
+    store_prefix: str
+    timeout_s: float
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class KVLinkChunk(_message.Message):
+    __slots__ = ("request_id", "seq", "first_block", "num_blocks", "first_layer", "num_layers", "num_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    seq: int
+    first_block: int
+    num_blocks: int
+    first_layer: int
+    num_layers: int
+    num_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class KVLinkHeartbeat(_message.Message):
+    __slots__ = ("sent_unix_s",)
+    SENT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    sent_unix_s: float
+    def __init__(self, sent_unix_s: _Optional[float] = ...) -> None: ...
+
+class KVLinkMessage(_message.Message):
+    __slots__ = ("ready", "chunk", "heartbeat")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ready: KVLinkReady
+    chunk: KVLinkChunk
+    heartbeat: KVLinkHeartbeat
+    def __init__(self, ready: _Optional[_Union[KVLinkReady, _Mapping]] = ..., chunk: _Optional[_Union[KVLinkChunk, _Mapping]] = ..., heartbeat: _Optional[_Union[KVLinkHeartbeat, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "header", "kv", "done", "error")

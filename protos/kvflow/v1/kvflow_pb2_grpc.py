@@ -277,6 +277,11 @@ class PrefillStub:
                 request_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.KVLink = channel.unary_stream(
+                '/kvflow.v1.Prefill/KVLink',
+                request_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkRequest.SerializeToString,
+                response_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkMessage.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -312,6 +317,15 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVLink(self, request, context):
+        """Open a torch.distributed KV link to the calling decode worker: `ready` (where to rendezvous), then, in the
+        exact order the prefill side sends them on the link, one `chunk` notice per KV message of any request, with
+        heartbeats while idle. The link lives as long as this stream; either side ending it tears the link down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -334,6 +348,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.StreamKVEvents,
                     request_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVEventsRequest.FromString,
                     response_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVEventBatch.SerializeToString,
+            ),
+            'KVLink': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVLink,
+                    request_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkRequest.FromString,
+                    response_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +467,33 @@ class Prefill:
             '/kvflow.v1.Prefill/StreamKVEvents',
             protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVEventsRequest.SerializeToString,
             protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvflow.v1.Prefill/KVLink',
+            protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkRequest.SerializeToString,
+            protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkMessage.FromString,
             options,
             channel_credentials,
             insecure,
