@@ -103,10 +103,11 @@ class _PrefillStream:
                                                 f"+{len(job.block_ids) - job.skip_blocks})")
         self.header_seen = True
 
-    def result(self, done: pb.PrefillDone, num_bytes: int, started: float) -> PullResult:
+    def result(self, done: pb.PrefillDone, num_bytes: int, started: float, wire_seconds: float) -> PullResult:
         logprobs = logprobs_from_proto(done.first_token_logprob) if done.HasField("first_token_logprob") else None
         return PullResult(done.first_token_id, logprobs, len(self.job.block_ids) - self.job.skip_blocks, num_bytes,
-                          done.num_cached_tokens, time.perf_counter() - started, self.backend, done.sampler_state)
+                          done.num_cached_tokens, time.perf_counter() - started, wire_seconds, self.backend,
+                          done.sampler_state)
 
 
 def _rpc_error(address: str, exc: grpc.aio.AioRpcError) -> KVTransferError:
@@ -140,6 +141,7 @@ class GrpcKVTransport:
         total_blocks = len(job.block_ids)
         expected = self.port.layout.payload_bytes(total_blocks - job.skip_blocks, self.port.layout.num_layers)
         received = 0
+        first_chunk_at = last_write_at = 0.0
         loop = asyncio.get_running_loop()
         try:
             async for response in call:
@@ -150,17 +152,19 @@ class GrpcKVTransport:
                     if not reader.header_seen:
                         raise KVTransferError("bad_stream", "KV chunk before the header")
                     chunk = response.kv
+                    first_chunk_at = first_chunk_at or time.perf_counter()
                     part = KVSlice(chunk.first_block, chunk.num_blocks, chunk.first_layer, chunk.num_layers)
                     check_slice(self.port.layout, part, len(chunk.data), total_blocks, job.skip_blocks)
                     block_ids = job.block_ids[part.first_block : part.first_block + part.num_blocks]
                     # When the pull ends, for any reason, no write into its blocks is still running.
                     await finish_uncancelled(loop.run_in_executor(self._writer, self._write, block_ids, part,
                                                                   chunk.data))
+                    last_write_at = time.perf_counter()
                     received += len(chunk.data)
                 elif kind == "done":
                     if received != expected:
                         raise KVTransferError("incomplete", f"got {received} of {expected} KV bytes")
-                    return reader.result(response.done, received, started)
+                    return reader.result(response.done, received, started, last_write_at - first_chunk_at)
                 elif kind == "error":
                     raise KVTransferError("prefill_error", f"{response.error.code}: {response.error.message}")
             raise KVTransferError("incomplete", "the prefill stream ended without PrefillDone")
@@ -190,31 +194,43 @@ class LinkKVTransport:
         reader = _PrefillStream(job, self.port, self.backend)
         stub = kvflow_pb2_grpc.PrefillStub(self._channels.get(address))
         call = stub.Prefill(_prefill_request(job, self.port, self.worker_id, self.backend, link.link_id))
+        first_token = asyncio.ensure_future(self._first_token(call, reader))
         try:
-            done: pb.PrefillDone | None = None
-            async for response in call:
-                kind = response.WhichOneof("response")
-                if kind == "header":
-                    reader.check_header(response.header)
-                elif kind == "done":
-                    if not reader.header_seen:
-                        raise KVTransferError("bad_stream", "PrefillDone before the header")
-                    done = response.done
-                    break
-                elif kind == "error":
-                    raise KVTransferError("prefill_error", f"{response.error.code}: {response.error.message}")
-                else:
-                    raise KVTransferError("bad_stream", f"unexpected {kind!r} on a link transfer")
-            if done is None:
-                raise KVTransferError("incomplete", "the prefill stream ended without PrefillDone")
-            await waiter.all_received  # fails when the link goes down
-            return reader.result(done, waiter.received_bytes, started)
+            # Both must finish; either failing ends the pull at once (a hung peer stops the link's heartbeats
+            # while its Prefill stream just stays silent).
+            pending: set[asyncio.Future] = {first_token, waiter.all_received}
+            while pending:
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in finished:
+                    future.result()  # raises its failure
+            wire = waiter.last_import_at - waiter.first_slice_at if waiter.first_slice_at is not None else 0.0
+            return reader.result(first_token.result(), waiter.received_bytes, started, wire)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(address, exc) from exc
         finally:
+            first_token.cancel()
             call.cancel()
-            # Even a cancelled pull waits until no write into its blocks can start or is running.
-            await finish_uncancelled(asyncio.ensure_future(asyncio.to_thread(link.forget, job.request_id)))
+            if waiter.all_received.done() and not waiter.all_received.cancelled() \
+                    and waiter.all_received.exception() is None:
+                link.forget(job.request_id)  # every slice is written: no import can hold the job's lock
+            else:  # even a cancelled pull waits until no write into its blocks can start or is running
+                await finish_uncancelled(asyncio.ensure_future(asyncio.to_thread(link.forget, job.request_id)))
+
+    @staticmethod
+    async def _first_token(call: grpc.aio.UnaryStreamCall, reader: _PrefillStream) -> pb.PrefillDone:
+        async for response in call:
+            kind = response.WhichOneof("response")
+            if kind == "header":
+                reader.check_header(response.header)
+            elif kind == "done":
+                if not reader.header_seen:
+                    raise KVTransferError("bad_stream", "PrefillDone before the header")
+                return response.done
+            elif kind == "error":
+                raise KVTransferError("prefill_error", f"{response.error.code}: {response.error.message}")
+            else:
+                raise KVTransferError("bad_stream", f"unexpected {kind!r} on a link transfer")
+        raise KVTransferError("incomplete", "the prefill stream ended without PrefillDone")
 
     async def close(self) -> None:
         await self.links.close()

@@ -113,6 +113,7 @@ class AsyncEngine:
     # ---- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        engine.bind_thread()
         last_stats = last_load = time.monotonic()
         try:
             while not self._stopping:

@@ -123,6 +123,7 @@ class PullResult:
     num_blocks_received: int
     num_bytes: int
     remote_cached_tokens: int
-    seconds: float  # from the pull's start to the last block written
+    seconds: float  # from the pull's start to the last block written (prefill compute included)
+    wire_seconds: float  # from the first slice's arrival to the last block written: the transfer itself
     backend: str  # "grpc" | "nccl" | "gloo"
     sampler_state: bytes = b""  # seeded requests: the prefill side's generator state after the first token

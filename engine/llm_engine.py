@@ -258,6 +258,11 @@ class LLMEngine:
     def device(self) -> torch.device:
         return self.runner.device
 
+    def bind_thread(self) -> None:
+        """Make the engine's GPU the calling thread's current device (CUDA's current device is per thread)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def expire_kv_leases(self) -> None:
         self.num_lease_expired_blocks += self.kv_manager.release_expired(time.monotonic())
 

@@ -80,6 +80,37 @@ def _pinned_to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class GpuMemory:
+    """The current device's memory as this process sees it: free and total (all processes), torch's reserve."""
+
+    free: int
+    total: int
+    reserved: int
+
+    @classmethod
+    def now(cls) -> GpuMemory:
+        free, total = torch.cuda.mem_get_info()
+        return cls(free, total, torch.cuda.memory_reserved())
+
+    @property
+    def used_by_others(self) -> int:
+        """At start (before this process allocated anything): memory other processes and this CUDA context hold."""
+        return self.total - self.free - self.reserved
+
+    def check_share(self, utilization: float, device: torch.device) -> None:
+        """vLLM's start-up check: this worker's share must be free now, or it fails saying what is in use."""
+        share = self.total * utilization
+        if self.free < share:
+            raise ValueError(
+                f"Free memory on {device} at startup ({self.free / 2**30:.2f} of {self.total / 2**30:.2f} GiB) is "
+                f"less than this worker's share, gpu_memory_utilization={utilization} ({share / 2**30:.2f} GiB): "
+                f"{self.used_by_others / 2**30:.2f} GiB are in use by other processes (e.g. another worker on "
+                "this GPU) and this CUDA context. --gpu-memory-utilization is each worker's share of the GPU's "
+                "total memory, as in vLLM: lower it so the shares of all processes on the GPU add up to at most "
+                "about 0.9, or free the GPU.")
+
+
 @dataclass
 class RunnerRequestState:
     params: SamplingParams
@@ -117,6 +148,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         arch = config.model.arch
         self.on_cuda = self.device.type == "cuda"
+        self.memory_at_start: GpuMemory | None = None
+        if self.on_cuda:
+            torch.cuda.set_device(self.device)  # this thread; the engine thread binds itself too (bind_thread)
+            self.memory_at_start = GpuMemory.now()
+            if config.cache.kv_cache_memory_bytes is None and config.cache.num_gpu_blocks_override is None:
+                self.memory_at_start.check_share(config.cache.gpu_memory_utilization, self.device)
         self.attn_backend = select_attention_backend(self.device, self.block_size)
         fused = self.on_cuda and HAS_TRITON
         started = time.perf_counter()
@@ -182,13 +219,16 @@ class ModelRunner:
         return num_blocks
 
     def _profile_free_gpu_memory(self) -> int:
-        """Bytes left for KV: total * gpu_memory_utilization minus what is in use after loading (weights, CUDA
-        context, other processes), the peak activations of the largest step (a max_num_batched_tokens prefill,
-        then logits and the sampler's sort for max_num_seqs rows) and the decode graphs' memory pool (a decode
-        forward, logits and argmax at the largest capture size)."""
+        """Bytes left for KV under vLLM's rule: `gpu_memory_utilization` is this worker's share of the GPU's total
+        memory. From that share it subtracts what this process added since it started (weights, memory outside
+        torch's allocator such as kernels' modules), the peak activations of the largest step (a
+        max_num_batched_tokens prefill, then logits and the sampler's sort for max_num_seqs rows) and the decode
+        graphs' pool (a decode forward, logits and argmax at the largest capture size). Other processes on the
+        GPU are not counted against it: they have their own shares (checked at start)."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
+        assert self.memory_at_start is not None  # set in __init__ on CUDA
         tokens = sched.max_num_batched_tokens
         per_seq = min(tokens, self.config.model.max_model_len)
         lens = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
@@ -215,14 +255,18 @@ class ModelRunner:
                 graph_pool = torch.cuda.max_memory_allocated() - base
         self.kv_caches = []
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        in_use = total - free
-        budget = total * cache.gpu_memory_utilization - in_use - activations - graph_pool
-        logger.info("memory profile: total %.2f GiB x %.2f, in use %.2f GiB (weights %.2f), peak activations "
-                    "%.2f GiB, decode graph pool %.2f GiB -> KV budget %.2f GiB",
-                    total / 2**30, cache.gpu_memory_utilization, in_use / 2**30,
-                    torch.cuda.memory_allocated() / 2**30, activations / 2**30, graph_pool / 2**30,
-                    budget / 2**30)
+        now = GpuMemory.now()
+        weights = torch.cuda.memory_allocated()
+        # Device memory this process took outside torch's allocator since it started (may include another
+        # process's growth if one starts beside it at the same moment: the launcher starts those one by one).
+        non_torch = max(0, (self.memory_at_start.free - now.free) - (now.reserved - self.memory_at_start.reserved))
+        share = now.total * cache.gpu_memory_utilization
+        budget = share - weights - non_torch - activations - graph_pool
+        logger.info("memory profile: share %.2f GiB (%.2f x %.2f GiB), weights %.2f GiB, non-torch %.2f GiB, peak "
+                    "activations %.2f GiB, decode graph pool %.2f GiB -> KV budget %.2f GiB (other processes use "
+                    "%.2f GiB of the GPU)", share / 2**30, cache.gpu_memory_utilization, now.total / 2**30,
+                    weights / 2**30, non_torch / 2**30, activations / 2**30, graph_pool / 2**30, budget / 2**30,
+                    self.memory_at_start.used_by_others / 2**30)
         return int(max(budget, 0))
 
     def _dummy_forward(self, seq_lens: list[int]) -> torch.Tensor:

@@ -1,6 +1,11 @@
 """Start a one-machine cluster: worker subprocesses (`kvflow prefill` / `kvflow decode` on free ports) and, in
 the calling process, the router. Children die with the launcher (PR_SET_PDEATHSIG) and are terminated, then
 killed, on shutdown, so no orphan is left behind.
+
+GPU placement: each worker owns one GPU (`--device cuda:N`), from `--prefill-gpus` / `--decode-gpus` or, by
+default, spread over the visible GPUs in order (prefill workers first).
+Workers share a GPU when there are fewer GPUs than workers; their default memory shares then split vLLM's 0.9
+(0.45 each for two), and they start one after another, so each one's memory profile sees only itself.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -31,7 +37,8 @@ logger = logging.getLogger(__name__)
 # Flags with BooleanOptionalAction in EngineArgs.add_cli_args: False is spelled --no-<flag>.
 _NEGATABLE = {"enable_prefix_caching", "enable_chunked_prefill"}
 # disable_log_stats: a worker-local logging choice; usage_context: set in code (workers are servers), no flag.
-_NOT_FORWARDED = {"disable_log_stats", "usage_context"}
+# device / gpu_memory_utilization: chosen per worker by the placement.
+_NOT_FORWARDED = {"disable_log_stats", "usage_context", "device", "gpu_memory_utilization"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,12 +80,17 @@ class WorkerProcess:
     address: str
     process: subprocess.Popen
     log_path: Path
+    placement: Placement
+    ready: bool = False
 
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's; split between the workers sharing a GPU
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,64 @@ class ClusterSpec:
     log_dir: Path | None = None
     worker_extra_args: tuple[str, ...] = ()
     decode_extra_args: tuple[str, ...] = ()  # e.g. a smaller KV pool on decode workers
+    prefill_gpus: tuple[int, ...] | None = None  # GPU index per prefill worker (None: spread over the visible)
+    decode_gpus: tuple[int, ...] | None = None
+    kv_transfer_backend: str = "auto"
+    # None: each worker's share is 0.9 / (workers on its GPU); a number is every worker's own share (vLLM's rule)
+    gpu_memory_utilization: float | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    role: str
+    gpu: int | None  # index among the launcher's visible GPUs; None: CPU
+    gpu_memory_utilization: float | None  # None: not a GPU worker
+
+
+def visible_gpus() -> list[str]:
+    """The physical GPU ids this process may use (CUDA_VISIBLE_DEVICES order), without creating a CUDA context."""
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [d.strip() for d in listed.split(",") if d.strip()]
+        return ids[:count]
+    return [str(i) for i in range(count)]
+
+
+def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
+    """Which GPU each worker (prefill workers first, then decode) runs on, and its memory share."""
+    roles = ["prefill"] * spec.prefill_workers + ["decode"] * spec.decode_workers
+    device = spec.engine_args.device
+    if device.startswith("cuda:"):
+        raise ValueError(f"--device {device}: a cluster places its workers itself; use --prefill-gpus / "
+                         "--decode-gpus (indices among the visible GPUs), or CUDA_VISIBLE_DEVICES")
+    if num_gpus == 0 or not (device == "auto" or device.startswith("cuda")):
+        if spec.prefill_gpus or spec.decode_gpus:
+            raise ValueError("--prefill-gpus/--decode-gpus need visible GPUs and --device auto or cuda")
+        return [Placement(role, None, None) for role in roles]
+    gpus: list[int] = []
+    for role, listed, count in (("prefill", spec.prefill_gpus, spec.prefill_workers),
+                                ("decode", spec.decode_gpus, spec.decode_workers)):
+        if listed is None:
+            continue
+        if len(listed) != count:
+            raise ValueError(f"--{role}-gpus lists {len(listed)} GPUs for {count} {role} workers")
+        if any(g < 0 or g >= num_gpus for g in listed):
+            raise ValueError(f"--{role}-gpus {list(listed)}: only GPUs 0..{num_gpus - 1} are visible")
+    default = iter(range(len(roles)))
+    for role, listed in (("prefill", spec.prefill_gpus), ("decode", spec.decode_gpus)):
+        for i in range(roles.count(role)):
+            gpus.append(listed[i] if listed is not None else next(default) % num_gpus)
+    sharing = {g: gpus.count(g) for g in gpus}
+    placements = []
+    for role, gpu in zip(roles, gpus, strict=True):
+        share = spec.gpu_memory_utilization
+        if share is None:
+            share = math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / sharing[gpu] * 100) / 100
+        placements.append(Placement(role, gpu, share))
+    return placements
 
 
 class WorkerCluster:
@@ -103,51 +173,85 @@ class WorkerCluster:
         self.spec = spec
         self.log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="kvflow-serve-"))
         self.workers: list[WorkerProcess] = []
+        self._pending: list[tuple[int, Placement]] = []
+        self._gpu_ids: list[str] = []
 
     def addresses(self, role: str) -> list[str]:
         return [w.address for w in self.workers if w.role == role]
 
     def start(self) -> None:
+        """Start every worker whose GPU has no other worker still starting; `wait_ready` starts the rest."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        common = [*engine_argv(self.spec.engine_args), "--model", self.spec.engine_args.model, "--index",
-                  self.spec.index, "--host", self.spec.host]
-        roles = ["prefill"] * self.spec.prefill_workers + ["decode"] * self.spec.decode_workers
-        for i, role in enumerate(roles):
-            port = free_port(self.spec.host)
-            argv = [sys.executable, "-m", "kvflow.cli", role, "--port", str(port), *common,
-                    "--worker-id", f"{role}-{i}-{port}", *self.spec.worker_extra_args]
-            if role == "decode":
-                argv += list(self.spec.decode_extra_args)
-                if self.spec.disagg_min_prompt_tokens is not None:
-                    argv += ["--disagg-min-prompt-tokens", str(self.spec.disagg_min_prompt_tokens)]
-            log_path = self.log_dir / f"{role}-{i}.log"
-            with open(log_path, "wb") as log:
-                process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            self.workers.append(WorkerProcess(role, f"{self.spec.host}:{port}", process, log_path))
-            logger.debug("started %s worker pid %d on port %d (log %s)", role, process.pid, port, log_path)
+        gpu_ids = visible_gpus() if self.spec.engine_args.device in ("auto", "cuda") else []
+        self._gpu_ids = gpu_ids
+        self._pending = list(enumerate(place_workers(self.spec, len(gpu_ids))))
+        self._start_unblocked()
+
+    def _start_unblocked(self) -> None:
+        starting = {w.placement.gpu for w in self.workers if w.placement.gpu is not None and not w.ready}
+        for item in list(self._pending):
+            index, placement = item
+            if placement.gpu is not None and placement.gpu in starting:
+                continue  # one start at a time per GPU: its memory profile must see only workers that are up
+            self._pending.remove(item)
+            self._spawn(index, placement)
+            if placement.gpu is not None:
+                starting.add(placement.gpu)
+
+    def _spawn(self, index: int, placement: Placement) -> None:
+        spec = self.spec
+        role = placement.role
+        port = free_port(spec.host)
+        argv = [sys.executable, "-m", "kvflow.cli", role, "--port", str(port), *engine_argv(spec.engine_args),
+                "--model", spec.engine_args.model, "--index", spec.index, "--host", spec.host,
+                "--worker-id", f"{role}-{index}-{port}", "--kv-transfer-backend", spec.kv_transfer_backend,
+                *spec.worker_extra_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if placement.gpu is not None:
+            # Every worker sees all the GPUs and selects its own: hiding the others (CUDA_VISIBLE_DEVICES) would
+            # keep NCCL from using CUDA IPC / NVLink between two workers' GPUs.
+            argv += ["--device", f"cuda:{placement.gpu}", "--gpu-memory-utilization",
+                     str(placement.gpu_memory_utilization)]
+        elif spec.engine_args.device != "auto":
+            argv += ["--device", spec.engine_args.device]
+        if role == "decode":
+            argv += list(spec.decode_extra_args)
+            if spec.disagg_min_prompt_tokens is not None:
+                argv += ["--disagg-min-prompt-tokens", str(spec.disagg_min_prompt_tokens)]
+        log_path = self.log_dir / f"{role}-{index}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       preexec_fn=_die_with_parent, env=env)
+        self.workers.append(WorkerProcess(role, f"{spec.host}:{port}", process, log_path, placement))
+        where = f"GPU {self._gpu_ids[placement.gpu]}" if placement.gpu is not None else "CPU"
+        logger.info("started %s worker %d on port %d, %s (log %s)", role, index, port, where, log_path)
 
     def wait_ready(self, timeout_s: float = 600.0, progress: bool = True) -> None:
-        """Block until every worker answers Info (the model is loaded), showing a progress bar."""
-        pending = list(self.workers)
+        """Block until every worker answers Info (the model is loaded), starting the ones that waited for their
+        GPU, with a progress bar."""
         deadline = time.monotonic() + timeout_s
-        bar = tqdm(total=len(pending), desc=f"Loading {self.spec.engine_args.model} on workers", unit="worker",
+        total = len(self.workers) + len(self._pending)
+        bar = tqdm(total=total, desc=f"Loading {self.spec.engine_args.model} on workers", unit="worker",
                    disable=not progress, file=sys.stderr)
         try:
-            while pending:
-                for worker in list(pending):
+            while True:
+                pending = [w for w in self.workers if not w.ready]
+                if not pending and not self._pending:
+                    return
+                for worker in pending:
                     if worker.process.poll() is not None:
                         raise RuntimeError(f"{worker.role} worker on {worker.address} exited with code "
                                            f"{worker.process.returncode} during startup; its log "
                                            f"({worker.log_path}) ends with:\n{worker.log_tail()}")
                     if _answers_info(worker):
-                        pending.remove(worker)
+                        worker.ready = True
                         bar.update(1)
-                if pending:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"workers not ready after {timeout_s:.0f} s: "
-                                           f"{', '.join(w.address for w in pending)} (logs in {self.log_dir})")
-                    time.sleep(0.25)
+                        self._start_unblocked()
+                if time.monotonic() > deadline:
+                    waiting = [w.address for w in self.workers if not w.ready]
+                    raise TimeoutError(f"workers not ready after {timeout_s:.0f} s: {', '.join(waiting)} "
+                                       f"({len(self._pending)} not started; logs in {self.log_dir})")
+                time.sleep(0.25)
         finally:
             bar.close()
 

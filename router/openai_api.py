@@ -242,8 +242,8 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool) -> AsyncItera
             if kind_ == "chunk":
                 chunk = response.chunk
                 index = i * n + chunk.index
-                if chunk.text or chunk.logprobs:
-                    sent_text[index] = sent_text.get(index, "") + chunk.text
+                if chunk.text or chunk.logprobs or chunk.token_ids:  # as vLLM: one event per step with tokens,
+                    sent_text[index] = sent_text.get(index, "") + chunk.text  # text may be "" (no tokenizer)
                     yield event([choice(index, chunk.text, list(chunk.logprobs))])
             elif kind_ == "complete":
                 complete = response.complete

@@ -3,7 +3,9 @@ torch.distributed link, which is gloo between CPU workers (the same code as NCCL
 
 Greedy outputs equal the unified engine's; the bytes are counted under backend="gloo"; an Abort mid-transfer
 keeps the link usable; a prefill worker killed mid-transfer is detected within 2 s and the decode side recomputes,
-and a new link is built when it comes back; a decode worker killed mid-transfer strands no prefill blocks.
+and a new link is built when it comes back; a hung (stopped) prefill worker is detected by its missing
+heartbeats and never stalls the decode worker's other requests; a decode worker killed mid-transfer strands no
+prefill blocks.
 """
 
 from __future__ import annotations
@@ -165,6 +167,44 @@ def test_prefill_killed_mid_transfer_recomputes_and_link_is_rebuilt(cluster, pro
             reborn.stop()
     finally:
         doomed.stop()
+
+
+def test_hung_prefill_worker_is_detected_and_decode_keeps_serving(cluster, prompt_sets, unified,
+                                                                   tmp_logs) -> None:  # noqa: ANN001
+    _, decode = cluster
+    hung = start_worker("prefill", tmp_logs, *LINK, *SLOW_PREFILL)
+    try:
+        wait_healthy(hung)
+        assert generate(decode, [t + 9 for t in prompt_sets["short"][1]], hung).prefill_path == \
+            pb.PREFILL_PATH_DISAGGREGATED
+        baseline = info(hung).num_free_kv_blocks
+        decode_baseline = info(decode).num_free_kv_blocks
+        prompt = prompt_sets["long"][0]
+        outcome: dict[str, object] = {}
+
+        def consume() -> None:
+            outcome["complete"] = generate(decode, prompt, hung)
+            outcome["at"] = time.monotonic()
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        wait_until(lambda: info(hung).num_free_kv_blocks < baseline, 60.0, "the transfer to start")
+        hung.process.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        # Meanwhile the decode worker serves other requests: its engine never waits on the hung link.
+        other = generate(decode, prompt_sets["short"][0])
+        assert list(other.choices[0].token_ids) == unified[tuple(prompt_sets["short"][0])]
+        reader.join(120)
+        complete = outcome["complete"]
+        assert isinstance(complete, pb.GenerateComplete) and complete.prefill_path == pb.PREFILL_PATH_LOCAL
+        assert list(complete.choices[0].token_ids) == unified[tuple(prompt)]
+        # Detection (2 s without heartbeat) plus the local recompute of the prompt.
+        assert float(outcome["at"]) - stopped_at < 30.0  # type: ignore[arg-type]
+        wait_until(lambda: info(decode).num_free_kv_blocks == decode_baseline, 10.0, "no stranded decode blocks")
+    finally:
+        if hung.process.poll() is None:
+            hung.process.send_signal(signal.SIGCONT)
+        hung.stop()
 
 
 def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster, prompt_sets, tmp_logs) -> None:  # noqa: ANN001

@@ -64,7 +64,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                     result.error = data["error"]["message"]
                     return result
                 now = time.perf_counter()
-                if data.get("choices") and data["choices"][0].get("text"):
+                choices = data.get("choices")
+                # A token event: text, or a step's tokens without text (a model served without a tokenizer);
+                # the closing event that only carries finish_reason is not one.
+                if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
                     if result.ttft_s == 0.0:
                         result.ttft_s = now - start
                     else:

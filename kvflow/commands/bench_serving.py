@@ -41,6 +41,17 @@ def register_bench_kinds(kinds: argparse._SubParsersAction) -> None:
     EngineArgs.add_cli_args(routing)
     routing.set_defaults(handler=run_routing)
 
+    pd_bench = kinds.add_parser("pd", help="P/D cost per request: TTFT disaggregated vs local, KV transfer GB/s")
+    pd_bench.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
+    pd_bench.add_argument("--reps", type=int, default=5)
+    pd_bench.add_argument("--output-len", type=int, default=4)
+    pd_bench.add_argument("--kv-transfer-backend", choices=("auto", "nccl", "grpc"), default="auto")
+    pd_bench.add_argument("--prefill-gpus", type=int, nargs=1, default=None)
+    pd_bench.add_argument("--decode-gpus", type=int, nargs=1, default=None)
+    pd_bench.add_argument("--output-json", type=Path, default=None, help="a JSON list of the records")
+    EngineArgs.add_cli_args(pd_bench)
+    pd_bench.set_defaults(handler=run_pd, gpu_memory_utilization=None)
+
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     import asyncio
@@ -72,6 +83,29 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps({**summary, "ttfts": series["ttft"]}) + "\n")
+    return 0
+
+
+def run_pd(args: argparse.Namespace) -> int:
+    from kvflow.benchmarks.pd import run_pd_bench
+    from kvflow.launcher import DEFAULT_GPU_MEMORY_UTILIZATION
+
+    if args.reps < 1 or args.output_len < 1 or min(args.prompt_lens) < 1:
+        raise ValueError("--reps, --output-len and --prompt-lens must be >= 1")
+    share = args.gpu_memory_utilization
+    args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
+    records = run_pd_bench(EngineArgs.from_cli_args(args), args.prompt_lens, args.reps, args.output_len,
+                           args.kv_transfer_backend,
+                           tuple(args.prefill_gpus) if args.prefill_gpus else None,
+                           tuple(args.decode_gpus) if args.decode_gpus else None, share)
+    for record in records:
+        print(f"{record['prompt_tokens']:>6} tokens: TTFT disaggregated {record['ttft_disagg_s'] * 1e3:.1f} ms vs "
+              f"local {record['ttft_local_s'] * 1e3:.1f} ms ({record['ttft_ratio']:.2f}x); transfer "
+              f"{record['transfer_ms']:.2f} ms, {record['transfer_gbps'] or 0:.1f} GB/s "
+              f"({record['transfer_share_of_ttft']:.1%} of TTFT) over {record['kv_transfer_backend']}")
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(records, indent=1) + "\n")
     return 0
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.config import EngineArgs
 from engine.routing.policy import POLICY_NAMES
+from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +34,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--tokenizer-pool-size", type=int, default=2)
     g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
                    help="decode workers prefill locally below this many uncached prompt tokens")
+    g.add_argument("--prefill-gpus", type=int, nargs="+", default=None,
+                   help="GPU index (among the visible ones) of each prefill worker; default: all workers spread "
+                        "over the visible GPUs, prefill workers first")
+    g.add_argument("--decode-gpus", type=int, nargs="+", default=None, help="likewise for decode workers")
+    g.add_argument("--kv-transfer-backend", choices=KV_TRANSFER_BACKENDS, default="auto",
+                   help="prefill -> decode KV: 'nccl' (torch.distributed link; gloo on CPU workers), 'grpc', or "
+                        "'auto' (NCCL between GPU workers, gRPC otherwise)")
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(handler=run)
+    # Unset: workers sharing a GPU split vLLM's 0.9 between them; set: every worker's own share (vLLM's rule).
+    parser.set_defaults(handler=run, gpu_memory_utilization=None)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvflow.launcher import ClusterSpec, WorkerCluster
+    from kvflow.launcher import DEFAULT_GPU_MEMORY_UTILIZATION, ClusterSpec, WorkerCluster
     from kvflow.worker.runtime import server_engine_args
     from router.config import RouterConfig
 
+    share = args.gpu_memory_utilization
+    args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
     engine_args = server_engine_args(args)
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
-                       "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir)
+                       "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
+                       prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
+                       decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
+                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share)
     cluster = WorkerCluster(spec)
     # SIGTERM acts like Ctrl-C: uvicorn shuts down gracefully and re-raises it, we then stop the workers.
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -268,6 +268,8 @@ class LinkJob:
     received_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: bool = True
+    first_slice_at: float | None = None  # perf_counter when the link thread took up its first slice
+    last_import_at: float = 0.0  # perf_counter when its last slice was written
 
     def _settle(self, error: BaseException | None) -> None:
         if self.all_received.done():
@@ -419,12 +421,14 @@ class RecvLink:
                 or part.num_layers < 1:
             raise KVTransferError("bad_stream", f"link notice {notice.seq} announces {notice.num_bytes} bytes "
                                                 f"for {part}: the stream can no longer be paired")
+        with self._jobs_lock:
+            job = self._jobs.get(notice.request_id)
+        if job is not None and job.first_slice_at is None:
+            job.first_slice_at = time.perf_counter()
         buffer = self.port.empty_wire(part)
         if not _complete(self._group.recv(buffer), self.port.device, self.broken):
             return
         self.bytes_received += notice.num_bytes
-        with self._jobs_lock:
-            job = self._jobs.get(notice.request_id)
         if job is None:
             return  # cancelled meanwhile: received only to keep the pairing
         with job.lock:
@@ -439,6 +443,7 @@ class RecvLink:
                 job.settle(exc)
                 return
             job.received_bytes += notice.num_bytes
+            job.last_import_at = time.perf_counter()
             if job.received_bytes >= job.expected_bytes:
                 job.settle()
 

@@ -1,0 +1,120 @@
+"""`kvflow bench pd`: what disaggregation costs a request. One prefill and one decode worker (each on its own GPU
+when there are two), then per prompt length, on fresh random prompts (no cache hit on either side):
+
+- TTFT through the decode worker with local prefill, and disaggregated (the prefill worker computes, the KV moves
+  over `--kv-transfer-backend`), alternating;
+- the transfer itself: KV bytes over the decode side's wire time (first slice in -> last block written), and its
+  share of the disaggregated TTFT.
+
+Runs are alternated (local, disaggregated, local, ...) after a warm-up of both paths at each length (link setup,
+kernel compilation). Records carry `workload`, `device`, `prompt_tokens`, `transfer_gbps`, `ttft_disagg_s`,
+`ttft_local_s`. Reports numbers; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import grpc
+
+from engine.config import EngineArgs
+from kvflow.benchmarks.throughput import host_context
+from kvflow.launcher import ClusterSpec, WorkerCluster
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
+
+LOCAL_ONLY = 1 << 30  # min_prompt_tokens that no prompt reaches: the decode worker prefills locally
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return host_context()["cpu_model"]
+
+
+def _one(stub: kvflow_pb2_grpc.GenerationStub, prompt: list[int], prefill_address: str, local: bool,
+         output_len: int) -> dict[str, Any]:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), stream=True,
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
+        disaggregation=pb.DisaggregationParams(prefill_address=prefill_address,
+                                               min_prompt_tokens=LOCAL_ONLY if local else 0))
+    started = time.perf_counter()
+    ttft = None
+    for response in stub.Generate(request, timeout=600):
+        kind = response.WhichOneof("response")
+        if kind == "chunk" and ttft is None:
+            ttft = time.perf_counter() - started
+        elif kind == "complete":
+            done = response.complete
+            return {"ttft_s": ttft if ttft is not None else time.perf_counter() - started,
+                    "path": "disaggregated" if done.prefill_path == pb.PREFILL_PATH_DISAGGREGATED else "local",
+                    "pull_s": done.timings.prefill_s, "wire_s": done.timings.kv_transfer_s}
+        elif kind == "error":
+            raise RuntimeError(f"request failed: {response.error.code}: {response.error.message}")
+    raise RuntimeError("the stream ended without a complete message")
+
+
+def run_pd_bench(engine_args: EngineArgs, prompt_lens: list[int], reps: int, output_len: int,
+                 kv_transfer_backend: str, prefill_gpus: tuple[int, ...] | None = None,
+                 decode_gpus: tuple[int, ...] | None = None, gpu_memory_utilization: float | None = None,
+                 seed: int = 0) -> list[dict[str, Any]]:
+    longest = max(prompt_lens)
+    if engine_args.max_model_len is None or engine_args.max_model_len < longest + output_len + 1:
+        engine_args = replace(engine_args, max_model_len=longest + output_len + 16)
+    spec = ClusterSpec(replace(engine_args, usage_context="server"), prefill_workers=1, decode_workers=1,
+                       prefill_gpus=prefill_gpus, decode_gpus=decode_gpus, kv_transfer_backend=kv_transfer_backend,
+                       gpu_memory_utilization=gpu_memory_utilization)
+    rng = random.Random(seed)
+    records = []
+    with WorkerCluster(spec) as cluster:
+        cluster.wait_ready(900, progress=False)
+        prefill, decode = cluster.addresses("prefill")[0], cluster.addresses("decode")[0]
+        with grpc.insecure_channel(decode) as channel:
+            stub = kvflow_pb2_grpc.GenerationStub(channel)
+            decode_info = stub.Info(pb.InfoRequest(), timeout=30)
+            layout = decode_info.kv_layout
+            vocab = decode_info.vocab_size
+            bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * \
+                {"float32": 4, "bfloat16": 2, "float16": 2}[layout.dtype]
+            for length in prompt_lens:
+                fresh = lambda n=length: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+                for local in (True, False, True, False):  # warm-up: link setup, kernels at this length
+                    _one(stub, fresh(), prefill, local, output_len)
+                runs: dict[str, list[dict[str, Any]]] = {"local": [], "disaggregated": []}
+                for _ in range(reps):
+                    for local in (True, False):
+                        result = _one(stub, fresh(), prefill, local, output_len)
+                        runs["local" if local else "disaggregated"].append(result)
+                disagg = runs["disaggregated"]
+                paths = {r["path"] for r in disagg}
+                kv_bytes = -(-length // layout.block_size) * layout.block_size * bytes_per_token
+                wire = statistics.median(r["wire_s"] for r in disagg)
+                ttft_disagg = statistics.median(r["ttft_s"] for r in disagg)
+                ttft_local = statistics.median(r["ttft_s"] for r in runs["local"])
+                records.append({
+                    "workload": f"pd_transfer_{engine_args.model}_{length}",
+                    "device": device_name(),
+                    "model": engine_args.model,
+                    "dtype": layout.dtype,
+                    "kv_transfer_backend": kv_transfer_backend,
+                    "prompt_tokens": length,
+                    "kv_bytes": kv_bytes,
+                    "transfer_ms": wire * 1e3,
+                    "transfer_gbps": kv_bytes / wire / 1e9 if wire > 0 else None,
+                    "ttft_disagg_s": ttft_disagg,
+                    "ttft_local_s": ttft_local,
+                    "ttft_ratio": ttft_disagg / ttft_local,
+                    "transfer_share_of_ttft": wire / ttft_disagg,
+                    "all_disaggregated": paths == {"disaggregated"},
+                    "reps": reps,
+                    "runs": runs,
+                    "context": host_context(),
+                })
+    return records
