@@ -86,9 +86,10 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             except InvalidRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 return
-            path, pull_s, transfer_s, remote_cached = pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0
+            admitted = time.perf_counter() - arrival
+            path, pull_s, transfer_s, remote_cached, remote = pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0, None
             if slot is not None:
-                path, pull_s, transfer_s, remote_cached = await self._pull(address, slot, extra_keys)
+                path, pull_s, transfer_s, remote_cached, remote = await self._pull(address, slot, extra_keys)
             choices = [_Choice() for _ in range(params.n)]
             first_token_s: float | None = None
             while True:
@@ -100,8 +101,8 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                     return
                 if first_token_s is None and any(c.token_ids for c in item.outputs):
                     first_token_s = time.perf_counter() - arrival
-                timings = pb.Timings(ttft_s=first_token_s or 0.0, prefill_s=pull_s, kv_transfer_s=transfer_s,
-                                     e2e_s=time.perf_counter() - arrival)
+                timings = pb.Timings(queue_s=admitted, ttft_s=first_token_s or 0.0, prefill_s=pull_s,
+                                     kv_transfer_s=transfer_s, e2e_s=time.perf_counter() - arrival, remote=remote)
                 usage = self._usage(item, remote_cached)
                 if request.stream:
                     for completion in item.outputs:
@@ -123,10 +124,11 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                 self.engine.submit(lambda e: e.abort_request(request_id))
 
     async def _pull(self, address: str, slot: RemoteSlot, extra_keys: tuple[str, ...]
-                    ) -> tuple[int, float, float, int]:
+                    ) -> tuple[int, float, float, int, pb.Timings | None]:
         """Get the prompt KV into the reserved blocks; on failure recompute locally.
 
-        Returns (path, pull seconds, wire seconds, prompt tokens the prefill worker found in its prefix cache)."""
+        Returns (path, pull seconds, wire seconds, prompt tokens the prefill worker found in its prefix cache,
+        the prefill worker's timings)."""
         request_id = slot.request_id
         job = PullJob(request_id, slot.prompt_token_ids, slot.params, slot.block_ids, slot.num_cached_blocks,
                       extra_keys, DEFAULT_LEASE_S)
@@ -138,13 +140,13 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             if request_id not in self._aborted_pulls:
                 raise  # the caller went away: Generate's cleanup aborts the request
             await self.engine.call(lambda e: e.abort_request(request_id))  # Abort RPC mid-pull
-            return pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0
+            return pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0, None
         except KVTransferError as exc:
             logger.warning("request %s: KV transfer from %s failed (%s); prefilling locally", request_id, address,
                            exc)
             self.ctx.metrics.record_fallback(exc.reason)
             await self.engine.call(lambda e: e.fail_remote_prefill(request_id))
-            return pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0
+            return pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0, None
         finally:
             self._pulls.pop(request_id, None)
             self._aborted_pulls.discard(request_id)
@@ -152,7 +154,8 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         await self.engine.call(
             lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs,
                                               result.sampler_state))
-        return pb.PREFILL_PATH_DISAGGREGATED, result.seconds, result.wire_seconds, result.remote_cached_tokens
+        return (pb.PREFILL_PATH_DISAGGREGATED, result.seconds, result.wire_seconds, result.remote_cached_tokens,
+                result.remote_timings)  # type: ignore[return-value]
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[SamplingParams, str | dict[str, list[int]]]:
         params = sampling_params_from_proto(request.sampling_params)

@@ -107,7 +107,7 @@ class _PrefillStream:
         logprobs = logprobs_from_proto(done.first_token_logprob) if done.HasField("first_token_logprob") else None
         return PullResult(done.first_token_id, logprobs, len(self.job.block_ids) - self.job.skip_blocks, num_bytes,
                           done.num_cached_tokens, time.perf_counter() - started, wire_seconds, self.backend,
-                          done.sampler_state)
+                          done.sampler_state, done.timings if done.HasField("timings") else None)
 
 
 def _rpc_error(address: str, exc: grpc.aio.AioRpcError) -> KVTransferError:
@@ -141,7 +141,7 @@ class GrpcKVTransport:
         total_blocks = len(job.block_ids)
         expected = self.port.layout.payload_bytes(total_blocks - job.skip_blocks, self.port.layout.num_layers)
         received = 0
-        first_chunk_at = last_write_at = 0.0
+        wire_seconds = 0.0
         loop = asyncio.get_running_loop()
         try:
             async for response in call:
@@ -152,19 +152,19 @@ class GrpcKVTransport:
                     if not reader.header_seen:
                         raise KVTransferError("bad_stream", "KV chunk before the header")
                     chunk = response.kv
-                    first_chunk_at = first_chunk_at or time.perf_counter()
+                    slice_started = time.perf_counter()
                     part = KVSlice(chunk.first_block, chunk.num_blocks, chunk.first_layer, chunk.num_layers)
                     check_slice(self.port.layout, part, len(chunk.data), total_blocks, job.skip_blocks)
                     block_ids = job.block_ids[part.first_block : part.first_block + part.num_blocks]
                     # When the pull ends, for any reason, no write into its blocks is still running.
                     await finish_uncancelled(loop.run_in_executor(self._writer, self._write, block_ids, part,
                                                                   chunk.data))
-                    last_write_at = time.perf_counter()
+                    wire_seconds += time.perf_counter() - slice_started
                     received += len(chunk.data)
                 elif kind == "done":
                     if received != expected:
                         raise KVTransferError("incomplete", f"got {received} of {expected} KV bytes")
-                    return reader.result(response.done, received, started, last_write_at - first_chunk_at)
+                    return reader.result(response.done, received, started, wire_seconds)
                 elif kind == "error":
                     raise KVTransferError("prefill_error", f"{response.error.code}: {response.error.message}")
             raise KVTransferError("incomplete", "the prefill stream ended without PrefillDone")
@@ -203,8 +203,7 @@ class LinkKVTransport:
                 finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in finished:
                     future.result()  # raises its failure
-            wire = waiter.last_import_at - waiter.first_slice_at if waiter.first_slice_at is not None else 0.0
-            return reader.result(first_token.result(), waiter.received_bytes, started, wire)
+            return reader.result(first_token.result(), waiter.received_bytes, started, waiter.wire_seconds)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(address, exc) from exc
         finally:

@@ -20,7 +20,7 @@ KV_ORDER = "layer,kv,block,token,head,dim"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_LEASE_S = 10.0  # the prefill side frees a finished request's blocks if no transfer takes them by then
 GRPC_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)  # under gRPC's 4 MiB default message limit
-LINK_MAX_CHUNK_BYTES = 256 << 20  # one torch.distributed message: large enough to reach the link's peak rate
+LINK_MAX_CHUNK_BYTES = 512 << 20  # one torch.distributed message: a 4k-token Llama-8B prompt goes in one
 
 
 class KVTransferError(RuntimeError):
@@ -124,6 +124,7 @@ class PullResult:
     num_bytes: int
     remote_cached_tokens: int
     seconds: float  # from the pull's start to the last block written (prefill compute included)
-    wire_seconds: float  # from the first slice's arrival to the last block written: the transfer itself
+    wire_seconds: float  # the slices' own transfer time (receive posted -> written), summed
     backend: str  # "grpc" | "nccl" | "gloo"
     sampler_state: bytes = b""  # seeded requests: the prefill side's generator state after the first token
+    remote_timings: object = None  # the prefill worker's own pb.Timings of this request, when it sent them

@@ -144,6 +144,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         arch = config.model.arch

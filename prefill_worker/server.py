@@ -58,6 +58,7 @@ class _Staged:
 class _Finished:
     output: RequestOutput
     sampler_state: bytes = b""
+    at: float = field(default_factory=time.perf_counter)  # when the engine thread saw the first token
 
 
 @dataclass
@@ -173,6 +174,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
+        admitted = time.perf_counter() - started
         self._by_caller_id[caller_id] = request_id
         backend = link.backend if link is not None else "grpc"
         done = False
@@ -193,7 +195,9 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
                             num_layers=part.num_layers, data=data))
                     continue
                 done = True
-                yield self._final_message(caller_id, item, time.perf_counter() - started)
+                timings = pb.Timings(queue_s=admitted, prefill_s=item.at - started,
+                                     e2e_s=time.perf_counter() - started)
+                yield self._final_message(caller_id, item, timings)
                 break
             self.ctx.metrics.record_transfer(backend, transfer.num_bytes, time.perf_counter() - started)
         finally:
@@ -201,7 +205,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
             if not done:
                 self._cancel(request_id)
 
-    def _final_message(self, caller_id: str, finished: _Finished, seconds: float) -> pb.PrefillResponse:
+    def _final_message(self, caller_id: str, finished: _Finished, timings: pb.Timings) -> pb.PrefillResponse:
         output = finished.output
         completion = output.outputs[0]
         if completion.finish_reason == "abort" or not completion.token_ids:
@@ -211,7 +215,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
         logprob = logprobs_to_proto(token, completion.logprobs[0]) if completion.logprobs else None
         return pb.PrefillResponse(request_id=caller_id, done=pb.PrefillDone(
             first_token_id=token, first_token_logprob=logprob, num_cached_tokens=output.num_cached_tokens,
-            timings=pb.Timings(prefill_s=seconds), sampler_state=finished.sampler_state))
+            timings=timings, sampler_state=finished.sampler_state))
 
     def _validate(self, request: pb.PrefillRequest) -> tuple[SamplingParams, float, SendLink | None]:
         if not request.prompt_token_ids:

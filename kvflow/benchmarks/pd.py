@@ -53,9 +53,12 @@ def _one(stub: kvflow_pb2_grpc.GenerationStub, prompt: list[int], prefill_addres
             ttft = time.perf_counter() - started
         elif kind == "complete":
             done = response.complete
+            t = done.timings
             return {"ttft_s": ttft if ttft is not None else time.perf_counter() - started,
                     "path": "disaggregated" if done.prefill_path == pb.PREFILL_PATH_DISAGGREGATED else "local",
-                    "pull_s": done.timings.prefill_s, "wire_s": done.timings.kv_transfer_s}
+                    "decode_ttft_s": t.ttft_s, "decode_queue_s": t.queue_s, "pull_s": t.prefill_s,
+                    "wire_s": t.kv_transfer_s, "prefill_worker_queue_s": t.remote.queue_s,
+                    "prefill_worker_first_token_s": t.remote.prefill_s, "prefill_worker_done_s": t.remote.e2e_s}
         elif kind == "error":
             raise RuntimeError(f"request failed: {response.error.code}: {response.error.message}")
     raise RuntimeError("the stream ended without a complete message")
@@ -112,6 +115,10 @@ def run_pd_bench(engine_args: EngineArgs, prompt_lens: list[int], reps: int, out
                     "ttft_local_s": ttft_local,
                     "ttft_ratio": ttft_disagg / ttft_local,
                     "transfer_share_of_ttft": wire / ttft_disagg,
+                    "breakdown_ms": {key: statistics.median(r[key] for r in disagg) * 1e3 for key in (
+                        "decode_queue_s", "pull_s", "wire_s", "prefill_worker_queue_s",
+                        "prefill_worker_first_token_s", "prefill_worker_done_s", "decode_ttft_s")},
+                    "local_decode_ttft_ms": statistics.median(r["decode_ttft_s"] for r in runs["local"]) * 1e3,
                     "all_disaggregated": paths == {"disaggregated"},
                     "reps": reps,
                     "runs": runs,

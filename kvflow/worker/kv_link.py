@@ -268,8 +268,7 @@ class LinkJob:
     received_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: bool = True
-    first_slice_at: float | None = None  # perf_counter when the link thread took up its first slice
-    last_import_at: float = 0.0  # perf_counter when its last slice was written
+    wire_seconds: float = 0.0  # summed over its slices: receive posted -> written into the cache
 
     def _settle(self, error: BaseException | None) -> None:
         if self.all_received.done():
@@ -423,8 +422,7 @@ class RecvLink:
                                                 f"for {part}: the stream can no longer be paired")
         with self._jobs_lock:
             job = self._jobs.get(notice.request_id)
-        if job is not None and job.first_slice_at is None:
-            job.first_slice_at = time.perf_counter()
+        started = time.perf_counter()
         buffer = self.port.empty_wire(part)
         if not _complete(self._group.recv(buffer), self.port.device, self.broken):
             return
@@ -443,7 +441,7 @@ class RecvLink:
                 job.settle(exc)
                 return
             job.received_bytes += notice.num_bytes
-            job.last_import_at = time.perf_counter()
+            job.wire_seconds += time.perf_counter() - started
             if job.received_bytes >= job.expected_bytes:
                 job.settle()
 
