@@ -188,6 +188,7 @@ class ModelRunner:
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs, config.device.cudagraph_capture_sizes,
                                          config.device.enforce_eager) if fused else []
         self.graphs: DecodeGraphs | None = None
+        self._step_done = torch.cuda.Event() if self.on_cuda else None
         self.ahead: AheadStep | None = None
         # Share of recent decode-ahead replays that were used; below AHEAD_MIN_SCORE the runner stops queueing
         # them (each miss costs one step of GPU time) and creeps back by AHEAD_RECOVERY per eligible step.
@@ -399,6 +400,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=device)])
         states = [self.requests[rid] for rid in sample_ids]
         tokens, logprobs = self._sample(logits, sample_ids, states)
+        if self._step_done is not None:  # wait with the GIL released (tolist holds it for the whole step): KV
+            self._step_done.record()  # transfer threads and the event loop keep running during a long prefill
+            self._step_done.synchronize()
         token_list = tokens.tolist()  # the step's one host sync
         for state, token in zip(states, token_list, strict=True):
             state.output_token_ids.append(token)
