@@ -114,13 +114,13 @@ def attainment(summary: dict[str, Any], slo: dict[str, float]) -> float:
 
 
 def attained_rate(sweep: list[dict[str, Any]], slo: dict[str, float]) -> float:
-    """The highest rate with >= ATTAINMENT of requests meeting `slo`: the last sweep point that attains it, plus
-    the linear interpolation towards the next point, which does not."""
+    """The highest rate with >= ATTAINMENT of requests meeting `slo`: the highest sweep point that attains it,
+    plus the linear interpolation towards the next point, which does not."""
     points = sorted((s["request_rate"], attainment(s, slo)) for s in sweep)
     best = 0.0
     for (rate, att), nxt in zip(points, [*points[1:], None], strict=True):
         if att < ATTAINMENT:
-            break
+            continue
         best = rate
         if nxt is not None and nxt[1] < ATTAINMENT:
             best = rate + (nxt[0] - rate) * (att - ATTAINMENT) / (att - nxt[1])
@@ -360,46 +360,52 @@ def part_headline(out: Path, log_dir: Path, model: list[str], rates: list[float]
             serve.stop()
         write(out, "headline_partial", sweeps)
 
+    record = headline_record(sweeps, model[1], input_len, output_len, rates, seconds_per_rate)
+    write(out, "headline", record)
+    goodput, tpot = record["goodput_rps"], record["tpot_p99_s"]
+    log(f"goodput (>= 90% within TTFT <= 1 s, TPOT <= 40 ms): 1P1D {goodput['1p1d']:.2f} vs 2x unified "
+        f"{goodput['2x_unified']:.2f} req/s; TPOT p99 at {record['compared_at_rate']:g} req/s: "
+        f"{tpot['1p1d'] * 1e3:.1f} vs {tpot['2x_unified'] * 1e3:.1f} ms")
+    return record
+
+
+def headline_record(sweeps: dict[str, list[dict[str, Any]]], model: str, input_len: int, output_len: int,
+                    rates: list[float], seconds_per_rate: float, device: str | None = None) -> dict[str, Any]:
+    """The headline record from the two configurations' sweeps (also rebuilt offline from a partial file)."""
+    names = ("1p1d", "2x_unified")
+
     def at_rate(name: str, key: str) -> dict[str, float]:
         return {str(s["request_rate"]): s[key] for s in sweeps[name]}
 
-    # DistServe's goodput: the highest request rate at which >= 90% of requests meet the SLO (interpolated
-    # between sweep points); vLLM's (good requests / duration, capped by the run's tail) is reported beside it.
-    goodput = {name: attained_rate(sweeps[name], SLO) for name in configs}
-    strict = {name: attained_rate(sweeps[name], STRICT_SLO) for name in configs}
-    vllm_goodput = {name: max(s["request_goodput"] for s in sweeps[name]) for name in configs}
-    ran_clean = [r for r in rates if all(any(s["request_rate"] == r and s["failed"] == 0 for s in sweeps[n])
-                                         for n in configs)]
-    if not ran_clean:
-        raise RuntimeError("no rate completed without failures on both configurations")
-    common = max(ran_clean)
-    tpot_p99 = {name: next(s["p99_tpot_ms"] for s in sweeps[name] if s["request_rate"] == common) / 1e3
-                for name in configs}
-    ttft_p99 = {name: next(s["p99_ttft_ms"] for s in sweeps[name] if s["request_rate"] == common) / 1e3
-                for name in configs}
-    record = {
-        "workload": f"pd_headline_{model[1]}_{input_len}in_{output_len}out_poisson", "device": device_name(),
+    def row(name: str, rate: float) -> dict[str, Any]:
+        return next(s for s in sweeps[name] if s["request_rate"] == rate)
+
+    goodput = {name: attained_rate(sweeps[name], SLO) for name in names}
+    strict = {name: attained_rate(sweeps[name], STRICT_SLO) for name in names}
+    # TPOT compared at one rate: the highest both serve within the SLO (past it, both are saturated).
+    both = [r for r in rates if all(attainment(row(n, r), SLO) >= ATTAINMENT for n in names)]
+    common = max(both) if both else min(rates)
+    tpot_p99 = {name: row(name, common)["p99_tpot_ms"] / 1e3 for name in names}
+    ttft_p99 = {name: row(name, common)["p99_ttft_ms"] / 1e3 for name in names}
+    return {
+        "workload": f"pd_headline_{model}_{input_len}in_{output_len}out_poisson", "device": device or device_name(),
         "slo": {**SLO, "attainment": ATTAINMENT,
                 "definition": "a request meets the SLO if its TTFT <= ttft_s and its mean TPOT <= tpot_s; goodput_rps "
                               "is the highest Poisson rate at which >= 90% of requests meet it (DistServe), "
-                              "interpolated between sweep points"},
-        "goodput_rps": goodput, "goodput_ratio": goodput["1p1d"] / goodput["2x_unified"],
+                              "interpolated towards the next sweep point"},
+        "goodput_rps": goodput,
+        "goodput_ratio": goodput["1p1d"] / goodput["2x_unified"] if goodput["2x_unified"] else None,
         "strict_slo": STRICT_SLO, "goodput_rps_strict": strict,
-        "vllm_request_goodput_rps": vllm_goodput,
-        "slo_attainment_by_rate": {n: {str(s["request_rate"]): attainment(s, SLO) for s in sweeps[n]} for n in configs},
+        "vllm_request_goodput_rps": {n: max(s["request_goodput"] for s in sweeps[n]) for n in names},
+        "slo_attainment_by_rate": {n: {str(s["request_rate"]): attainment(s, SLO) for s in sweeps[n]} for n in names},
         "tpot_p99_s": tpot_p99, "ttft_p99_s": ttft_p99, "compared_at_rate": common,
         "tpot_p99_ratio": tpot_p99["1p1d"] / tpot_p99["2x_unified"],
-        "tpot_p99_ms_by_rate": {n: at_rate(n, "p99_tpot_ms") for n in configs},
-        "ttft_p99_ms_by_rate": {n: at_rate(n, "p99_ttft_ms") for n in configs},
-        "goodput_by_rate": {n: at_rate(n, "request_goodput") for n in configs},
-        "output_tok_s_by_rate": {n: at_rate(n, "output_throughput") for n in configs},
+        "tpot_p99_ms_by_rate": {n: at_rate(n, "p99_tpot_ms") for n in names},
+        "ttft_p99_ms_by_rate": {n: at_rate(n, "p99_ttft_ms") for n in names},
+        "ttft_p50_ms_by_rate": {n: at_rate(n, "median_ttft_ms") for n in names},
+        "output_tok_s_by_rate": {n: at_rate(n, "output_throughput") for n in names},
         "rates": rates, "seconds_per_rate": seconds_per_rate, "sweeps": sweeps,
     }
-    write(out, "headline", record)
-    log(f"goodput (>= 90% within TTFT <= 1 s, TPOT <= 40 ms): 1P1D {goodput['1p1d']:.2f} vs 2x unified "
-        f"{goodput['2x_unified']:.2f} req/s ({record['goodput_ratio']:.2f}x); TPOT p99 at {common:g} req/s: "
-        f"{tpot_p99['1p1d'] * 1e3:.1f} vs {tpot_p99['2x_unified'] * 1e3:.1f} ms")
-    return record
 
 
 def main() -> int:

@@ -49,6 +49,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.transports = KVTransports(ctx.kv_transfer_backend, ctx.kv_port, ctx.worker_id,
                                        ctx.channels)
+        ctx.on_shutdown.append(self.transports.close)
         self._active: set[str] = set()
         self._pulls: dict[str, asyncio.Task] = {}  # requests whose reserved blocks a transport is writing
         self._aborted_pulls: set[str] = set()

@@ -91,8 +91,10 @@ class _Group:
     def recv(self, tensor: torch.Tensor) -> Any:
         return self.pg.recv([tensor], self.peer, 0)
 
-    def abort(self) -> None:
-        for name in ("abort", "shutdown"):
+    def close(self, failed: bool) -> None:
+        """Tear the communicator down: `abort` after a failure (pending operations end with an error), else a
+        clean `shutdown`. Either way no NCCL thread outlives the link (one left at exit kills the process)."""
+        for name in (("abort", "shutdown") if failed else ("shutdown", "abort")):
             method = getattr(self.pg, name, None)
             if method is not None:
                 with contextlib.suppress(Exception):  # already broken: nothing left to release
@@ -140,6 +142,7 @@ class SendLink:
         self._next_seq = 0
         self._outbox: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closing = False  # closed on purpose (worker shutdown), not broken
 
     def start(self, store: dist.Store, prefix: str) -> None:
         self._thread = threading.Thread(target=self._run, args=(store, prefix), name=f"kv-link-send-{self.link_id}",
@@ -157,11 +160,16 @@ class SendLink:
                                     num_layers=part.num_layers, num_bytes=export.tensor.nbytes)
             self._loop.call_soon_threadsafe(self.notices.put_nowait, notice)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0, graceful: bool = False) -> None:
+        """Stop the link; with `wait_s`, wait that long for its thread to tear the communicator down (a clean
+        shutdown if `graceful`: nothing is pending at a worker's shutdown; else an abort)."""
+        self._closing = graceful
         self.broken.set()
         self._outbox.put(None)
         with contextlib.suppress(RuntimeError):  # the loop is already closed at shutdown
             self._loop.call_soon_threadsafe(self.notices.put_nowait, None)
+        if wait_s and self._thread is not None:
+            self._thread.join(wait_s)
 
     def _run(self, store: dist.Store, prefix: str) -> None:
         group = None
@@ -188,7 +196,7 @@ class SendLink:
         finally:
             self.broken.set()
             if group is not None:
-                group.abort()
+                group.close(failed=not self._closing)
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self.notices.put_nowait, None)
 
@@ -250,8 +258,9 @@ class PrefillLinks:
             logger.info("KV link %s closed (%d bytes sent)", request.link_id, link.bytes_sent)
 
     def close(self) -> None:
+        """Worker shutdown: end every link and wait for its communicator's teardown."""
         for link in list(self._links.values()):
-            link.close()
+            link.close(wait_s=5.0, graceful=True)
 
 
 # ---- decode side ------------------------------------------------------------------------------------------------
@@ -302,6 +311,8 @@ class RecvLink:
         self._jobs_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[pb.KVLinkChunk | None] = queue.SimpleQueue()
         self._group: _Group | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
         self._call = stub.KVLink(pb.KVLinkRequest(link_id=self.link_id, decode_worker_id=worker_id,
                                                   backend=BACKEND_ENUMS[self.backend],
                                                   layout=layout_to_proto(port.layout)))
@@ -320,6 +331,7 @@ class RecvLink:
                     ready = message.ready
                     thread = threading.Thread(target=self._run, args=(ready, started), daemon=True,
                                               name=f"kv-link-recv-{self.link_id}")
+                    self._thread = thread
                     thread.start()
                 elif kind == "chunk" and thread is not None:
                     self._inbox.put(message.chunk)
@@ -375,9 +387,12 @@ class RecvLink:
                 job.active = False
 
     async def close(self) -> None:
+        self._closing = True
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+        if self._thread is not None:  # it tears the communicator down on its way out
+            await asyncio.to_thread(self._thread.join, 5.0)
 
     # ---- link thread ---------------------------------------------------------------------------------------
     def _run(self, ready: pb.KVLinkReady, started: float) -> None:
@@ -404,7 +419,7 @@ class RecvLink:
         finally:
             self.broken.set()
             if self._group is not None:
-                self._group.abort()
+                self._group.close(failed=not self._closing)
 
     def _set_ready(self) -> None:
         if not self.ready.done():

@@ -12,8 +12,8 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -118,6 +118,8 @@ class WorkerContext:
     kv_transfer_backend: str
     channels: ChannelPool
     links: PrefillLinks
+    # Awaited at shutdown, after the gRPC server drained (e.g. the decode role's KV transports and links).
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 class WorkerServicer:
@@ -206,6 +208,8 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     if registration is not None:  # routers stop sending new work here first
         registration.stop()
     await server.stop(DRAIN_GRACE_S)
+    for close in context.on_shutdown:
+        await close()
     links.close()
     await channels.close()
     await engine.stop()
