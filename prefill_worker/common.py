@@ -71,6 +71,8 @@ def sampling_kwargs_from_proto(msg: pb.SamplingParams) -> dict[str, object]:
         kwargs["min_tokens"] = msg.min_tokens
     if msg.skip_special_tokens_false:
         kwargs["skip_special_tokens"] = False
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = kwargs.get(name)
         if isinstance(value, float) and value != value:
@@ -87,7 +89,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids or []), include_stop_str_in_output=params.include_stop_str_in_output,
         ignore_eos=params.ignore_eos, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
-        skip_special_tokens_false=not params.skip_special_tokens,
+        skip_special_tokens_false=not params.skip_special_tokens, logit_bias=params.logit_bias,
     )
 
 
