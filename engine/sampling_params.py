@@ -10,6 +10,7 @@ from typing import Any
 from engine.errors import InvalidRequest
 
 GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default --max-logprobs)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -95,8 +96,8 @@ class SamplingParams:
             fail("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0 or value > 20):
-                fail(name, f"{name} must be an integer in [0, 20], got {value!r}")
+            if value is not None and (not isinstance(value, int) or value < 0 or value > MAX_LOGPROBS):
+                fail(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):  # type: ignore[union-attr]
             fail("stop", "stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
