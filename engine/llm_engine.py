@@ -280,6 +280,9 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
         params.validate()
+        vocab = self.config.model.arch.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:  # an index past the logits would crash the step
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         params = params.with_defaults(self.generation_defaults)
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)

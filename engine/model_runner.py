@@ -466,8 +466,8 @@ class ModelRunner:
                                 [p + 1 for p in positions], [chunk.block_ids for chunk in chunks])
         ids = [chunk.request_id for chunk in chunks]
         states = [self.requests[rid] for rid in ids]
-        plain_greedy = all(s.params.is_greedy and not s.params.needs_penalties and s.params.logprobs is None
-                           for s in states)
+        plain_greedy = all(s.params.is_greedy and not s.params.needs_penalties and not s.params.logit_bias
+                           and s.params.logprobs is None for s in states)
         logprobs: dict[str, PositionLogprobs] = {}
         if plain_greedy:
             tokens = result.tokens  # the sampler would take the same argmax of the same logits

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Everything runs as whole-batch tensor ops on the logits' device; the only per-row loop draws the uniform number of
 rows with their own seed, so a seeded request samples the same tokens whatever batch it lands in.
@@ -22,6 +22,24 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: added to the raw logits, before penalties and temperature (as vLLM orders it)."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            row_ids += [i] * len(bias)
+            token_ids += bias.keys()
+            biases += bias.values()
+    if not row_ids:
+        return logits
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -66,6 +84,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """logits [B, V] float32 -> next token ids [B] (on the logits' device)."""
+        logits = apply_logit_bias(logits, rows)
         if any(r.params.needs_penalties for r in rows):
             logits = apply_penalties(logits, rows)
         # Decisions come from host-side params, never from device tensors: no GPU sync here.

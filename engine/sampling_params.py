@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequest
 
 GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default --max-logprobs)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -31,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     # Fields the user set explicitly; generation_config defaults fill only the others.
     _explicit: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
@@ -48,6 +53,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = self.logit_bias or None  # {} biases nothing
         self.validate()
 
     @property
@@ -59,37 +65,52 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
-        def fail(message: str) -> None:
-            raise InvalidRequest(message)
+        """Raises InvalidRequest naming the first bad field (its `param`)."""
+
+        def fail(name: str, message: str) -> None:
+            raise InvalidRequest(message, name)
 
         if not isinstance(self.n, int) or self.n < 1:
-            fail(f"n must be an integer >= 1, got {self.n!r}")
+            fail("n", f"n must be an integer >= 1, got {self.n!r}")
+        for name in _FLOAT_FIELDS:  # NaN passes every range check below, and inf is no temperature
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                fail(name, f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
-            fail(f"temperature must be >= 0, got {self.temperature}")
+            fail("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            fail(f"top_p must be in (0, 1], got {self.top_p}")
+            fail("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
-            fail(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+            fail("top_k", f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            fail(f"min_p must be in [0, 1], got {self.min_p}")
+            fail("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            fail("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            fail("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0.0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            fail("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+            fail("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            fail(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            fail("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0 or value > 20):
-                fail(f"{name} must be an integer in [0, 20], got {value!r}")
+            if value is not None and (not isinstance(value, int) or value < 0 or value > MAX_LOGPROBS):
+                fail(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):  # type: ignore[union-attr]
-            fail("stop must be a non-empty string or a list of non-empty strings")
+            fail("stop", "stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
-            fail("stop_token_ids must be non-negative integers")
+            fail("stop_token_ids", "stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "logit_bias must map token ids to biases")
+            for token, bias in self.logit_bias.items():  # type: ignore[union-attr]
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    fail("logit_bias", f"logit_bias keys must be non-negative token ids, got {token!r}")
+                if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias) \
+                        or abs(bias) > MAX_LOGIT_BIAS:
+                    fail("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
 
     def with_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
         """A copy where fields the user did not set take the model's generation_config defaults."""

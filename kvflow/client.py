@@ -129,6 +129,8 @@ def build_request(prompt: str | Sequence[int], request_id: str | None, sampling:
             params.stop_token_ids.extend(value)
         elif name == "skip_special_tokens":
             params.skip_special_tokens_false = not value
+        elif name == "logit_bias":  # token id -> bias in [-100, 100]
+            params.logit_bias.update({int(token): float(bias) for token, bias in value.items()})
         else:
             raise InvalidArgumentError(f"INVALID_ARGUMENT: unknown sampling parameter {name!r}")
     request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=params, stream=stream,

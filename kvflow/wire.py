@@ -48,9 +48,9 @@ def sampling_kwargs_from_proto(msg: pb.SamplingParams) -> dict[str, Any]:
     for name in _SAMPLING_FIELDS:
         wire_name = _NEGATED.get(name, name)
         value = getattr(msg, wire_name)
-        if wire_name in _REPEATED:
+        if wire_name in _REPEATED:  # repeated fields and maps: empty means "not set"
             if value:
-                kwargs[name] = list(value)
+                kwargs[name] = dict(value) if hasattr(value, "items") else list(value)
         elif _MESSAGE_FIELDS[wire_name].has_presence:
             if msg.HasField(wire_name):
                 kwargs[name] = value
@@ -78,6 +78,8 @@ def sampling_params_to_proto(params: SamplingParams, explicit_only: bool = False
             continue
         if name in _NEGATED:
             setattr(out, _NEGATED[name], not value)
+        elif isinstance(value, dict):
+            getattr(out, name).update(value)
         elif isinstance(value, list):
             getattr(out, name).extend(value)
         else:

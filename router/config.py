@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.routing.policy import POLICY_NAMES
+from engine.sampling_params import MAX_LOGPROBS
 
 DISCOVERY_KINDS = ("static", "redis", "kubernetes")
 
@@ -32,6 +33,14 @@ class RouterConfig:
     disable_log_stats: bool = False
     max_attempts: int = 3  # decode attempts per request (a failure before the first token moves on)
     request_timeout_s: float = 600.0
+    # Request bounds (vLLM names where vLLM has the knob): what one request may ask of the cluster.
+    max_n: int = 128  # n and best_of
+    max_logprobs: int = 20  # logprobs / top_logprobs (at most the engine's MAX_LOGPROBS)
+    max_prompts_per_request: int = 1024  # /v1/completions with a list of prompts
+    max_request_body_bytes: int = 32 << 20  # larger bodies: 413
+    request_body_timeout_s: float = 30.0  # a body still arriving after this: 408
+    trust_request_chat_template: bool = False  # accept a request's own `chat_template` (it runs on the router)
+    chat_template_timeout_s: float = 5.0  # a chat template render running longer fails the request (400)
 
     def validate(self) -> None:
         if self.routing not in POLICY_NAMES:
@@ -51,6 +60,18 @@ class RouterConfig:
             raise ValueError("--tokenizer-pool-size must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.max_n < 1:
+            raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.max_prompts_per_request < 1:
+            raise ValueError(f"--max-prompts-per-request must be >= 1, got {self.max_prompts_per_request}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
+        if not self.request_body_timeout_s > 0:
+            raise ValueError(f"--request-body-timeout must be > 0, got {self.request_body_timeout_s}")
+        if not self.chat_template_timeout_s > 0:
+            raise ValueError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout_s}")
         for port in (self.port, self.grpc_port):
             if not 0 <= port < 65536:
                 raise ValueError(f"port {port} is out of range")

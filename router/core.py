@@ -146,21 +146,44 @@ class Router:
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return Route(decode, prefill, matched_blocks, len(token_ids), info.block_size)
 
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None) -> int | None:
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str = "prompt",
+                     max_tokens_param: str = "max_tokens") -> int:
         """Validate lengths against max_model_len; returns max_tokens (filled in when None)."""
         limit = self.model_info.max_model_len
         if num_prompt_tokens == 0:
-            raise BadRequest("the prompt is empty", "prompt")
+            raise BadRequest("the prompt is empty", prompt_param)
         if num_prompt_tokens >= limit:
             raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                             f"{num_prompt_tokens} tokens; shorten it.", "prompt")
+                             f"{num_prompt_tokens} tokens; shorten it.", prompt_param)
         if max_tokens is None:
             return limit - num_prompt_tokens
         if num_prompt_tokens + max_tokens > limit:
             raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
                              f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                             f"{max_tokens} for the completion). Reduce the prompt or max_tokens.", "max_tokens")
+                             f"{max_tokens} for the completion). Reduce the prompt or {max_tokens_param}.",
+                             max_tokens_param)
         return max_tokens
+
+    def params_for_prompt(self, params: pb.SamplingParams, num_prompt_tokens: int, prompt_param: str = "prompt",
+                          max_tokens_param: str = "max_tokens") -> pb.SamplingParams:
+        """A copy of `params` for one prompt, max_tokens checked against max_model_len or filled with the room
+        left (per prompt: prompts of one request differ in length)."""
+        asked = params.max_tokens if params.HasField("max_tokens") else None
+        max_tokens = self.check_prompt(num_prompt_tokens, asked, prompt_param, max_tokens_param)
+        if params.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens this prompt leaves "
+                             "for the completion", "min_tokens")
+        out = pb.SamplingParams()
+        out.CopyFrom(params)
+        out.max_tokens = max_tokens
+        return out
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        """Ids must be in the vocabulary: block hashing and the wire take uint32, and a worker refuses the rest."""
+        vocab = self.model_info.vocab_size or 2**32
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+            raise BadRequest(f"{param}: token ids must be integers in [0, {vocab}), got values from {min(token_ids)} "
+                             f"to {max(token_ids)}", param)
 
     # ---- forwarding ----------------------------------------------------------------------------------
     def _stub(self, address: str) -> kvflow_pb2_grpc.GenerationStub:
@@ -291,8 +314,8 @@ class _RetryElsewhere(Exception):
 def error_from(exc: BaseException) -> RouterError:
     if isinstance(exc, RouterError):
         return exc
-    if isinstance(exc, ValueError):  # engine.errors.InvalidRequest and friends
-        return BadRequest(str(exc))
+    if isinstance(exc, ValueError):  # engine.errors.InvalidRequest (which names its field) and friends
+        return BadRequest(str(exc), getattr(exc, "param", None))
     return RouterError(f"internal error: {type(exc).__name__}: {exc}")
 
 

@@ -1,18 +1,29 @@
-"""The router's public gRPC front: the `Generation` service, routed to decode workers like the HTTP API."""
+"""The router's public gRPC front: the `Generation` service, routed to decode workers like the HTTP API.
+
+Input is checked as on the HTTP front (the router's bounds, token ids in the vocabulary, lengths): a refusal ends
+the call with INVALID_ARGUMENT before any worker sees the request. So do bytes that are not a valid request
+message: the handlers are built here with a deserializer that never raises (the generated glue's would make the
+call end UNKNOWN).
+"""
 
 from __future__ import annotations
 
 import logging
 import secrets
 import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.core import Router, error_from
 from router.errors import BadRequest
-from router.openai_protocol import to_proto
+from router.openai_protocol import MAX_LOGIT_BIAS_ENTRIES, to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +45,8 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             token_ids = await self._token_ids(request)
-            params = self._checked_params(request.sampling_params)
-            max_tokens = self.router.check_prompt(len(token_ids), params.max_tokens
-                                                  if params.HasField("max_tokens") else None)
-            params.max_tokens = max_tokens or params.max_tokens
+            params = self.router.params_for_prompt(self._checked_params(request.sampling_params), len(token_ids),
+                                                   request.WhichOneof("input") or "input")
             stream = self.router.generate(request_id, token_ids, params, list(request.cache_salt))
             async for response in stream:
                 if request.stream or response.WhichOneof("response") == "complete":
@@ -50,22 +59,35 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
     async def _token_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            ids = list(request.token_ids.ids)
+            self.router.check_token_ids(ids, "token_ids")
+            return ids
         if kind == "text":
             tokenizers = await self.router.ensure_tokenizers()
-            return await tokenizers.run(tokenizers.encode, request.text)
-        raise BadRequest("GenerateRequest needs 'text' or 'token_ids'")
+            try:
+                return await tokenizers.run(tokenizers.encode, request.text)
+            except InvalidRequest as exc:  # no tokenizer on the router
+                raise BadRequest(str(exc), "text") from exc
+        raise BadRequest("GenerateRequest needs 'text' or 'token_ids'", "input")
 
-    @staticmethod
-    def _checked_params(params: pb.SamplingParams) -> pb.SamplingParams:
-        """Validate with the engine's rules (a clear INVALID_ARGUMENT here, not a worker round trip)."""
-        from engine.sampling_params import SamplingParams
-
-        kwargs = {name: getattr(params, name) for name in (
+    def _checked_params(self, params: pb.SamplingParams) -> pb.SamplingParams:
+        """Validate with the router's bounds and the engine's rules (a clear INVALID_ARGUMENT here, not a worker
+        round trip)."""
+        config = self.router.config
+        if (params.n or 1) > config.max_n:
+            raise BadRequest(f"n must be at most {config.max_n} (--max-n), got {params.n}", "n")
+        for name in ("logprobs", "prompt_logprobs"):
+            if params.HasField(name) and getattr(params, name) > config.max_logprobs:
+                raise BadRequest(f"{name} must be at most {config.max_logprobs} (--max-logprobs), got "
+                                 f"{getattr(params, name)}", name)
+        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
+        self.router.check_token_ids(list(params.logit_bias), "logit_bias")
+        kwargs: dict[str, Any] = {name: getattr(params, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs") if params.HasField(name)}
         kwargs.update(n=params.n or 1, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                      min_tokens=params.min_tokens)
+                      min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias))
         checked = SamplingParams(**kwargs)
         out = to_proto(checked, set(kwargs))
         out.include_stop_str_in_output = params.include_stop_str_in_output
@@ -89,16 +111,69 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has answered yet")
         return pb.InfoResponse(role=pb.WORKER_ROLE_ROUTER, model=info.model, model_id=info.model_id,
-                               block_size=info.block_size, max_model_len=info.max_model_len, worker_id="router")
+                               block_size=info.block_size, max_model_len=info.max_model_len,
+                               vocab_size=info.vocab_size, worker_id="router")
 
     async def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the router has no KV cache; subscribe to workers")
         yield pb.KVEventBatch()  # unreachable; makes this an async generator
 
 
+class _Undecodable:
+    """What request bytes that do not parse become; the method then ends the call INVALID_ARGUMENT."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _lenient(message_type: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    def deserialize(data: bytes) -> Message | _Undecodable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(f"the request is not a valid {message_type.DESCRIPTOR.full_name}: {exc}")
+
+    return deserialize
+
+
+def _guarded(method: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+    if streaming:
+        async def stream(request: Message | _Undecodable,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            async for response in method(request, context):
+                yield response
+
+        return stream
+
+    async def unary(request: Message | _Undecodable, context: grpc.aio.ServicerContext) -> Message:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return await method(request, context)
+
+    return unary
+
+
+def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
+    """The `Generation` service's handlers, built from its descriptor with `_lenient` deserializers."""
+    descriptor = pb.DESCRIPTOR.services_by_name["Generation"]
+    handlers = {}
+    for method in descriptor.methods:
+        if method.client_streaming:  # not in the service today; a stream of requests needs another handler kind
+            raise TypeError(f"{method.full_name}: client-streaming methods are not handled here")
+        request_type, response_type = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else \
+            grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(_guarded(getattr(service, method.name), method.server_streaming),
+                                     request_deserializer=_lenient(request_type),
+                                     response_serializer=response_type.SerializeToString)
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
 async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Server:
     server = grpc.aio.server()
-    kvflow_pb2_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
+    server.add_generic_rpc_handlers((generation_handler(GenerationService(router)),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the gRPC port {host}:{port}")

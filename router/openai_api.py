@@ -1,5 +1,10 @@
 """The OpenAI-compatible HTTP front (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`."""
+/metrics. Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
+
+Every error response, the framework's own (404, 405) included, is OpenAI error JSON. A request is validated
+completely before a worker sees it, and a streaming response starts only once the first worker response is in:
+a refusal is always a status code, never an error inside a 200 stream (failures after the first token still are).
+"""
 
 from __future__ import annotations
 
@@ -9,28 +14,49 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.errors import InvalidRequest
 from protos.kvflow.v1 import kvflow_pb2 as pb
+from router.config import RouterConfig
 from router.core import Router, error_from
-from router.errors import BadRequest, ModelNotFound, RouterError, Unauthorized
+from router.errors import (
+    BadRequest,
+    HTTPError,
+    ModelNotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+    RouterError,
+    Unauthorized,
+)
 from router.openai_protocol import (
     FINISH,
     ParsedRequest,
     chat_logprobs,
     completion_logprobs,
     envelope,
+    load_body,
     parse_request,
     stop_reason,
     usage_json,
 )
 
 logger = logging.getLogger(__name__)
+PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+    params: pb.SamplingParams  # the request's, with this prompt's max_tokens
 
 
 @dataclass
@@ -38,18 +64,33 @@ class _Prepared:
     request_id: str
     parsed: ParsedRequest
     model: str
-    prompts: list[tuple[str | None, list[int]]]  # (text, token ids) per prompt
+    prompts: list[_Prompt]
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def error_response(error: RouterError, request_id: str | None = None) -> JSONResponse:
+def error_response(error: RouterError, request_id: str | None = None) -> Response:
     headers = {"x-request-id": request_id} if request_id else None
-    return JSONResponse(error.to_openai(), status_code=error.http_status, headers=headers)
+    return Response(error.to_json(), status_code=error.http_status, headers=headers, media_type="application/json")
 
 
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvflow router", docs_url=None, redoc_url=None)
     api_key = router.config.api_key
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(HTTPError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return error_response(BadRequest(first.get("msg", "invalid request"), param))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:  # a bug: still OpenAI JSON
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(RouterError(f"internal error: {type(exc).__name__}"))
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
@@ -91,26 +132,59 @@ def build_app(router: Router) -> FastAPI:
 async def _handle(router: Router, request: Request, chat: bool) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     try:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
-        parsed = parse_request(body, chat)
+        raw = await _read_body(request, router.config)
+        body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
+        parsed = parse_request(body, chat, router.config)
         prepared = await _prepare(router, parsed, request_id)
     except Exception as exc:  # every input problem becomes a 4xx with the reason
         return error_response(error_from(exc), request_id)
     if not router.config.disable_log_requests:
         logger.info("request %s: %s, %d prompt(s), %s tokens, stream=%s", request_id,
                     "chat" if chat else "completion", len(prepared.prompts),
-                    [len(ids) for _, ids in prepared.prompts], parsed.stream)
+                    [len(p.token_ids) for p in prepared.prompts], parsed.stream)
     headers = {"x-request-id": request_id}
     if parsed.stream:
-        return StreamingResponse(_stream(router, prepared, chat), media_type="text/event-stream", headers=headers)
+        responses = _merged(router, prepared)
+        try:  # the first response decides the status: a refusal before any output is a 4xx/5xx, not a 200
+            first = await anext(responses)
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            return error_response(error_from(exc), request_id)
+        return StreamingResponse(_stream(router, prepared, chat, _resumed(first, responses)),
+                                 media_type="text/event-stream", headers=headers)
     try:
         payload = await _collect(router, prepared, chat)
     except Exception as exc:
         return error_response(error_from(exc), request_id)
     return JSONResponse(payload, headers=headers)
+
+
+async def _read_body(request: Request, config: RouterConfig) -> bytes:
+    """The body, at most max_request_body_bytes (413) and received within request_body_timeout_s (408)."""
+    limit = config.max_request_body_bytes
+
+    def too_large() -> PayloadTooLarge:
+        return PayloadTooLarge(f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 20 or int(declared) > limit):
+        raise too_large()
+
+    async def receive() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(receive(), config.request_body_timeout_s)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        raise RequestTimeout(f"the request body did not arrive within {config.request_body_timeout_s:g} s "
+                             "(--request-body-timeout)") from None
 
 
 async def _prepare(router: Router, parsed: ParsedRequest, request_id: str) -> _Prepared:
@@ -120,20 +194,27 @@ async def _prepare(router: Router, parsed: ParsedRequest, request_id: str) -> _P
     if model not in names and model != info.model:
         raise ModelNotFound(f"The model `{model}` does not exist. Available: {', '.join(names)}", "model")
     tokenizers = await router.ensure_tokenizers()
-    prompts: list[tuple[str | None, list[int]]] = []
+    texts_and_ids: list[tuple[str | None, list[int], str]] = []  # (text, token ids, the field it came from)
     if parsed.messages is not None:
-        text, ids = await tokenizers.run(tokenizers.chat_prompt, parsed.messages, parsed.add_generation_prompt,
-                                         parsed.chat_template)
-        prompts.append((text, ids))
+        try:
+            text, ids = await tokenizers.run(tokenizers.chat_prompt, parsed.messages, parsed.add_generation_prompt,
+                                             parsed.chat_template, router.config.chat_template_timeout_s)
+        except InvalidRequest as exc:  # the template failed on these messages (or is the request's own)
+            raise BadRequest(str(exc), exc.param or ("chat_template" if parsed.chat_template else "messages")) \
+                from exc
+        texts_and_ids.append((text, ids, "messages"))
     for prompt in parsed.prompts:
         if isinstance(prompt, str):
-            prompts.append((prompt, await tokenizers.run(tokenizers.encode, prompt)))
+            try:
+                texts_and_ids.append((prompt, await tokenizers.run(tokenizers.encode, prompt), "prompt"))
+            except InvalidRequest as exc:  # no tokenizer on the router
+                raise BadRequest(str(exc), "prompt") from exc
         else:
-            prompts.append((None, list(prompt)))
-    for _, ids in prompts:
-        max_tokens = router.check_prompt(len(ids), parsed.max_tokens)
-        if max_tokens is not None and not parsed.params.HasField("max_tokens"):
-            parsed.params.max_tokens = max_tokens
+            router.check_token_ids(prompt, "prompt")
+            texts_and_ids.append((None, list(prompt), "prompt"))
+    router.check_token_ids(list(parsed.params.logit_bias), "logit_bias")
+    prompts = [_Prompt(text, ids, router.params_for_prompt(parsed.params, len(ids), param, parsed.max_tokens_param))
+               for text, ids, param in texts_and_ids]
     return _Prepared(request_id, parsed, model, prompts)
 
 
@@ -141,25 +222,26 @@ def _sub_id(prepared: _Prepared, i: int) -> str:
     return prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{i}"
 
 
-async def _merged(router: Router, prepared: _Prepared) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+async def _merged(router: Router, prepared: _Prepared) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
     """Responses of every prompt of the request, interleaved as they come, tagged with the prompt index."""
     if len(prepared.prompts) == 1:
-        async for response in router.generate(prepared.request_id, prepared.prompts[0][1], prepared.parsed.params,
+        prompt = prepared.prompts[0]
+        async for response in router.generate(prepared.request_id, prompt.token_ids, prompt.params,
                                               prepared.parsed.cache_salt):
             yield 0, response
         return
     queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, ids: list[int]) -> None:
+    async def pump(i: int, prompt: _Prompt) -> None:
         try:
-            async for response in router.generate(_sub_id(prepared, i), ids, prepared.parsed.params,
+            async for response in router.generate(_sub_id(prepared, i), prompt.token_ids, prompt.params,
                                                   prepared.parsed.cache_salt):
                 await queue.put((i, response))
             await queue.put((i, None))
         except BaseException as exc:  # handed to the consumer, which raises it
             await queue.put((i, exc))
 
-    tasks = [asyncio.create_task(pump(i, ids)) for i, (_, ids) in enumerate(prepared.prompts)]
+    tasks = [asyncio.create_task(pump(i, prompt)) for i, prompt in enumerate(prepared.prompts)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -196,7 +278,7 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool) -> dict[str,
                                         "logprobs": chat_logprobs(list(choice.logprobs), decode, parsed.logprobs or 0)
                                         if parsed.logprobs is not None else None}
             else:
-                prefix = (prepared.prompts[i][0] or "") if parsed.echo else ""
+                prefix = (prepared.prompts[i].text or "") if parsed.echo else ""
                 item = {"index": index, "text": prefix + choice.text,
                         "logprobs": completion_logprobs(list(choice.logprobs), decode)
                         if parsed.logprobs is not None else None}
@@ -210,7 +292,22 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool) -> dict[str,
             "usage": usage_json(usage)}
 
 
-async def _stream(router: Router, prepared: _Prepared, chat: bool) -> AsyncIterator[str]:
+async def _resumed(first: tuple[int, pb.GenerateResponse] | None,
+                   rest: AsyncGenerator[tuple[int, pb.GenerateResponse], None],
+                   ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """`rest` with the already-received `first` put back in front (None: the responses had ended)."""
+    try:
+        if first is None:
+            return
+        yield first
+        async for item in rest:
+            yield item
+    finally:  # a client that hangs up ends the worker calls now, not when the generator is collected
+        await rest.aclose()
+
+
+async def _stream(router: Router, prepared: _Prepared, chat: bool,
+                  responses: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> AsyncIterator[str]:
     parsed, n = prepared.parsed, prepared.parsed.n
     tokenizers = router.tokenizers
     decode = tokenizers.decode_token if tokenizers is not None else str
@@ -237,7 +334,7 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool) -> AsyncItera
         if chat:
             for i in range(len(prepared.prompts) * n):
                 yield event([choice(i, "", [], role=True)])
-        async for i, response in _merged(router, prepared):
+        async for i, response in responses:
             kind_ = response.WhichOneof("response")
             if kind_ == "chunk":
                 chunk = response.chunk

@@ -1,23 +1,70 @@
 """OpenAI request parsing and response shaping for /v1/completions and /v1/chat/completions.
 
-Parsing checks types field by field (so `"temperature": "hot"` is a 400 naming the field, not a crash), then
-lets the engine's `SamplingParams` check ranges with vLLM's rules. Unknown fields are accepted and ignored.
+Invariants of a request that parsed:
+- The body was strict JSON (no NaN / Infinity literals), nested at most MAX_JSON_DEPTH deep, with no lone UTF-16
+  surrogate in any string (`load_body`).
+- Every field has its type, fits its wire type (uint32 / int32 / int64 / float32) and is within the router's
+  bounds (`RouterConfig`: n, best_of, logprobs, prompts per request); then the engine's `SamplingParams` checks
+  ranges with vLLM's rules. What needs the model (prompt length, token ids against the vocabulary) is checked
+  when the request is prepared, before any worker sees it.
+- Each refusal is a `BadRequest` naming its field in `param` (`messages[2].role` below the top level).
+Unknown fields are ignored, except the ones in `UNSUPPORTED`: fields whose meaning the router does not implement
+yet are refused rather than silently dropped.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
+from router.config import RouterConfig
 from router.errors import BadRequest
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 _NUMBER = (int, float)
+MAX_JSON_DEPTH = 32  # a chat body with text parts is 5 deep
+FLOAT32_MAX = 3.4028234663852886e38  # sampling floats travel as proto float
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGIT_BIAS_ENTRIES = 1024  # each is applied at every sampling step
+ROLES = ("system", "user", "assistant", "tool", "developer")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads lets "\\ud800" through; no tokenizer or encoder takes it
+# What a surrogate looks like in UTF-8 JSON text before parsing: an escape, or its (surrogatepass) UTF-8 bytes.
+_RAW_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_CONTAINERS = frozenset((dict, list))
+
+
+def _accepted(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: any(value == v and type(value) is type(v) for v in values)
+
+
+# Fields the router does not implement yet, with the values that mean "not used" (accepted). Anything else is a
+# 400 naming the field; the change that implements one removes its entry here.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": _accepted(None, ""),
+    "tools": _accepted(None, []),
+    "tool_choice": _accepted(None, "none"),
+    "functions": _accepted(None, []),
+    "function_call": _accepted(None, "none"),
+    "response_format": _accepted(None, {"type": "text"}),
+    "prompt_logprobs": _accepted(None),
+    "use_beam_search": _accepted(None, False),
+    "continue_final_message": _accepted(None, False),
+    "guided_json": _accepted(None),
+    "guided_regex": _accepted(None),
+    "guided_choice": _accepted(None),
+    "guided_grammar": _accepted(None),
+    "structured_outputs": _accepted(None),
+}
 
 
 @dataclass(frozen=True)
@@ -35,18 +82,74 @@ class ParsedRequest:
     add_generation_prompt: bool
     chat_template: str | None
     cache_salt: tuple[str, ...]
+    max_tokens_param: str  # the field max_tokens came from (chat: max_completion_tokens or max_tokens)
 
 
+# ---- the body ----------------------------------------------------------------------------------------------
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_body(raw: bytes) -> Any:
+    """Strict JSON; refuses deep nesting and lone surrogates (they fail later, deep inside, as 500s)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity, an integer of 4300+ digits
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    _check_depth(body)
+    if json.detect_encoding(raw) != "utf-8" or _RAW_SURROGATE.search(raw):  # else no string can hold one
+        _check_strings(body)
+    return body
+
+
+def _check_depth(body: Any) -> None:
+    """Iterative (a recursive walk is what the limit protects against). A list holding no container is skipped at C
+    speed (`set(map(type, ...))`): a 32 MiB prompt of token ids costs a fraction of its parse."""
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while stack:
+        value, depth, top = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", top)
+        if isinstance(value, dict):
+            stack.extend((item, depth + 1, key if top is None else top) for key, item in value.items()
+                         if type(item) in _CONTAINERS)
+        elif isinstance(value, list) and not _CONTAINERS.isdisjoint(set(map(type, value))):
+            stack.extend((item, depth + 1, top) for item in value if type(item) in _CONTAINERS)
+
+
+def _check_strings(body: Any) -> None:
+    """No lone surrogate in any string or key; the error names the top-level field holding it."""
+    stack: list[tuple[Any, str | None]] = [(body, None)]
+    while stack:
+        value, top = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise BadRequest("strings must be valid Unicode: a lone UTF-16 surrogate is not a character", top)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = key if top is None else top
+                if _SURROGATE.search(key):
+                    raise BadRequest("object keys must be valid Unicode: a lone UTF-16 surrogate is not a character",
+                                     where)
+                stack.append((item, where))
+        elif isinstance(value, list):
+            stack.extend((item, top) for item in value)
+
+
+# ---- fields ------------------------------------------------------------------------------------------------
 def _field(body: dict[str, Any], name: str, types: tuple[type, ...] | type, default: Any = None,
-           what: str = "") -> Any:
+           what: str = "", param: str | None = None) -> Any:
     value = body.get(name, default)
     if value is None:
         return default
     types = types if isinstance(types, tuple) else (types,)
+    param = param or name
     if isinstance(value, bool) and bool not in types:  # bool is an int subclass: refuse true for a number
-        raise BadRequest(f"'{name}' must be {what or _type_names(types)}, got a boolean", name)
+        raise BadRequest(f"'{param}' must be {what or _type_names(types)}, got a boolean", param)
     if not isinstance(value, types):
-        raise BadRequest(f"'{name}' must be {what or _type_names(types)}, got {type(value).__name__}", name)
+        raise BadRequest(f"'{param}' must be {what or _type_names(types)}, got {_json_type(value)}", param)
     return value
 
 
@@ -56,18 +159,45 @@ def _type_names(types: tuple[type, ...]) -> str:
     return " or ".join(names.get(t, t.__name__) for t in types)
 
 
+def _json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _int(body: dict[str, Any], name: str, low: int | None = None, high: int | None = None,
+         default: int | None = None) -> int | None:
+    """An integer within [low, high] (a bound left out: the engine's own range check words the refusal)."""
+    value = _field(body, name, int, default)
+    if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
+        span = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise BadRequest(f"'{name}' must be an integer in {span}, got {value}", name)
+    return value
+
+
+def _float(body: dict[str, Any], name: str) -> float | None:
+    """The value as the wire's float32 will carry it, so the range checks judge what a worker will see (1e-308 is
+    a valid top_p, its float32 0.0 is not)."""
+    value = _field(body, name, _NUMBER)
+    if value is None:
+        return None
+    if not abs(value) <= FLOAT32_MAX:  # also false for inf (JSON's 1e999 parses to it)
+        raise BadRequest(f"'{name}' must be a finite number (at most {FLOAT32_MAX:.4g} in magnitude), got {value!r}",
+                         name)
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
 def _token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in value)
 
 
-def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+def _prompts(body: dict[str, Any], max_prompts: int) -> list[str | list[int]]:
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if _token_list(prompt):
+    if isinstance(prompt, str) or _token_list(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_list(p) for p in prompt):
+        if len(prompt) > max_prompts:
+            raise BadRequest(f"'prompt' may hold at most {max_prompts} prompts, got {len(prompt)}", "prompt")
         return list(prompt)
     raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id "
                      "lists", "prompt")
@@ -79,52 +209,115 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise BadRequest("'messages' must be a non-empty list", "messages")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+        role = message.get("role")
+        if role not in ROLES:
+            shown = json.dumps(role, ensure_ascii=True)
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {shown}",
+                             f"messages[{i}].role")
         content = message.get("content")
+        param = f"messages[{i}].content"
         if isinstance(content, list):  # content parts: text only
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+                    raise BadRequest(f"{param}: only text parts are supported", param)
                 texts.append(part["text"])
             content = "".join(texts)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+            raise BadRequest(f"{param} must be a string or a list of text parts", param)
+        if "name" in message and not isinstance(message["name"], str):
+            raise BadRequest(f"messages[{i}].name must be a string", f"messages[{i}].name")
         out.append({**message, "content": content})
     return out
 
 
-def parse_request(body: Any, chat: bool) -> ParsedRequest:
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, accepted in UNSUPPORTED.items():
+        if name in body and not accepted(body[name]):
+            raise BadRequest(f"'{name}' is not supported yet", name)
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    """include_usage (vLLM: options only with stream: true)."""
+    options = _field(body, "stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
+    return bool(_field(options, "include_usage", bool, False, param="stream_options.include_usage"))
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
+    """OpenAI's map of token id (a decimal string) to a bias in [-100, 100]; ids are checked against the vocabulary
+    when the request is prepared."""
+    bias = _field(body, "logit_bias", dict)
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise BadRequest(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}",
+                         "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= UINT32_MAX):
+            raise BadRequest(f"'logit_bias' keys must be token ids, got {json.dumps(key, ensure_ascii=True)}",
+                             "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, _NUMBER) or not abs(value) <= MAX_LOGIT_BIAS:
+            raise BadRequest(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                             "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+def _n_and_best_of(body: dict[str, Any], max_n: int) -> int:
+    n = _int(body, "n", 1, max_n, default=1)
+    best_of = _int(body, "best_of", 1, max_n)
+    if best_of is not None and best_of != n:
+        raise BadRequest(f"'best_of' is not supported yet unless it equals n ({n}), got {best_of}", "best_of")
+    return n if n is not None else 1
+
+
+def _logprobs(body: dict[str, Any], chat: bool, max_logprobs: int) -> int | None:
+    """Top alternatives per token; None: no logprobs."""
+    if not chat:
+        return _int(body, "logprobs", 0, max_logprobs)
+    want = _field(body, "logprobs", bool, False)
+    top = _int(body, "top_logprobs", 0, max_logprobs, default=0)
+    if top and not want:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return top if want else None
+
+
+def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    _refuse_unsupported(body)
     model = _field(body, "model", str, "")
-    prompts: list[str | list[int]] = [] if chat else _prompts(body)
+    prompts: list[str | list[int]] = [] if chat else _prompts(body, config.max_prompts_per_request)
     messages = _messages(body) if chat else None
-    n = _field(body, "n", int, 1)
+    n = _n_and_best_of(body, config.max_n)
     stream = _field(body, "stream", bool, False)
-    stream_options = _field(body, "stream_options", dict, {})
-    include_usage = bool(stream_options.get("include_usage", False))
-    if chat:
-        max_tokens = _field(body, "max_completion_tokens", int, None)
-        max_tokens = _field(body, "max_tokens", int, None) if max_tokens is None else max_tokens
-        want_logprobs = _field(body, "logprobs", bool, False)
-        top = _field(body, "top_logprobs", int, 0)
-        if top and not want_logprobs:
-            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        logprobs = top if want_logprobs else None
-    else:
-        max_tokens = _field(body, "max_tokens", int, 16)
-        logprobs = _field(body, "logprobs", int, None)
-    kwargs: dict[str, Any] = {"n": n, "max_tokens": max_tokens if max_tokens is not None else None}
+    include_usage = _stream_options(body, stream)
+    max_tokens_param = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens_param = "max_completion_tokens"
+    max_tokens = _int(body, max_tokens_param, high=UINT32_MAX, default=None if chat else 16)
+    logprobs = _logprobs(body, chat, config.max_logprobs)
+    chat_template = _field(body, "chat_template", str) if chat else None
+    if chat_template is not None and not config.trust_request_chat_template:
+        raise BadRequest("a request's own chat_template is refused: the router does not run --trust-request-chat-"
+                         "template", "chat_template")
+    kwargs: dict[str, Any] = {"n": n, "max_tokens": max_tokens}
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = _field(body, name, _NUMBER)
+        value = _float(body, name)
         if value is not None:
-            kwargs[name] = float(value)
-    for name in ("top_k", "seed", "min_tokens"):
-        value = _field(body, name, int)
+            kwargs[name] = value
+    for name, low, high in (("top_k", None, INT32_MAX), ("seed", INT64_MIN, INT64_MAX),
+                            ("min_tokens", None, UINT32_MAX)):
+        value = _int(body, name, low, high)
         if value is not None:
             kwargs[name] = value
     if kwargs.get("top_k") == 0:
@@ -139,8 +332,8 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in stop_ids):
-            raise BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids")
+                                                     and 0 <= t <= UINT32_MAX for t in stop_ids):
+            raise BadRequest("'stop_token_ids' must be a list of token ids (non-negative integers)", "stop_token_ids")
         kwargs["stop_token_ids"] = stop_ids
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         value = _field(body, name, bool)
@@ -148,19 +341,29 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
             kwargs[name] = value
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    logit_bias = _logit_bias(body)
+    if logit_bias:
+        kwargs["logit_bias"] = logit_bias
     try:
         checked = SamplingParams(**kwargs)  # vLLM's range rules and messages
     except InvalidRequest as exc:
-        raise BadRequest(str(exc)) from exc
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise BadRequest("'cache_salt' must be a string", "cache_salt")
+        raise BadRequest(str(exc), _body_name(exc.param, chat, max_tokens_param)) from exc
+    salt = _field(body, "cache_salt", str)
     return ParsedRequest(
         model=model, prompts=prompts, messages=messages, params=to_proto(checked, set(kwargs)),
         max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, logprobs=logprobs,
         echo=_field(body, "echo", bool, False) if not chat else False,
-        add_generation_prompt=_field(body, "add_generation_prompt", bool, True),
-        chat_template=_field(body, "chat_template", str, None), cache_salt=(salt,) if salt else ())
+        add_generation_prompt=_field(body, "add_generation_prompt", bool, True) if chat else True,
+        chat_template=chat_template, cache_salt=(salt,) if salt else (), max_tokens_param=max_tokens_param)
+
+
+def _body_name(param: str | None, chat: bool, max_tokens_param: str) -> str | None:
+    """The request field behind a SamplingParams field (chat spells two of them differently)."""
+    if chat and param == "logprobs":
+        return "top_logprobs"
+    if param == "max_tokens":
+        return max_tokens_param
+    return param
 
 
 def to_proto(params: SamplingParams, explicit: set[str]) -> pb.SamplingParams:
@@ -178,6 +381,7 @@ def to_proto(params: SamplingParams, explicit: set[str]) -> pb.SamplingParams:
     out.ignore_eos = params.ignore_eos
     out.min_tokens = params.min_tokens
     out.skip_special_tokens_false = not params.skip_special_tokens
+    out.logit_bias.update(params.logit_bias or {})
     return out
 
 

@@ -1,12 +1,16 @@
 """Tokenization and block hashing off the event loop, in a pool of threads (HF fast tokenizers release the GIL).
 
-Threads, not processes: a process pool would pickle tokenizers and prompts across processes.
+Threads, not processes: a process pool would pickle tokenizers and prompts across processes. A chat template render
+is time-bounded (`render_with_deadline`), so no request can hold a pool thread longer than that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,6 +19,38 @@ from engine.errors import InvalidRequest
 from engine.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+JINJA_FILENAME = "<template>"  # the code filename of a template compiled from a string (transformers does)
+
+
+class _RenderTimeout(BaseException):
+    """A BaseException, so no `except Exception` inside Jinja or transformers can swallow it mid-render."""
+
+
+def render_with_deadline(render: Callable[[], str], timeout_s: float) -> str:
+    """`render()` (a Jinja chat template), failed with InvalidRequest once it runs past `timeout_s`.
+
+    A thread cannot be interrupted from outside, so the render checks the deadline itself: a trace function on
+    this thread sees each function call and each line of the compiled template (plain Python) and raises once time
+    is up.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise _RenderTimeout
+        # Line events only inside template code (a loop there may call nothing); every other call is seen on entry.
+        return trace if frame.f_code.co_filename == JINJA_FILENAME else None
+
+    previous = sys.gettrace()  # a debugger's or coverage's, restored below
+    sys.settrace(trace)
+    try:
+        return render()
+    except _RenderTimeout:
+        raise InvalidRequest(f"the chat template took longer than {timeout_s:g} s to render") from None
+    finally:
+        sys.settrace(previous)
 
 
 def tokenizer_path_for(model: str, override: str | None) -> str | None:
@@ -47,8 +83,9 @@ class TokenizerPool:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    chat_template: str | None) -> tuple[str, list[int]]:
-        text = apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template)
+                    chat_template: str | None, timeout_s: float) -> tuple[str, list[int]]:
+        text = render_with_deadline(
+            lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template), timeout_s)
         return text, self.encode(text, add_special_tokens=False)  # the template already has them
 
     def decode_token(self, token_id: int) -> str:

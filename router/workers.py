@@ -45,6 +45,7 @@ class ModelInfo:
     model_id: str
     block_size: int
     max_model_len: int
+    vocab_size: int = 0  # 0: not reported (token ids are then only checked to fit uint32)
 
 
 @dataclass
@@ -193,7 +194,7 @@ class WorkerPool:
             stream.cancel()
 
     def _accept_info(self, worker: Worker, info: pb.InfoResponse) -> bool:
-        seen = ModelInfo(info.model, info.model_id, info.block_size, info.max_model_len)
+        seen = ModelInfo(info.model, info.model_id, info.block_size, info.max_model_len, info.vocab_size)
         with self._lock:
             if self.model_info is None:
                 self.model_info = seen

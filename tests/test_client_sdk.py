@@ -71,11 +71,13 @@ def fake() -> Iterator[tuple[FakeGeneration, str]]:
 def test_generate_stream_and_params(fake: tuple[FakeGeneration, str]) -> None:
     servicer, address = fake
     with Client(address) as client:
-        result = client.generate("hi", max_tokens=2, temperature=0.0, stop=["."], skip_special_tokens=False)
+        result = client.generate("hi", max_tokens=2, temperature=0.0, stop=["."], skip_special_tokens=False,
+                                 logit_bias={7: -100, "9": 2.5})
         assert result.text == "Hello" and result.completion_tokens == 2 and result.prefill_path == "disaggregated"
         request = servicer.last_request
         assert request.sampling_params.max_tokens == 2 and request.sampling_params.HasField("temperature")
         assert list(request.sampling_params.stop) == ["."] and request.sampling_params.skip_special_tokens_false
+        assert dict(request.sampling_params.logit_bias) == {7: -100.0, 9: 2.5}
         items = list(client.generate_stream([5, 6, 7], max_tokens=2))
         assert [i.text for i in items[:-1]] == ["Hel", "lo"] and isinstance(items[-1], GenerateResult)
         with pytest.raises(InvalidArgumentError, match="unknown sampling parameter"):

@@ -108,3 +108,56 @@ def test_penalties_follow_vllm_semantics() -> None:
                       prompt_token_ids=[0], output_token_ids=[1, 1, 2], generator=None)
     out = apply_penalties(logits, [row])[0]
     assert out.tolist() == pytest.approx([1.0, -4.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 0.5])
+
+
+def test_logit_bias_is_added_before_penalties_and_steers_greedy() -> None:
+    from engine.sampler import Sampler, SamplingRow, apply_logit_bias
+
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5], [2.0, -2.0, 1.0, 0.5]])
+    biased = SamplingRow(SamplingParams(temperature=0.0, logit_bias={1: 5.0, 0: -100}), [0], [], None)
+    plain = SamplingRow(SamplingParams(temperature=0.0), [0], [], None)
+    out = apply_logit_bias(logits, [biased, plain])
+    assert out[0].tolist() == pytest.approx([-98.0, 3.0, 1.0, 0.5]) and out[1].tolist() == logits[1].tolist()
+    assert logits[0, 0] == 2.0  # the caller's logits are left alone
+    assert Sampler(0, torch.device("cpu")).sample(logits, [biased, plain]).tolist() == [1, 0]
+    penalized = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: 2.0}), [0], [],
+                            None)
+    assert Sampler(0, torch.device("cpu")).sample(torch.tensor([[2.0, 2.5]]), [penalized]).tolist() == [1]  # 4/2
+
+
+def test_logit_bias_validation() -> None:
+    from engine.errors import InvalidRequest
+
+    for bad in ({1: 101.0}, {1: float("nan")}, {-1: 1.0}, {"1": 1.0}, {1: True}, [1]):
+        with pytest.raises(InvalidRequest) as info:
+            SamplingParams(logit_bias=bad)
+        assert info.value.param == "logit_bias"
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(temperature=float("inf"))
+    assert info.value.param == "temperature"
+
+
+def test_logit_bias_on_the_real_model(llm: LLM) -> None:
+    from engine.errors import InvalidRequest
+
+    free = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    forced = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                     logit_bias={42: 100.0}))[0].outputs[0]
+    assert forced.token_ids == [42] * 6 and free.token_ids != forced.token_ids
+    banned = llm.generate(PROMPTS[2], SamplingParams(temperature=0.7, seed=3, max_tokens=6, ignore_eos=True,
+                                                     logit_bias={t: -100.0 for t in free.token_ids}))[0].outputs[0]
+    assert not set(banned.token_ids) & set(free.token_ids)
+    with pytest.raises(InvalidRequest) as info:
+        llm.generate(PROMPTS[2], SamplingParams(logit_bias={10**6: 1.0}))
+    assert info.value.param == "logit_bias"
+
+
+def test_logit_bias_crosses_the_worker_wire() -> None:
+    from kvflow.wire import sampling_params_from_proto, sampling_params_to_proto
+
+    params = SamplingParams(temperature=0.5, logit_bias={3: -100.0, 70000: 2.5})
+    wire = sampling_params_to_proto(params)
+    assert dict(wire.logit_bias) == {3: -100.0, 70000: 2.5}
+    assert sampling_params_from_proto(wire).logit_bias == {3: -100.0, 70000: 2.5}
+    assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())).logit_bias is None

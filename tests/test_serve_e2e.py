@@ -138,6 +138,10 @@ def test_stop_n_logprobs_and_request_id(server: Server, client: openai.OpenAI) -
     ({"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "smollm2", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"model": "smollm2", "prompt": "hi", "max_tokens": 2000}, 400, "maximum context length"),
+    ({"model": "smollm2", "prompt": [10**10] + [1] * 20}, 400, "token ids"),  # once a block-hashing overflow (500)
+    (b'{"model": "smollm2", "prompt": "\\ud800"}', 400, "surrogate"),
+    (b'{"model": "smollm2", "prompt": "hi", "temperature": NaN}', 400, "not valid JSON"),
+    ({"model": "smollm2", "prompt": "hi", "suffix": "x"}, 400, "not supported yet"),
 ])
 def test_bad_requests_get_4xx_with_reason(server: Server, body: object, status: int, needle: str) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
@@ -165,6 +169,16 @@ def test_grpc_sdk_against_the_router(server: Server, offline_greedy: str) -> Non
         assert "".join(p.text for p in pieces[:-1]) == offline_greedy
         with pytest.raises(InvalidArgumentError, match="top_p"):
             sdk.generate(PROMPT, max_tokens=4, top_p=2.0)
+
+
+def test_logit_bias_reaches_prefill_and_decode_workers(server: Server, client: openai.OpenAI) -> None:
+    """The first token is sampled on the prefill worker, the rest on the decode worker: both must apply the bias."""
+    with Client(f"127.0.0.1:{server.grpc_port}", api_key=API_KEY, timeout=60) as sdk:
+        forced = sdk.generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True, logit_bias={42: 100})
+    assert forced.choices[0].token_ids == [42] * 4 and forced.prefill_path == "disaggregated"
+    http = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0,
+                                     logit_bias={"42": 100})
+    assert http.choices[0].text == forced.text
 
 
 def test_metrics_count_disaggregated_requests(server: Server, client: openai.OpenAI) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from typing import Any
 
 from engine.routing.policy import POLICY_NAMES
 from router.config import DISCOVERY_KINDS, RouterConfig
@@ -36,6 +37,36 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=[])
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--disable-log-stats", action="store_true")
+    add_request_limit_args(parser)
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Bounds on what one request may ask (shared by `kvflow router` and `kvflow serve`; vLLM names where vLLM has
+    the flag)."""
+    d = RouterConfig()
+    g = parser.add_argument_group("request limits")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (and best_of) of one request")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest logprobs / top_logprobs")
+    g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help="largest list of prompts in one /v1/completions request")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="larger request bodies are refused with 413")
+    g.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout_s,
+                   help="seconds to receive a request body (then 408)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` sent with a chat request (it runs on the router)")
+    g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout_s,
+                   help="seconds a chat template may take to render (then 400)")
+
+
+def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """RouterConfig fields from the flags of `add_request_limit_args`."""
+    return {"max_n": args.max_n, "max_logprobs": args.max_logprobs,
+            "max_prompts_per_request": args.max_prompts_per_request,
+            "max_request_body_bytes": args.max_request_body_bytes,
+            "request_body_timeout_s": args.request_body_timeout,
+            "trust_request_chat_template": args.trust_request_chat_template,
+            "chat_template_timeout_s": args.chat_template_timeout}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_selector=args.decode_selector, worker_grpc_port_name=args.worker_grpc_port_name,
         tokenizer=args.tokenizer, tokenizer_pool_size=args.tokenizer_pool_size,
         served_model_name=tuple(args.served_model_name), disable_log_requests=args.disable_log_requests,
-        disable_log_stats=args.disable_log_stats)
+        disable_log_stats=args.disable_log_stats, **request_limit_kwargs(args))
     config.validate()
     return config
 

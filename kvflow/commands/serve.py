@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.config import EngineArgs
 from engine.routing.policy import POLICY_NAMES
+from kvflow.commands.router import add_request_limit_args, request_limit_kwargs
 from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
+    add_request_limit_args(parser)
     EngineArgs.add_cli_args(parser)
     # Unset: workers sharing a GPU split vLLM's 0.9 between them; set: every worker's own share (vLLM's rule).
     parser.set_defaults(handler=run, gpu_memory_utilization=None)
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
                               served_model_name=tuple(args.served_model_name),
                               tokenizer_pool_size=args.tokenizer_pool_size,
                               disable_log_requests=args.disable_log_requests,
-                              disable_log_stats=args.disable_log_stats)
+                              disable_log_stats=args.disable_log_stats,
+                              **request_limit_kwargs(args))
         asyncio.run(_serve(config, cluster))
     except KeyboardInterrupt:
         pass

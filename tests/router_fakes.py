@@ -1,0 +1,160 @@
+"""A real router (`router.server.serve_router`: HTTP + gRPC fronts) in front of fake workers, for input tests.
+
+The fake decode worker parses every request with the real workers' own conversion and checks it as a worker
+would (token ids in the vocabulary, lengths within max_model_len), then answers a canned completion. A request the
+router forwards but a real worker would refuse is answered INTERNAL, which the router turns into a 5xx: so a test
+asserting "never 5xx" also asserts the router validated everything itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import httpx
+
+from kvflow.launcher import free_port
+from kvflow.wire import sampling_params_from_proto
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
+from router.config import RouterConfig
+
+MODEL = "smollm2"  # the router loads this model's tokenizer (the built-in SmolLM2 package ships it)
+MODEL_ID = "fake-model"
+VOCAB_SIZE = 49152  # SmolLM2's
+MAX_MODEL_LEN = 1024
+BLOCK_SIZE = 16
+REFUSED_PROMPT = [31337] * 5  # the fake decode worker answers INVALID_ARGUMENT to this prompt, as a worker may
+
+
+def _info(role: int) -> pb.InfoResponse:
+    return pb.InfoResponse(role=role, model=MODEL, model_id=MODEL_ID, block_size=BLOCK_SIZE,
+                           max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE, worker_id=f"fake-{role}")
+
+
+def _heartbeats(role: int, context: grpc.ServicerContext) -> Iterator[pb.KVEventBatch]:
+    worker_id, epoch, sequence = f"fake-{role}", int(time.time() * 1000), 0
+    yield pb.KVEventBatch(worker_id=worker_id, epoch=epoch, sequence=sequence, load=pb.WorkerLoad(),
+                          events=[pb.KVEvent(cleared=pb.AllBlocksClearedEvent())])
+    while context.is_active():
+        time.sleep(0.2)
+        sequence += 1
+        yield pb.KVEventBatch(worker_id=worker_id, epoch=epoch, sequence=sequence, load=pb.WorkerLoad())
+
+
+class FakeDecode(kvflow_pb2_grpc.GenerationServicer):
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:  # noqa: N802
+        return _info(pb.WORKER_ROLE_DECODE)
+
+    def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.ServicerContext):  # noqa: N802
+        yield from _heartbeats(pb.WORKER_ROLE_DECODE, context)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):  # noqa: N802
+        self.requests.append(request)
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+            ids = list(request.token_ids.ids)
+            if not ids or max(ids) >= VOCAB_SIZE:
+                raise ValueError(f"prompt token ids must be in [0, {VOCAB_SIZE})")
+            if len(ids) + (params.max_tokens or 1) > MAX_MODEL_LEN:
+                raise ValueError("prompt + max_tokens exceed max_model_len")
+            if params.logit_bias and max(params.logit_bias) >= VOCAB_SIZE:
+                raise ValueError("logit_bias token ids out of range")
+        except ValueError as exc:  # a real worker would refuse it: the router should have
+            context.abort(grpc.StatusCode.INTERNAL, f"fake worker: router forwarded an invalid request: {exc}")
+        if ids == REFUSED_PROMPT:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake worker: this prompt is refused")
+        top = [pb.TopLogprob(token_id=t, logprob=-1.0 - t, rank=t + 1) for t in range(params.logprobs or 0)]
+        logprobs = [pb.TokenLogprob(token_id=7, logprob=-0.5, rank=1, top=top)] if params.logprobs is not None else []
+        for index in range(params.n):
+            if request.stream:
+                yield pb.GenerateResponse(chunk=pb.GenerateChunk(index=index, token_ids=[7], text="ok",
+                                                                 logprobs=logprobs))
+        choices = [pb.CompletionChoice(index=i, token_ids=[7], text="ok", finish_reason=pb.FINISH_REASON_LENGTH,
+                                       logprobs=logprobs) for i in range(params.n)]
+        yield pb.GenerateResponse(complete=pb.GenerateComplete(
+            choices=choices, usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=params.n),
+            prefill_path=pb.PREFILL_PATH_DISAGGREGATED))
+
+
+class FakePrefill(kvflow_pb2_grpc.PrefillServicer):
+    """Only Info and KV events: the router never calls Prefill itself (decode workers do)."""
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:  # noqa: N802
+        return _info(pb.WORKER_ROLE_PREFILL)
+
+    def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.ServicerContext):  # noqa: N802
+        yield from _heartbeats(pb.WORKER_ROLE_PREFILL, context)
+
+
+class FakeWorkers:
+    """One fake decode and one fake prefill worker on a thread-pool gRPC server each."""
+
+    def __init__(self) -> None:
+        self.decode = FakeDecode()
+        self.decode_address, self.prefill_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        self._servers = [grpc.server(futures.ThreadPoolExecutor(max_workers=16)) for _ in range(2)]
+        kvflow_pb2_grpc.add_GenerationServicer_to_server(self.decode, self._servers[0])
+        kvflow_pb2_grpc.add_PrefillServicer_to_server(FakePrefill(), self._servers[1])
+        for server, address in zip(self._servers, (self.decode_address, self.prefill_address), strict=True):
+            server.add_insecure_port(address)
+            server.start()
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.stop(grace=None)
+
+
+class RouterHarness:
+    """`serve_router` on its own event loop thread; the test talks to it over real HTTP and gRPC."""
+
+    def __init__(self, workers: FakeWorkers, **overrides: Any) -> None:
+        from router.server import serve_router
+
+        self.config = dataclasses.replace(
+            RouterConfig(prefill=(workers.prefill_address,), decode=(workers.decode_address,), port=free_port(),
+                         grpc_port=free_port(), disable_log_requests=True, disable_log_stats=True), **overrides)
+        self.url = f"http://127.0.0.1:{self.config.port}"
+        self.grpc_address = f"127.0.0.1:{self.config.grpc_port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
+        self._thread.start()
+        self._task = asyncio.run_coroutine_threadsafe(serve_router(self.config), self._loop)
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + 120
+        while True:
+            assert not self._task.done(), f"the router stopped: {self._task.exception()}"
+            try:  # ready means a worker answered and the tokenizer is loaded (a chat request needs both)
+                if self.http.get("/health").status_code == 200 and self.post(
+                        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the router did not become ready"
+            time.sleep(0.1)
+
+    def post(self, path: str, body: Any = None, content: bytes | None = None, **kwargs: Any) -> httpx.Response:
+        if content is not None:
+            return self.http.post(path, content=content, headers={"content-type": "application/json"}, **kwargs)
+        return self.http.post(path, json=body, **kwargs)
+
+    def close(self) -> None:
+        self.http.close()
+        self._loop.call_soon_threadsafe(self._task.cancel)
+        with contextlib.suppress(futures.CancelledError, asyncio.CancelledError):
+            self._task.result(timeout=15)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
