@@ -313,6 +313,9 @@ def test_engine_args_reach_worker_command_line(value_set: tuple[str, Rendered], 
         assert flag_value(argv, "--host") == "0.0.0.0"
         assert flag_value(argv, "--port") == port
         assert flag_value(argv, "--metrics-port") == "9100"
+        # Decode workers dial the pod IP for the KV link's rendezvous; the backend comes from kvTransfer.
+        assert flag_value(argv, "--advertise-address") == f"10.1.2.3:{port}"
+        assert flag_value(argv, "--kv-transfer-backend") == values.get("kvTransfer", {}).get("backend", "auto")
         index = flag_value(argv, "--index")
         assert index.startswith(("redis://", "rediss://")) and "$(" not in index
         # Shared engine args, overridden per role, reach the command line.
@@ -587,12 +590,21 @@ def test_network_policies(value_set: tuple[str, Rendered]) -> None:
         return out
 
     def port_rules(policy: Manifest, port: str) -> list[Manifest]:
-        return [rule for rule in policy["spec"]["ingress"] if any(p["port"] == port for p in rule["ports"])]
+        return [rule for rule in policy["spec"]["ingress"] if any(p.get("port") == port for p in rule["ports"])]
+
+    def any_port_rules(policy: Manifest) -> list[Manifest]:
+        return [rule for rule in policy["spec"]["ingress"] if any("port" not in p for p in rule["ports"])]
 
     (grpc_rule,) = port_rules(policy_for("prefill"), "grpc")
-    assert peers(grpc_rule) == {"router"}
+    assert peers(grpc_rule) == {"router", "decode"}  # decode workers pull KV: Prefill, KVLink
     (grpc_rule,) = port_rules(policy_for("decode"), "grpc")
-    assert peers(grpc_rule) == {"router", "prefill"}  # KV transfer prefill -> decode
+    assert peers(grpc_rule) == {"router"}
+    # NCCL links (kvTransfer.backend auto or nccl): prefill and decode pods reach each other on any TCP port.
+    assert [peers(rule) for rule in any_port_rules(policy_for("prefill"))] == [{"decode"}]
+    assert [peers(rule) for rule in any_port_rules(policy_for("decode"))] == [{"prefill"}]
+    for component in ("router", "redis"):
+        if component in labels:
+            assert not any_port_rules(policy_for(component))
     for component in ("prefill", "decode"):
         (metrics_rule,) = port_rules(policy_for(component), "metrics")
         assert metrics_rule["from"] == [
@@ -611,6 +623,12 @@ def test_network_policies(value_set: tuple[str, Rendered]) -> None:
         assert router_rule["from"] == VALUE_SETS[name]["networkPolicy"]["routerFrom"]
     else:
         assert "from" not in router_rule
+
+
+def test_grpc_kv_transfer_closes_the_link_ports(chart: Any) -> None:
+    r = render(chart, {"kvTransfer": {"backend": "grpc"}})
+    for policy in r.all("NetworkPolicy"):
+        assert all("port" in p for rule in policy["spec"]["ingress"] for p in rule["ports"]), policy["metadata"]
 
 
 def test_pdbs_and_hpa(value_set: tuple[str, Rendered]) -> None:
