@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -43,7 +42,6 @@ DRAIN_GRACE_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
 VERSION = "0.1.0"
 KV_TRANSFER_BACKENDS = ("auto", "nccl", "grpc")
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class ChannelPool:
@@ -166,9 +164,6 @@ def server_engine_args(args: argparse.Namespace) -> EngineArgs:
 async def serve_worker(args: argparse.Namespace, role_name: str,
                        add_servicers: Callable[[grpc.aio.Server, WorkerContext], object]) -> None:
     """Build the engine, serve gRPC (+ health, + /metrics) until SIGTERM/SIGINT, then drain and exit."""
-    # Three threads share the GIL here (event loop, engine, KV-link threads), and a transfer's hand-offs sit on
-    # a request's critical path: switch holders every 0.5 ms, not Python's 5 ms, so none waits a whole slice.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine_args = server_engine_args(args)
     validate_index_url(args.index)
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
