@@ -67,7 +67,8 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             return
         address = request.disaggregation.prefill_address
         min_tokens = request.disaggregation.min_prompt_tokens or self.disagg_min_prompt_tokens
-        remote = bool(address) and params.n == 1 and params.prompt_logprobs is None
+        resumed = list(request.resume_token_ids)  # migrated here: prefill prompt + resumed tokens locally
+        remote = bool(address) and params.n == 1 and params.prompt_logprobs is None and not resumed
         extra_keys = tuple(request.cache_salt)
 
         def admit(engine: LLMEngine) -> RemoteSlot | None:
@@ -75,7 +76,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                 slot = engine.add_remote_prefill_request(request_id, prompt, params, "delta", extra_keys, min_tokens)
                 if slot is not None:
                     return slot
-            engine.add_request(request_id, prompt, params, "delta", extra_keys)
+            engine.add_request(request_id, prompt, params, "delta", extra_keys, resume_output_token_ids=resumed)
             return None
 
         stream = self.engine.open_stream(request_id)
@@ -91,7 +92,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             path, pull_s, transfer_s, remote_cached, remote = pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0, None
             if slot is not None:
                 path, pull_s, transfer_s, remote_cached, remote = await self._pull(address, slot, extra_keys)
-            choices = [_Choice() for _ in range(params.n)]
+            choices = [_Choice(num_tokens=len(resumed)) for _ in range(params.n)]  # resumed ones were sent
             first_token_s: float | None = None
             while True:
                 item = await stream.get()
@@ -116,7 +117,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                 if item.finished:
                     finished = True
                     yield pb.GenerateResponse(request_id=request_id, complete=self._complete(
-                        item, choices, usage, timings, path))
+                        item, choices, usage, timings, path, len(resumed)))
                     return
         finally:
             self._active.discard(request_id)
@@ -195,7 +196,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _complete(output: RequestOutput, choices: list[_Choice], usage: pb.Usage, timings: pb.Timings,
-                  path: int) -> pb.GenerateComplete:
+                  path: int, num_resumed: int = 0) -> pb.GenerateComplete:
         out = []
         for completion in output.outputs:
             choice = pb.CompletionChoice(
@@ -206,8 +207,8 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             elif isinstance(completion.stop_reason, int):
                 choice.stop_token_id = completion.stop_reason
             if completion.logprobs is not None:
-                choice.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in
-                                       zip(completion.token_ids, completion.logprobs, strict=False))
+                choice.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in  # logprobs of this worker's tokens
+                                       zip(completion.token_ids[num_resumed:], completion.logprobs, strict=False))
             out.append(choice)
         prompt_logprobs = []
         if output.prompt_logprobs is not None:

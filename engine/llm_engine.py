@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_generation_defaults
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sampler import seeded_generator_state
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, FinishedRequestTiming
@@ -166,12 +168,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None = None,
                     output_kind: OutputKind = "cumulative", extra_keys: tuple[str, ...] = (),
-                    kv_lease_s: float | None = None) -> str:
+                    kv_lease_s: float | None = None, resume_output_token_ids: list[int] | None = None) -> str:
         """Validate and enqueue; raises InvalidRequest (nothing is enqueued) for bad input.
 
         `kv_lease_s` (prefill side of P/D): keep the finished request's blocks until `release_kv` or the lease.
+        `resume_output_token_ids` (migration): the tokens another engine already generated for this request; they
+        count as output (max_tokens, penalties, stop rules) and are not returned again, and a seeded request's
+        generator continues after them. Single-sample requests only.
         """
-        state = self._new_state(request_id, prompt, params, output_kind, extra_keys, kv_lease_s)
+        state = self._new_state(request_id, prompt, params, output_kind, extra_keys, kv_lease_s,
+                                resume_output_token_ids or [])
         for sample in state.samples:
             self.scheduler.add_request(sample.request)
         return state.request_id
@@ -274,7 +280,8 @@ class LLMEngine:
         return self.kv_manager.release_held(request_id)
 
     def _new_state(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None,
-                   output_kind: OutputKind, extra_keys: tuple[str, ...], kv_lease_s: float | None) -> _RequestState:
+                   output_kind: OutputKind, extra_keys: tuple[str, ...], kv_lease_s: float | None,
+                   resumed: list[int] | None = None) -> _RequestState:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._states:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -286,28 +293,52 @@ class LLMEngine:
         params = params.with_defaults(self.generation_defaults)
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        resumed = list(resumed or [])
+        if resumed:
+            self._validate_resume(token_ids, resumed, params)
         max_len = self.config.model.max_model_len
         samples = []
         first: Request | None = None
         for index in range(params.n):
-            child_params = params.child(index) if params.n > 1 else params
+            # A copy even for n = 1: the caller may share one params object across prompts (LLM.generate does).
+            child_params = params.child(index) if params.n > 1 else copy.copy(params)
             if child_params.max_tokens is None:
                 child_params.max_tokens = max_len - len(token_ids)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, token_ids, child_params, self.eos_token_id, wait_for=first,
                               extra_keys=extra_keys, kv_lease_s=kv_lease_s)
+            if resumed:
+                request.resume_from(resumed)
+                if child_params.seed is not None and not child_params.is_greedy:
+                    request.remote_sampler_state = seeded_generator_state(child_params.seed, len(resumed),
+                                                                          self.device)
             first = first or request
             need_detok = output_kind != "final" or bool(child_params.stop)
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, child_params.skip_special_tokens,
+            detok = IncrementalDetokenizer(self.tokenizer, [*token_ids, *resumed], child_params.skip_special_tokens,
                                            child_params.stop, child_params.include_stop_str_in_output) \
                 if need_detok and self.tokenizer is not None else None
             wants_lp = child_params.logprobs is not None
-            samples.append(_Sample(request, detok, [] if wants_lp else None, 0.0 if wants_lp else None))
+            samples.append(_Sample(request, detok, [] if wants_lp else None, 0.0 if wants_lp else None,
+                                   sent_tokens=len(resumed)))
             self._child_to_parent[child_id] = request_id
         state = _RequestState(request_id, text, token_ids, params, output_kind, samples,
                               [] if params.prompt_logprobs is not None else None)
         self._states[request_id] = state
         return state
+
+    def _validate_resume(self, prompt: list[int], resumed: list[int], params: SamplingParams) -> None:
+        if params.n != 1:
+            raise InvalidRequest("a resumed request must be single-sample (n = 1)", "n")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequest("a resumed request cannot ask for prompt_logprobs again", "prompt_logprobs")
+        vocab = self.config.model.arch.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab for t in resumed):
+            raise InvalidRequest(f"resumed token ids must be integers in [0, {vocab})", "resume_token_ids")
+        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+            raise InvalidRequest(f"{len(resumed)} resumed tokens leave nothing of max_tokens={params.max_tokens}",
+                                 "resume_token_ids")
+        if len(prompt) + len(resumed) + 1 > self.config.model.max_model_len:
+            raise InvalidRequest("the prompt and the resumed tokens leave no room for output", "resume_token_ids")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids

@@ -82,6 +82,12 @@ class Request:
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens or 1 << 30
 
+    def resume_from(self, output_token_ids: list[int]) -> None:
+        """Continue a request another engine started: these tokens were generated (and delivered) already; they
+        count as output and are prefilled here with the prompt."""
+        self.output_token_ids = list(output_token_ids)
+        self.all_token_ids = [*self.prompt_token_ids, *output_token_ids]
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

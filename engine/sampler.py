@@ -78,6 +78,16 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def seeded_generator_state(seed: int, num_sampled: int, device: torch.device) -> bytes:
+    """The state of a request's seeded generator after it sampled `num_sampled` tokens (non-greedy), which
+    `Sampler.sample` draws as exactly one scalar uniform each: a request resumed elsewhere (migration) continues
+    the same random stream."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(num_sampled):
+        torch.rand((), generator=generator, device=device)
+    return generator.get_state().numpy().tobytes()
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -107,7 +117,8 @@ class Sampler:
             min_p = torch.tensor(min_ps, device=device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         # Inverse-CDF sampling: one uniform draw per row (V exponentials per row cost ~4x more on CPU). Seeded
-        # rows draw from their own generator, so their tokens do not depend on the rest of the batch.
+        # rows draw from their own generator, so their tokens do not depend on the rest of the batch; exactly one
+        # scalar draw per sampled token (seeded_generator_state replays that to resume a request elsewhere).
         cdf = probs.cumsum(dim=-1)
         uniform = torch.rand(len(rows), generator=self.generator, device=device)
         for i, row in enumerate(rows):

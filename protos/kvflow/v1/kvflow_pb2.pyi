@@ -115,7 +115,7 @@ class DisaggregationParams(_message.Message):
     def __init__(self, prefill_address: _Optional[str] = ..., min_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "stream", "disaggregation", "cache_salt")
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "stream", "disaggregation", "cache_salt", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class GenerateRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -130,7 +131,8 @@ class GenerateRequest(_message.Message):
     stream: bool
     disaggregation: DisaggregationParams
     cache_salt: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., disaggregation: _Optional[_Union[DisaggregationParams, _Mapping]] = ..., cache_salt: _Optional[_Iterable[str]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., disaggregation: _Optional[_Union[DisaggregationParams, _Mapping]] = ..., cache_salt: _Optional[_Iterable[str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "token")
