@@ -32,6 +32,7 @@ class RouterConfig:
     disable_log_requests: bool = False
     disable_log_stats: bool = False
     max_attempts: int = 3  # decode attempts per request (a failure before the first token moves on)
+    max_migrations: int = 3  # mid-stream moves of one request to another decode worker (0: fail the request)
     request_timeout_s: float = 600.0
     # Request bounds (vLLM names where vLLM has the knob): what one request may ask of the cluster.
     max_n: int = 128  # n and best_of
@@ -60,6 +61,8 @@ class RouterConfig:
             raise ValueError("--tokenizer-pool-size must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.max_migrations < 0:
+            raise ValueError("--max-migrations must be >= 0")
         if self.max_n < 1:
             raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

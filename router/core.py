@@ -4,7 +4,8 @@ Routing hashes the prompt's full blocks with the engine's own `BlockHasher`, ask
 many leading blocks each prefill worker caches, and lets the policy weigh that against load. The request goes to
 the chosen decode worker's `Generate` with `disaggregation.prefill_address` naming the prefill worker; the decode
 worker falls back to local prefill by itself if that prefill fails. A decode failure before the first token is
-retried on another decode worker.
+retried on another decode worker; one after it migrates the request to another decode worker (the prompt plus
+the tokens already streamed), up to `--max-migrations` times.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from router.workers import ModelInfo, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.INTERNAL)
+WORKER_FAILURES = ("UNAVAILABLE", "INTERNAL")  # GenerateError codes after which another worker may take over
 
 
 @dataclass(frozen=True)
@@ -195,17 +198,27 @@ class Router:
 
     async def generate(self, request_id: str, token_ids: list[int], params: pb.SamplingParams,
                        cache_salt: Sequence[str] = ()) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream a request's responses from a decode worker; a chunk or complete is never followed by a retry.
+        """Stream a request's responses from a decode worker.
 
-        Raises RouterError for failures (before or after the first token); metrics are recorded here.
+        A decode failure before the first token is retried on another decode worker. One after it (the worker
+        died, failed or drained mid-stream) migrates the request: another decode worker gets the prompt plus the
+        tokens already streamed (`resume_token_ids`), continues the same sampling (a seeded generator included)
+        and streams only new tokens, so the caller's stream simply continues. Single-sample requests, at most
+        `max_migrations` times; past that, or with no other decode worker, the error reaches the caller.
+        Raises RouterError for failures; metrics are recorded here.
         """
         tokenizers = await self.ensure_tokenizers()
         arrival = time.monotonic()
         tried: set[str] = set()
+        delivered = _Delivered()
+        migrations = 0
+        attempts = 0
+        single_sample = (params.n or 1) == 1
         self.metrics.running.inc()
         first_token_at: float | None = None
         try:
-            for attempt in range(self.config.max_attempts):
+            while True:
+                attempts += 1
                 self.metrics.waiting.inc()
                 try:
                     route = await tokenizers.run(self.route, token_ids, tuple(cache_salt), frozenset(tried))
@@ -215,45 +228,60 @@ class Router:
                 worker_request_id = f"{request_id}@{uuid.uuid4().hex[:8]}"  # client ids may repeat; ours don't
                 request = pb.GenerateRequest(
                     request_id=worker_request_id, token_ids=pb.TokenIds(ids=token_ids), sampling_params=params,
-                    stream=True, cache_salt=list(cache_salt),
+                    stream=True, cache_salt=list(cache_salt), resume_token_ids=delivered.token_ids,
                     disaggregation=pb.DisaggregationParams(
-                        prefill_address=route.prefill.address if route.prefill is not None else ""))
+                        prefill_address=route.prefill.address if route.prefill is not None and
+                        not delivered.token_ids else ""))
                 self._reserve(route, +1)
                 self._decode_of[request_id] = (route.decode, worker_request_id)
                 call = self._stub(route.decode.address).Generate(request, timeout=self.config.request_timeout_s)
                 released = False
+                delivered.start_attempt()
                 try:
                     async for response in call:
                         kind = response.WhichOneof("response")
                         if kind == "error":
-                            if first_token_at is None and response.error.code == "UNAVAILABLE" \
-                                    and attempt + 1 < self.config.max_attempts:
-                                raise _RetryElsewhere(response.error.message)
+                            if response.error.code in WORKER_FAILURES:
+                                raise _WorkerFailed("decode_error", response.error.message)
                             raise from_code_name(response.error.code, response.error.message)
                         if first_token_at is None:
                             first_token_at = time.monotonic()
                             self.metrics.ttft.observe(first_token_at - arrival)
+                        if not released:
                             self._reserve(route, -1, prefill_only=True)
                             released = True
-                        if kind == "complete":
+                        if kind == "chunk":
+                            delivered.add(response.chunk)
+                        elif kind == "complete":
+                            delivered.complete(response.complete)
                             self._record_complete(response.complete, arrival, first_token_at)
                         yield response
                     return
-                except _RetryElsewhere as exc:
-                    self._retry_note(route, "decode_error", str(exc))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise BadRequest(exc.details() or "invalid request") from exc
-                    if first_token_at is not None or exc.code() not in RETRYABLE \
-                            or attempt + 1 >= self.config.max_attempts:
+                    if exc.code() not in RETRYABLE:
                         raise from_code_name(exc.code().name, f"decode worker {route.decode.address}: "
                                                               f"{exc.details()}") from exc
-                    self._retry_note(route, "decode_unavailable", exc.details() or exc.code().name)
+                    failure = _WorkerFailed("decode_unavailable", exc.details() or exc.code().name)
+                except _WorkerFailed as exc:
+                    failure = exc
                 finally:
                     call.cancel()
                     self._reserve(route, -1, skip_prefill=released)
                     self._decode_of.pop(request_id, None)
-            raise Unavailable("no decode worker could take the request")
+                if first_token_at is None:  # nothing reached the caller: try another decode worker
+                    if attempts >= self.config.max_attempts:
+                        raise Unavailable(f"no decode worker could take the request ({failure.detail})")
+                    self._retry_note(route, failure.reason, failure.detail)
+                    continue
+                if not single_sample or migrations >= self.config.max_migrations:
+                    raise Unavailable(f"decode worker {route.decode.address} failed mid-stream ({failure.detail}); "
+                                      f"not migrated after {migrations} migrations")
+                migrations += 1
+                self.metrics.migrations.labels(failure.reason).inc()
+                logger.warning("request %s: decode worker %s failed after %d tokens (%s); migrating", request_id,
+                               route.decode.address, len(delivered.token_ids), failure.detail)
         finally:
             self.metrics.running.dec()
 
@@ -307,8 +335,46 @@ class Router:
         self.index.close()
 
 
-class _RetryElsewhere(Exception):
-    pass
+class _WorkerFailed(Exception):
+    """A decode worker failed a request after accepting it (the request may go elsewhere)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason  # label of kvflow:router_retries / kvflow:migrations
+        self.detail = detail
+
+
+class _Delivered:
+    """What of a single-sample request the caller already got (sample 0), so a migration resumes after it and
+    the final message still covers the whole completion."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[pb.TokenLogprob] = []
+        self._before_attempt = (0, 0, 0)
+
+    def start_attempt(self) -> None:
+        self._before_attempt = (len(self.token_ids), len(self.text), len(self.logprobs))
+
+    def add(self, chunk: pb.GenerateChunk) -> None:
+        if chunk.index == 0:
+            self.token_ids.extend(chunk.token_ids)
+            self.text.append(chunk.text)
+            self.logprobs.extend(chunk.logprobs)
+
+    def complete(self, complete: pb.GenerateComplete) -> None:
+        """A migrated request's last worker only knows its own text and logprobs: prepend the earlier ones."""
+        _, num_text, num_logprobs = self._before_attempt
+        if not (num_text or num_logprobs) or not complete.choices:
+            return
+        choice = complete.choices[0]
+        choice.text = "".join(self.text[:num_text]) + choice.text
+        earlier = self.logprobs[:num_logprobs]
+        if earlier:
+            own = list(choice.logprobs)
+            del choice.logprobs[:]
+            choice.logprobs.extend([*earlier, *own])
 
 
 def error_from(exc: BaseException) -> RouterError:

@@ -70,6 +70,8 @@ class RouterMetrics:
                                                 0.1, 0.25), registry=r)
         self.retries = Counter("kvflow:router_retries", "Requests re-sent to another worker.", ["reason"],
                                registry=r)
+        self.migrations = Counter("kvflow:migrations", "Requests moved mid-stream to another decode worker (the "
+                                  "prompt plus the tokens already streamed).", ["reason"], registry=r)
         self._preemptions_seen: dict[str, int] = {}
 
     def observe_load(self, worker: str, role: str, load: WorkerLoad) -> None:

@@ -57,6 +57,9 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="accept a `chat_template` sent with a chat request (it runs on the router)")
     g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout_s,
                    help="seconds a chat template may take to render (then 400)")
+    g.add_argument("--max-migrations", type=int, default=d.max_migrations,
+                   help="times one request may move mid-stream to another decode worker when its worker fails "
+                        "(0: the caller gets the error)")
 
 
 def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,7 +69,7 @@ def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "max_request_body_bytes": args.max_request_body_bytes,
             "request_body_timeout_s": args.request_body_timeout,
             "trust_request_chat_template": args.trust_request_chat_template,
-            "chat_template_timeout_s": args.chat_template_timeout}
+            "chat_template_timeout_s": args.chat_template_timeout, "max_migrations": args.max_migrations}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
