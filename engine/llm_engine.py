@@ -465,6 +465,7 @@ class LLMEngine:
         s = self.stats
         s.num_requests_running = self.scheduler.num_running
         s.num_requests_waiting = self.scheduler.num_waiting
+        s.num_requests_swapped = self.scheduler.num_swapped if self.scheduler.swap_space is not None else 0
         s.kv_cache_usage = self.kv_manager.usage
         s.prefix_cache_queries = self.kv_manager.stats.queries
         s.prefix_cache_hits = self.kv_manager.stats.hits

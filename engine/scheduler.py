@@ -65,6 +65,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return sum(1 for r in self.waiting if r.status is RequestStatus.SWAPPED)
+
     # ---- remote prefill (decode side of P/D) ---------------------------------------------------------------
     def admit_remote(self, request: Request, min_uncached_tokens: int) -> bool:
         """Reserve blocks for the whole prompt of a request whose KV another worker computes and writes.

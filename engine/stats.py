@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class EngineStats:
     num_requests_running: int = 0
     num_requests_waiting: int = 0
+    num_requests_swapped: int = 0  # preempted to CPU swap space (counted in waiting too)
     kv_cache_usage: float = 0.0
     num_gpu_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens

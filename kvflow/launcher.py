@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # Flags with BooleanOptionalAction in EngineArgs.add_cli_args: False is spelled --no-<flag>.
 _NEGATABLE = {"enable_prefix_caching", "enable_chunked_prefill"}
-# disable_log_stats: a worker-local logging choice; usage_context: set in code (workers are servers), no flag.
+# disable_log_stats: workers log stats unless told (spawned with the flag); usage_context: set in code.
 # device / gpu_memory_utilization: chosen per worker by the placement.
 _NOT_FORWARDED = {"disable_log_stats", "usage_context", "device", "gpu_memory_utilization"}
 
@@ -198,15 +198,14 @@ class WorkerCluster:
             if placement.gpu is not None:
                 starting.add(placement.gpu)
 
-    def _spawn(self, index: int, placement: Placement) -> None:
+    def worker_argv(self, index: int, placement: Placement, port: int) -> list[str]:
+        """The command line of one worker (its engine flags, placement and role options)."""
         spec = self.spec
         role = placement.role
-        port = free_port(spec.host)
         argv = [sys.executable, "-m", "kvflow.cli", role, "--port", str(port), *engine_argv(spec.engine_args),
                 "--model", spec.engine_args.model, "--index", spec.index, "--host", spec.host,
                 "--worker-id", f"{role}-{index}-{port}", "--kv-transfer-backend", spec.kv_transfer_backend,
                 *spec.worker_extra_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if placement.gpu is not None:
             # Every worker sees all the GPUs and selects its own: hiding the others (CUDA_VISIBLE_DEVICES) would
             # keep NCCL from using CUDA IPC / NVLink between two workers' GPUs.
@@ -214,10 +213,20 @@ class WorkerCluster:
                      str(placement.gpu_memory_utilization)]
         elif spec.engine_args.device != "auto":
             argv += ["--device", spec.engine_args.device]
+        if spec.engine_args.disable_log_stats:
+            argv.append("--disable-log-stats")
         if role == "decode":
             argv += list(spec.decode_extra_args)
             if spec.disagg_min_prompt_tokens is not None:
                 argv += ["--disagg-min-prompt-tokens", str(spec.disagg_min_prompt_tokens)]
+        return argv
+
+    def _spawn(self, index: int, placement: Placement) -> None:
+        spec = self.spec
+        role = placement.role
+        port = free_port(spec.host)
+        argv = self.worker_argv(index, placement, port)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         log_path = self.log_dir / f"{role}-{index}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -11,6 +11,7 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stat_logger import StatLogger
 from engine.stats import EngineStats
 from engine.tokenizer import apply_chat_template
 
@@ -22,6 +23,9 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._next_id = 0
+        # vLLM's LLM logs no stats unless asked: LLM(..., disable_log_stats=False).
+        self._stat_logger = None if self.engine_args.disable_log_stats else \
+            StatLogger(self.llm_engine.device.type)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -78,7 +82,10 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         while len(done) < len(ids):
-            for output in self.llm_engine.step():
+            outputs = self.llm_engine.step()
+            if self._stat_logger is not None:
+                self._stat_logger.observe(self.llm_engine.stats)
+            for output in outputs:
                 if output.finished and output.request_id in wanted:
                     done[output.request_id] = output
                     bar.update(1)

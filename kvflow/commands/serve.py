@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
     add_request_limit_args(parser)
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, default_log_stats=True)  # a server logs vLLM's stats line by default
     # Unset: workers sharing a GPU split vLLM's 0.9 between them; set: every worker's own share (vLLM's rule).
     parser.set_defaults(handler=run, gpu_memory_utilization=None)
 

@@ -13,7 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     prefill = subparsers.add_parser("prefill", help="run a prefill worker (gRPC Prefill service)")
     add_worker_args(prefill)
-    EngineArgs.add_cli_args(prefill)
+    EngineArgs.add_cli_args(prefill, default_log_stats=True)  # servers log vLLM's stats line by default
     prefill.set_defaults(handler=run_prefill)
 
     decode = subparsers.add_parser("decode", help="run a decode worker (gRPC Generation service)")
@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--disagg-min-prompt-tokens", type=int, default=0,
                         help="prefill locally when fewer prompt tokens than this miss the prefix cache "
                              "(0: always use the prefill worker when the router names one)")
-    EngineArgs.add_cli_args(decode)
+    EngineArgs.add_cli_args(decode, default_log_stats=True)
     decode.set_defaults(handler=run_decode)
 
 

@@ -24,6 +24,8 @@ from engine.config import EngineArgs
 from engine.kv_port import KVPort
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
+from engine.stat_logger import StatLogger
+from engine.stats import EngineStats, FinishedRequestTiming
 from kvflow.wire import layout_to_proto
 from kvflow.worker.events import KVEventHub
 from kvflow.worker.kv_link import PrefillLinks
@@ -171,7 +173,14 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     model_name = engine_args.model
     metrics = EngineMetrics(model_name)
     events = KVEventHub(worker_id)
-    engine = AsyncEngine(llm_engine, on_stats=metrics.update, on_kv_events=events.publish)
+    stat_logger = None if engine_args.disable_log_stats else StatLogger(llm_engine.device.type)
+
+    def on_stats(stats: EngineStats, timings: list[FinishedRequestTiming]) -> None:
+        metrics.update(stats, timings)
+        if stat_logger is not None:
+            stat_logger.observe(stats)
+
+    engine = AsyncEngine(llm_engine, on_stats=on_stats, on_kv_events=events.publish)
     engine.start()
     address = f"{args.host}:{args.port}"
     advertised = args.advertise_address or address
