@@ -227,8 +227,9 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         return pb.AbortResponse(found=found)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        return await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
+        info = await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
                                                               self.disagg_min_prompt_tokens))
+        return self.info_for_caller(info, context)
 
 
 def add_generation_servicer(server: grpc.aio.Server, ctx: WorkerContext,
