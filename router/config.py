@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.routing.policy import POLICY_NAMES
 from engine.sampling_params import MAX_LOGPROBS
+from kvflow.auth import ClusterAuth
 
 DISCOVERY_KINDS = ("static", "redis", "kubernetes")
 
@@ -18,7 +19,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051  # 0: no gRPC front
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    cluster: ClusterAuth = ClusterAuth()  # the credential the router presents to workers
     routing: str = "prefix"
     discovery: str = "static"
     discovery_redis: str | None = None  # registration registry for --discovery redis (defaults to --index)

@@ -64,7 +64,7 @@ class Router:
         self.index = make_index(config.index)
         self.policy = make_policy(config.routing)
         self.pool = WorkerPool(self.index, subscriber=f"router-{uuid.uuid4().hex[:8]}", on_batch=self._on_batch,
-                               on_index_error=self._on_index_error)
+                               on_index_error=self._on_index_error, auth=config.cluster)
         self.tokenizers: TokenizerPool | None = None
         self._tokenizer_lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -189,7 +189,7 @@ class Router:
     def _stub(self, address: str) -> kvflow_pb2_grpc.GenerationStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            channel = self.config.cluster.aio_channel(address, [("grpc.max_receive_message_length", 64 << 20)])
             self._channels[address] = channel
         return kvflow_pb2_grpc.GenerationStub(channel)
 

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from engine.routing.policy import POLICY_NAMES
+from kvflow.auth import ClusterAuth, add_cluster_auth_args
 from router.config import DISCOVERY_KINDS, RouterConfig
 
 
@@ -38,6 +39,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--disable-log-stats", action="store_true")
     add_request_limit_args(parser)
+    add_cluster_auth_args(parser)
 
 
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = RouterConfig(
         prefill=tuple(args.prefill), decode=tuple(args.decode), index=args.index, host=args.host, port=args.port,
-        grpc_port=args.grpc_port, api_key=args.api_key or None, routing=args.routing, discovery=args.discovery,
+        grpc_port=args.grpc_port, api_key=args.api_key or None,
+        cluster=ClusterAuth.from_args(args), routing=args.routing, discovery=args.discovery,
         k8s_namespace=args.k8s_namespace, prefill_selector=args.prefill_selector,
         decode_selector=args.decode_selector, worker_grpc_port_name=args.worker_grpc_port_name,
         tokenizer=args.tokenizer, tokenizer_pool_size=args.tokenizer_pool_size,

@@ -1,4 +1,8 @@
-"""`kvflow serve --model smollm2`: a whole cluster on one machine (workers as subprocesses, the router here)."""
+"""`kvflow serve --model smollm2`: a whole cluster on one machine (workers as subprocesses, the router here).
+
+The cluster token is `--cluster-token` / KVFLOW_CLUSTER_TOKEN, else a fresh random one: workers get it in their
+environment, the router here in its config, so no worker RPC is served to anyone else.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 
 from engine.config import EngineArgs
 from engine.routing.policy import POLICY_NAMES
+from kvflow.auth import ClusterAuth, add_cluster_auth_args
 from kvflow.commands.router import add_request_limit_args, request_limit_kwargs
 from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
@@ -46,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
     add_request_limit_args(parser)
+    add_cluster_auth_args(parser)
     EngineArgs.add_cli_args(parser)
     # Unset: workers sharing a GPU split vLLM's 0.9 between them; set: every worker's own share (vLLM's rule).
     parser.set_defaults(handler=run, gpu_memory_utilization=None)
@@ -59,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
     share = args.gpu_memory_utilization
     args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
     engine_args = server_engine_args(args)
+    auth = ClusterAuth.from_args(args).with_token()
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
                        decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
-                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share)
+                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth)
     cluster = WorkerCluster(spec)
     # SIGTERM acts like Ctrl-C: uvicorn shuts down gracefully and re-raises it, we then stop the workers.
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_ready(args.ready_timeout)
         config = RouterConfig(prefill=tuple(cluster.addresses("prefill")), decode=tuple(cluster.addresses("decode")),
                               index=args.index, host=args.host, port=args.port, grpc_port=args.grpc_port,
-                              api_key=args.api_key or None, routing=args.routing,
+                              api_key=args.api_key or None, routing=args.routing, cluster=auth,
                               served_model_name=tuple(args.served_model_name),
                               tokenizer_pool_size=args.tokenizer_pool_size,
                               disable_log_requests=args.disable_log_requests,
