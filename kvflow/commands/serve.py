@@ -17,7 +17,7 @@ from pathlib import Path
 from engine.config import EngineArgs
 from engine.routing.policy import POLICY_NAMES
 from kvflow.auth import ClusterAuth, add_cluster_auth_args
-from kvflow.commands.router import add_request_limit_args, request_limit_kwargs
+from kvflow.commands.router import add_metrics_key_arg, add_request_limit_args, request_limit_kwargs
 from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port (0: off)")
     g.add_argument("--routing", choices=POLICY_NAMES, default="prefix")
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"))
+    add_metrics_key_arg(g)
     g.add_argument("--served-model-name", nargs="+", default=[])
     g.add_argument("--tokenizer-pool-size", type=int, default=2)
     g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     share = args.gpu_memory_utilization
     args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
     engine_args = server_engine_args(args)
+    if args.metrics_require_api_key and not args.api_key:
+        raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
     auth = ClusterAuth.from_args(args).with_token()
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         config = RouterConfig(prefill=tuple(cluster.addresses("prefill")), decode=tuple(cluster.addresses("decode")),
                               index=args.index, host=args.host, port=args.port, grpc_port=args.grpc_port,
                               api_key=args.api_key or None, routing=args.routing, cluster=auth,
+                              metrics_require_api_key=args.metrics_require_api_key,
                               served_model_name=tuple(args.served_model_name),
                               tokenizer_pool_size=args.tokenizer_pool_size,
                               disable_log_requests=args.disable_log_requests,
