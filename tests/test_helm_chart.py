@@ -610,7 +610,8 @@ def test_network_policies(value_set: tuple[str, Rendered]) -> None:
         assert metrics_rule["from"] == [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
         ]
-        assert len(policy_for(component)["spec"]["ingress"]) == 2
+        # grpc, metrics, and the any-port rule of NCCL links when there is one
+        assert len(policy_for(component)["spec"]["ingress"]) == 2 + len(any_port_rules(policy_for(component)))
         ports = {p["name"] for p in r.container(component)["ports"]}
         assert ports == {"grpc", "metrics"}
     if "redis" in labels:
