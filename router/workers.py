@@ -196,6 +196,10 @@ class WorkerPool:
             stream.cancel()
 
     def _accept_info(self, worker: Worker, info: pb.InfoResponse) -> bool:
+        if not info.model_id:  # what a worker tells a caller without its cluster token: role and version only
+            logger.error("%s worker %s withholds its Info: this router does not present the cluster token the "
+                         "worker holds (KVFLOW_CLUSTER_TOKEN / --cluster-token)", worker.role, worker.address)
+            return False
         seen = ModelInfo(info.model, info.model_id, info.block_size, info.max_model_len, info.vocab_size)
         with self._lock:
             if self.model_info is None:

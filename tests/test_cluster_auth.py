@@ -2,8 +2,8 @@
 
 Token: every worker RPC (Generate, Prefill, KVLink, StreamKVEvents, Abort) without the token or with a wrong one
 ends UNAUTHENTICATED, even when its bytes are not a valid request, while the same calls with the token get the
-RPC's own answer; Info and health answer anyone, Info with role and version only; a disaggregated request over a
-KV link works with it. Prefill allowlist: a decode worker never dials a prefill address outside it (a honeypot
+RPC's own answer; Info and health answer anyone, Info with role and version only (a router without the token
+adopts no model from it); a disaggregated request over a KV link works with it. Prefill allowlist: a decode worker never dials a prefill address outside it (a honeypot
 sees no call, no token), prefills locally and counts reason="prefill_not_allowed". mTLS: with a throwaway CA, a
 client without a certificate, with one from another CA, or checking the wrong name is refused; the cluster's own
 certificate works, decode -> prefill included.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import subprocess
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -23,11 +24,22 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_worker.allowlist import PrefillAllowlist, split_host_port
+from engine.routing.index import MemoryIndex
 from kvflow.auth import TOKEN_ENV, TOKEN_METADATA, ClusterAuth, TLSFiles
 from kvflow.launcher import free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
-from tests.pd_helpers import Worker, channel_to, generate, info, metric, start_worker, wait_healthy
+from router.workers import WorkerPool
+from tests.pd_helpers import (
+    Worker,
+    channel_to,
+    generate,
+    info,
+    metric,
+    start_worker,
+    wait_healthy,
+    wait_until,
+)
 
 TOKEN = "test-cluster-token-0123456789"
 AUTH = ClusterAuth(TOKEN)
@@ -134,6 +146,22 @@ def test_info_and_health_answer_probes_without_the_token(secured: tuple[Worker, 
         full = info(worker, auth=AUTH)
         assert full.model == "tiny" and full.model_id and full.block_size == 16 and full.num_kv_blocks > 0
         assert full.worker_id and full.device == "cpu"
+
+
+def test_router_pool_without_the_token_adopts_nothing(secured: tuple[Worker, Worker]) -> None:
+    _, decode = secured
+    for auth in (ClusterAuth(), AUTH):
+        pool = WorkerPool(MemoryIndex(), "auth-test", auth=auth)
+        pool.set_addresses("decode", [decode.address])
+        try:
+            if auth is AUTH:
+                wait_until(lambda p=pool: bool(p.workers("decode")), 10.0, "the worker to join with the token")
+                assert pool.model_info is not None and pool.model_info.model == "tiny"
+            else:
+                time.sleep(1.5)  # several Info attempts
+                assert pool.model_info is None and not pool.workers("decode", healthy_only=False)[0].info
+        finally:
+            pool.stop()
 
 
 def test_disaggregated_request_over_a_link_with_the_token(secured: tuple[Worker, Worker]) -> None:
