@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hmac
-import logging
 import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -41,8 +40,6 @@ from typing import Any
 import grpc
 
 from protos.kvflow.v1 import kvflow_pb2 as pb
-
-logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "KVFLOW_CLUSTER_TOKEN"
 TOKEN_METADATA = "x-kvflow-cluster-token"
