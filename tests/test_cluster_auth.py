@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_worker.allowlist import PrefillAllowlist, split_host_port
 from engine.routing.index import MemoryIndex
 from kvflow.auth import TOKEN_ENV, TOKEN_METADATA, ClusterAuth, TLSFiles
+from kvflow.client import Client, UnauthenticatedError
 from kvflow.launcher import free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
@@ -146,6 +147,14 @@ def test_info_and_health_answer_probes_without_the_token(secured: tuple[Worker, 
         full = info(worker, auth=AUTH)
         assert full.model == "tiny" and full.model_id and full.block_size == 16 and full.num_kv_blocks > 0
         assert full.worker_id and full.device == "cpu"
+
+
+def test_sdk_calls_a_worker_with_the_token(secured: tuple[Worker, Worker]) -> None:
+    _, decode = secured
+    with Client(decode.address, cluster_token=TOKEN, timeout=60) as client:
+        assert client.generate(PROMPT[:20], max_tokens=2, temperature=0).completion_tokens == 2
+    with Client(decode.address, timeout=60) as client, pytest.raises(UnauthenticatedError):
+        client.generate(PROMPT[:20], max_tokens=2)
 
 
 def test_router_pool_without_the_token_adopts_nothing(secured: tuple[Worker, Worker]) -> None:
