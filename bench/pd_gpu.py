@@ -143,8 +143,7 @@ def bench_serve(url: str, prompts: list[list[int]], output_len: int, rate: float
 # ---- parts -----------------------------------------------------------------------------------------------------
 def part_check(out: Path, gpus: bool) -> dict[str, Any]:
     """Greedy ids of a tiny fp32 model: disaggregated over NCCL vs local prefill on the same decode worker."""
-    import grpc
-
+    from kvflow.auth import ClusterAuth
     from kvflow.launcher import ClusterSpec, WorkerCluster
     from protos.kvflow.v1 import kvflow_pb2 as pb
     from protos.kvflow.v1 import kvflow_pb2_grpc
@@ -153,12 +152,12 @@ def part_check(out: Path, gpus: bool) -> dict[str, Any]:
                       gpu_memory_utilization=0.3, usage_context="server")
     spec = ClusterSpec(args, 1, 1, prefill_gpus=(0,) if gpus else None, decode_gpus=(1,) if gpus else None,
                        kv_transfer_backend="nccl", gpu_memory_utilization=0.3,
-                       worker_extra_args=("--max-num-batched-tokens", "16"))  # many chunks: time to fault mid-way
+                       worker_extra_args=("--max-num-batched-tokens", "16"), auth=ClusterAuth().with_token())  # many chunks: time to fault mid-way
     checks = []
     with WorkerCluster(spec) as cluster:
         cluster.wait_ready(600, progress=False)
         prefill, decode = cluster.addresses("prefill")[0], cluster.addresses("decode")[0]
-        with grpc.insecure_channel(decode) as channel:
+        with spec.auth.channel(decode) as channel:
             stub = kvflow_pb2_grpc.GenerationStub(channel)
             for i, length in enumerate((3, 16, 17, 100, 500, 990)):
                 prompt = [(7919 * (i + 1) * (k + 3)) % 400 + 50 for k in range(length)]  # tiny: 512 ids
@@ -194,8 +193,8 @@ def _fault_checks(cluster: Any, decode: str, prefill: str) -> list[dict[str, Any
     from protos.kvflow.v1 import kvflow_pb2_grpc
 
     worker = next(w for w in cluster.workers if w.role == "prefill")
-    stub = kvflow_pb2_grpc.GenerationStub(grpc.insecure_channel(decode))
-    prefill_stub = kvflow_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill))
+    stub = kvflow_pb2_grpc.GenerationStub(cluster.spec.auth.channel(decode))
+    prefill_stub = kvflow_pb2_grpc.PrefillStub(cluster.spec.auth.channel(prefill))
     results = []
     for kind, sig in (("hung", signal.SIGSTOP), ("killed", signal.SIGKILL)):
         baseline = prefill_stub.Info(pb.InfoRequest(), timeout=10).num_free_kv_blocks

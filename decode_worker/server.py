@@ -3,8 +3,9 @@
 Per request: if a prefill address is given, the request is single-sample, and at least
 `--disagg-min-prompt-tokens` prompt tokens miss the local prefix cache, blocks for the prompt are reserved and
 the KV is pulled from the prefill worker (leading blocks cached here are skipped). Otherwise, or when the pull
-fails (counted in kvflow:disagg_fallback_total{reason}), the prompt is prefilled here. Tokens stream to the
-caller from this worker only.
+fails (counted in kvflow:disagg_fallback_total{reason}), the prompt is prefilled here; so is a prompt whose
+prefill address is not in `--prefill-allowlist` (reason "prefill_not_allowed", decode_worker/allowlist.py). Tokens
+stream to the caller from this worker only.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from decode_worker.allowlist import PrefillAllowlist
 from decode_worker.transports import KVTransports
 from engine.errors import InvalidRequest
 from engine.kv_transfer import DEFAULT_LEASE_S, KVTransferError, PullJob
@@ -43,12 +45,14 @@ class _Choice:
 
 
 class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
-    def __init__(self, ctx: WorkerContext, disagg_min_prompt_tokens: int) -> None:
+    def __init__(self, ctx: WorkerContext, disagg_min_prompt_tokens: int,
+                 prefill_allowlist: Sequence[str] = ()) -> None:
         self.ctx = ctx
         self.engine = ctx.engine
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
+        allowlist = PrefillAllowlist(prefill_allowlist, holds_token=ctx.auth.token is not None)
         self.transports = KVTransports(ctx.kv_transfer_backend, ctx.kv_port, ctx.worker_id,
-                                       ctx.channels)
+                                       ctx.channels, allowlist)
         ctx.on_shutdown.append(self.transports.close)
         self._active: set[str] = set()
         self._pulls: dict[str, asyncio.Task] = {}  # requests whose reserved blocks a transport is writing
@@ -228,12 +232,13 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         return pb.AbortResponse(found=found)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        return await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
+        info = await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
                                                               self.disagg_min_prompt_tokens))
+        return self.info_for_caller(info, context)
 
 
-def add_generation_servicer(server: grpc.aio.Server, ctx: WorkerContext,
-                            disagg_min_prompt_tokens: int) -> GenerationServicer:
-    servicer = GenerationServicer(ctx, disagg_min_prompt_tokens)
+def add_generation_servicer(server: grpc.aio.Server, ctx: WorkerContext, disagg_min_prompt_tokens: int,
+                            prefill_allowlist: Sequence[str] = ()) -> GenerationServicer:
+    servicer = GenerationServicer(ctx, disagg_min_prompt_tokens, prefill_allowlist)
     kvflow_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     return servicer

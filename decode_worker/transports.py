@@ -4,6 +4,9 @@
   workers); the `Prefill` stream carries only the header and the first token.
 - `GrpcKVTransport`: the blocks arrive as raw bytes inside the `Prefill` stream (any two workers that can talk).
 
+`KVTransports` picks one per pull, and first checks the address against the `PrefillAllowlist`: no channel is ever
+opened to (and no cluster credential sent to) an address it refuses.
+
 Both write through the engine's `KVPort` on a transfer thread with its own stream, never on the event loop or the
 engine thread, and return only once every write has completed on the device. Any failure (peer gone, malformed
 stream, layout mismatch) is a `KVTransferError` with a short reason: the caller recomputes.
@@ -20,6 +23,7 @@ from typing import Protocol
 import grpc
 import torch
 
+from decode_worker.allowlist import PrefillAllowlist
 from engine.kv_port import KVPort
 from engine.kv_transfer import KVSlice, KVTransferError, PullJob, PullResult, check_slice
 from kvflow.wire import (
@@ -240,18 +244,22 @@ class KVTransports:
     gRPC bytes otherwise, or when the link to that peer cannot be opened; `nccl` insists on the link (on CPU
     workers it runs the same path over gloo) and recomputes when it fails; `grpc` never opens links."""
 
-    def __init__(self, choice: str, port: KVPort, worker_id: str, channels: ChannelPool) -> None:
+    def __init__(self, choice: str, port: KVPort, worker_id: str, channels: ChannelPool,
+                 allowlist: PrefillAllowlist | None = None) -> None:
         if choice not in TRANSFER_BACKENDS:
             raise ValueError(f"--kv-transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {choice!r}")
         if choice == "nccl" and not link_backend_available(port.device):
             raise ValueError(f"--kv-transfer-backend nccl: torch.distributed {link_backend_for(port.device)} is "
                              "not available in this torch build")
         self.choice = choice
+        self.allowlist = allowlist or PrefillAllowlist((), holds_token=False)
         self.grpc = GrpcKVTransport(port, worker_id, channels)
         use_link = choice == "nccl" or (choice == "auto" and port.on_cuda and link_backend_available(port.device))
         self.link = LinkKVTransport(port, worker_id, channels) if use_link else None
 
     async def pull(self, address: str, job: PullJob) -> PullResult:
+        if not await self.allowlist.allows(address):
+            raise KVTransferError("prefill_not_allowed", f"prefill address {address} is not in --prefill-allowlist")
         if self.link is None:
             return await self.grpc.pull(address, job)
         if self.choice == "auto":

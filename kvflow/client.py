@@ -1,4 +1,6 @@
-"""Python SDK for kvflow's gRPC `Generation` API (the router's `--grpc-port`, or a decode worker directly).
+"""Python SDK for kvflow's gRPC `Generation` API (the router's `--grpc-port`, or a decode worker directly: pass
+`cluster_token=` when the workers hold one, e.g. os.environ["KVFLOW_CLUSTER_TOKEN"]; mTLS workers need a channel
+from `kvflow.auth.ClusterAuth` instead).
 
     from kvflow.client import Client
     with Client("127.0.0.1:50051") as client:
@@ -22,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from kvflow.auth import TOKEN_METADATA
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -152,14 +155,17 @@ def result_from(request_id: str, complete: pb.GenerateComplete) -> GenerateResul
 
 class _Base:
     def __init__(self, target: str, timeout: float = 60.0, max_retries: int = 3, retry_backoff_s: float = 0.2,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, cluster_token: str | None = None) -> None:
         if timeout <= 0 or max_retries < 0:
             raise ValueError("timeout must be > 0 and max_retries >= 0")
         self.target = target
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        if cluster_token:
+            metadata.append((TOKEN_METADATA, cluster_token))
+        self.metadata = tuple(metadata) or None
 
     def _backoff(self, attempt: int) -> float:
         return self.retry_backoff_s * (2 ** attempt)

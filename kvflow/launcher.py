@@ -6,6 +6,10 @@ GPU placement: each worker owns one GPU (`--device cuda:N`), from `--prefill-gpu
 default, spread over the visible GPUs in order (prefill workers first).
 Workers share a GPU when there are fewer GPUs than workers; their default memory shares then split vLLM's 0.9
 (0.45 each for two), and they start one after another, so each one's memory profile sees only itself.
+
+Credentials: the spec's `ClusterAuth` is the workers' (the token in their environment only, never in argv; TLS
+files as flags), and decode workers may pull KV only from the prefill workers started here
+(`--prefill-allowlist`): every port is chosen before the first worker starts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import grpc
 from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
+from kvflow.auth import TOKEN_ENV, ClusterAuth
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -109,6 +114,7 @@ class ClusterSpec:
     kv_transfer_backend: str = "auto"
     # None: each worker's share is 0.9 / (workers on its GPU); a number is every worker's own share (vLLM's rule)
     gpu_memory_utilization: float | None = None
+    auth: ClusterAuth = ClusterAuth()  # what the workers demand (and the launcher's own probe presents)
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,8 @@ class WorkerCluster:
         self.workers: list[WorkerProcess] = []
         self._pending: list[tuple[int, Placement]] = []
         self._gpu_ids: list[str] = []
+        self._ports: dict[int, int] = {}  # worker index -> its gRPC port, chosen up front
+        self._prefill_addresses: list[str] = []
 
     def addresses(self, role: str) -> list[str]:
         return [w.address for w in self.workers if w.role == role]
@@ -185,6 +193,9 @@ class WorkerCluster:
         gpu_ids = visible_gpus() if self.spec.engine_args.device in ("auto", "cuda") else []
         self._gpu_ids = gpu_ids
         self._pending = list(enumerate(place_workers(self.spec, len(gpu_ids))))
+        self._ports = {index: free_port(self.spec.host) for index, _ in self._pending}
+        self._prefill_addresses = [f"{self.spec.host}:{self._ports[index]}" for index, placement in self._pending
+                                   if placement.role == "prefill"]
         self._start_unblocked()
 
     def _start_unblocked(self) -> None:
@@ -206,6 +217,8 @@ class WorkerCluster:
                 "--model", spec.engine_args.model, "--index", spec.index, "--host", spec.host,
                 "--worker-id", f"{role}-{index}-{port}", "--kv-transfer-backend", spec.kv_transfer_backend,
                 *spec.worker_extra_args]
+        if spec.auth.tls is not None:
+            argv += spec.auth.tls.argv()
         if placement.gpu is not None:
             # Every worker sees all the GPUs and selects its own: hiding the others (CUDA_VISIBLE_DEVICES) would
             # keep NCCL from using CUDA IPC / NVLink between two workers' GPUs.
@@ -217,6 +230,8 @@ class WorkerCluster:
             argv.append("--disable-log-stats")
         if role == "decode":
             argv += list(spec.decode_extra_args)
+            if self._prefill_addresses:
+                argv += ["--prefill-allowlist", *self._prefill_addresses]
             if spec.disagg_min_prompt_tokens is not None:
                 argv += ["--disagg-min-prompt-tokens", str(spec.disagg_min_prompt_tokens)]
         return argv
@@ -224,9 +239,11 @@ class WorkerCluster:
     def _spawn(self, index: int, placement: Placement) -> None:
         spec = self.spec
         role = placement.role
-        port = free_port(spec.host)
+        port = self._ports[index]
         argv = self.worker_argv(index, placement, port)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop(TOKEN_ENV, None)  # the spec's credential only
+        env.update(spec.auth.env())
         log_path = self.log_dir / f"{role}-{index}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -252,7 +269,7 @@ class WorkerCluster:
                         raise RuntimeError(f"{worker.role} worker on {worker.address} exited with code "
                                            f"{worker.process.returncode} during startup; its log "
                                            f"({worker.log_path}) ends with:\n{worker.log_tail()}")
-                    if _answers_info(worker):
+                    if _answers_info(worker, self.spec.auth):
                         worker.ready = True
                         bar.update(1)
                         self._start_unblocked()
@@ -287,8 +304,8 @@ class WorkerCluster:
         self.stop()
 
 
-def _answers_info(worker: WorkerProcess) -> bool:
-    channel = grpc.insecure_channel(worker.address)
+def _answers_info(worker: WorkerProcess, auth: ClusterAuth) -> bool:
+    channel = auth.channel(worker.address)
     try:
         stub = kvflow_pb2_grpc.GenerationStub(channel) if worker.role == "decode" else \
             kvflow_pb2_grpc.PrefillStub(channel)

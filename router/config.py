@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.routing.policy import POLICY_NAMES
 from engine.sampling_params import MAX_LOGPROBS
+from kvflow.auth import ClusterAuth
 
 DISCOVERY_KINDS = ("static", "redis", "kubernetes")
 
@@ -18,7 +19,9 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051  # 0: no gRPC front
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    metrics_require_api_key: bool = False  # /metrics needs the API key too (else it is open, like /health)
+    cluster: ClusterAuth = ClusterAuth()  # the credential the router presents to workers
     routing: str = "prefix"
     discovery: str = "static"
     discovery_redis: str | None = None  # registration registry for --discovery redis (defaults to --index)
@@ -57,6 +60,8 @@ class RouterConfig:
             raise ValueError("--discovery redis needs --index redis://... (the registry lives there)")
         if self.index != "memory" and not self.index.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--index must be 'memory' or a redis:// URL, got {self.index!r}")
+        if self.metrics_require_api_key and not self.api_key:
+            raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
         if self.tokenizer_pool_size < 1:
             raise ValueError("--tokenizer-pool-size must be >= 1")
         if self.max_attempts < 1:

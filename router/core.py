@@ -6,11 +6,16 @@ the chosen decode worker's `Generate` with `disaggregation.prefill_address` nami
 worker falls back to local prefill by itself if that prefill fails. A decode failure before the first token is
 retried on another decode worker; one after it migrates the request to another decode worker (the prompt plus
 the tokens already streamed), up to `--max-migrations` times.
+
+Request ids are the caller's and belong to the caller: a request is known under (owner, id), the owner being
+`caller_identity` (the API key presented, hashed; without one, the caller's connection), so `abort` reaches only
+the owner's own requests. Workers see ids of the router's own making (`<id>@<random>`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -67,11 +72,12 @@ class Router:
         self.index = make_index(config.index)
         self.policy = make_policy(config.routing)
         self.pool = WorkerPool(self.index, subscriber=f"router-{uuid.uuid4().hex[:8]}", on_batch=self._on_batch,
-                               on_index_error=self._on_index_error)
+                               on_index_error=self._on_index_error, auth=config.cluster)
         self.tokenizers: TokenizerPool | None = None
         self._tokenizer_lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._decode_of: dict[str, tuple[Worker, str]] = {}  # client id -> (decode worker, its id), for Abort
+        # (owner, client id) -> {worker request id: decode worker} of the requests in flight, for Abort
+        self._decode_of: dict[tuple[str, str], dict[str, Worker]] = {}
         self._index_down = False
 
     # ---- state ---------------------------------------------------------------------------------------
@@ -192,13 +198,13 @@ class Router:
     def _stub(self, address: str) -> kvflow_pb2_grpc.GenerationStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            channel = self.config.cluster.aio_channel(address, [("grpc.max_receive_message_length", 64 << 20)])
             self._channels[address] = channel
         return kvflow_pb2_grpc.GenerationStub(channel)
 
     async def generate(self, request_id: str, token_ids: list[int], params: pb.SamplingParams,
-                       cache_salt: Sequence[str] = ()) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream a request's responses from a decode worker.
+                       cache_salt: Sequence[str] = (), owner: str = "") -> AsyncIterator[pb.GenerateResponse]:
+        """Stream a request's responses from a decode worker; `owner` (`caller_identity`) is who may `abort` it.
 
         A decode failure before the first token is retried on another decode worker. One after it (the worker
         died, failed or drained mid-stream) migrates the request: another decode worker gets the prompt plus the
@@ -207,6 +213,7 @@ class Router:
         `max_migrations` times; past that, or with no other decode worker, the error reaches the caller.
         Raises RouterError for failures; metrics are recorded here.
         """
+        key = (owner, request_id)
         tokenizers = await self.ensure_tokenizers()
         arrival = time.monotonic()
         tried: set[str] = set()
@@ -233,7 +240,7 @@ class Router:
                         prefill_address=route.prefill.address if route.prefill is not None and
                         not delivered.token_ids else ""))
                 self._reserve(route, +1)
-                self._decode_of[request_id] = (route.decode, worker_request_id)
+                self._decode_of.setdefault(key, {})[worker_request_id] = route.decode
                 call = self._stub(route.decode.address).Generate(request, timeout=self.config.request_timeout_s)
                 released = False
                 delivered.start_attempt()
@@ -269,7 +276,7 @@ class Router:
                 finally:
                     call.cancel()
                     self._reserve(route, -1, skip_prefill=released)
-                    self._decode_of.pop(request_id, None)
+                    self._forget(key, worker_request_id)
                 if first_token_at is None:  # nothing reached the caller: try another decode worker
                     if attempts >= self.config.max_attempts:
                         raise Unavailable(f"no decode worker could take the request ({failure.detail})")
@@ -285,14 +292,21 @@ class Router:
         finally:
             self.metrics.running.dec()
 
-    async def abort(self, request_id: str) -> bool:
-        target = self._decode_of.get(request_id)
-        if target is None:
-            return False
-        worker, worker_request_id = target
-        response = await self._stub(worker.address).Abort(pb.AbortRequest(request_id=worker_request_id),
-                                                           timeout=5.0)
-        return response.found
+    async def abort(self, request_id: str, owner: str = "") -> bool:
+        """Abort `owner`'s requests in flight under `request_id` (another caller's are not found)."""
+        found = False
+        for worker_request_id, worker in list(self._decode_of.get((owner, request_id), {}).items()):
+            response = await self._stub(worker.address).Abort(pb.AbortRequest(request_id=worker_request_id),
+                                                               timeout=5.0)
+            found = found or response.found
+        return found
+
+    def _forget(self, key: tuple[str, str], worker_request_id: str) -> None:
+        targets = self._decode_of.get(key)
+        if targets is not None:
+            targets.pop(worker_request_id, None)
+            if not targets:
+                del self._decode_of[key]
 
     def _reserve(self, route: Route, sign: int, prefill_only: bool = False, skip_prefill: bool = False) -> None:
         """Count this router's own in-flight work so back-to-back routes see it before the next heartbeat."""
@@ -377,6 +391,14 @@ class _Delivered:
             choice.logprobs.extend([*earlier, *own])
 
 
+def caller_identity(api_key: str | None, peer: str) -> str:
+    """Who owns a request id: the API key (hashed: no key is kept in the request table) when the router has one,
+    else the caller's connection (`peer`, e.g. "grpc:ipv4:10.0.0.7:51234"), so a caller can abort only its own."""
+    if api_key:
+        return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
+    return "peer:" + peer
+
+
 def error_from(exc: BaseException) -> RouterError:
     if isinstance(exc, RouterError):
         return exc
@@ -385,4 +407,4 @@ def error_from(exc: BaseException) -> RouterError:
     return RouterError(f"internal error: {type(exc).__name__}: {exc}")
 
 
-__all__ = ["Route", "Router", "error_from", "make_index"]
+__all__ = ["Route", "Router", "caller_identity", "error_from", "make_index"]

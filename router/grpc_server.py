@@ -3,7 +3,8 @@
 Input is checked as on the HTTP front (the router's bounds, token ids in the vocabulary, lengths): a refusal ends
 the call with INVALID_ARGUMENT before any worker sees the request. So do bytes that are not a valid request
 message: the handlers are built here with a deserializer that never raises (the generated glue's would make the
-call end UNKNOWN).
+call end UNKNOWN). Request ids are scoped per caller (`router.core.caller_identity`): `Abort` finds only the
+caller's own requests.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
-from router.core import Router, error_from
+from router.core import Router, caller_identity, error_from
 from router.errors import BadRequest
 from router.openai_protocol import MAX_LOGIT_BIAS_ENTRIES, to_proto
 
@@ -40,6 +41,10 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
         if not secrets.compare_digest(str(given).encode(), f"Bearer {key}".encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
 
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        """Called after `_authorize`: with an API key configured, the caller presented exactly that key."""
+        return caller_identity(self.router.config.api_key, f"grpc:{context.peer()}")
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self._authorize(context)
         request_id = request.request_id or uuid.uuid4().hex
@@ -47,7 +52,8 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
             token_ids = await self._token_ids(request)
             params = self.router.params_for_prompt(self._checked_params(request.sampling_params), len(token_ids),
                                                    request.WhichOneof("input") or "input")
-            stream = self.router.generate(request_id, token_ids, params, list(request.cache_salt))
+            stream = self.router.generate(request_id, token_ids, params, list(request.cache_salt),
+                                          owner=self._owner(context))
             async for response in stream:
                 if request.stream or response.WhichOneof("response") == "complete":
                     response.request_id = request_id
@@ -102,7 +108,7 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
         await self._authorize(context)
         try:
-            return pb.AbortResponse(found=await self.router.abort(request.request_id))
+            return pb.AbortResponse(found=await self.router.abort(request.request_id, self._owner(context)))
         except grpc.aio.AioRpcError:
             return pb.AbortResponse(found=False)
 

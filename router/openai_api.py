@@ -1,6 +1,10 @@
 """The OpenAI-compatible HTTP front (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics. Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
 
+`/metrics` needs the API key too with `metrics_require_api_key`. Requests are owned by their caller
+(`router.core.caller_identity`: the key, or the connection), so the gRPC front's `Abort` cannot reach them by
+their `x-request-id` from another caller.
+
 Every error response, the framework's own (404, 405) included, is OpenAI error JSON. A request is validated
 completely before a worker sees it, and a streaming response starts only once the first worker response is in:
 a refusal is always a status code, never an error inside a 200 stream (failures after the first token still are).
@@ -26,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.errors import InvalidRequest
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.config import RouterConfig
-from router.core import Router, error_from
+from router.core import Router, caller_identity, error_from
 from router.errors import (
     BadRequest,
     HTTPError,
@@ -66,6 +70,7 @@ class _Prepared:
     model: str
     prompts: list[_Prompt]
     created: int = field(default_factory=lambda: int(time.time()))
+    owner: str = ""  # router.core.caller_identity
 
 
 def error_response(error: RouterError, request_id: str | None = None) -> Response:
@@ -76,6 +81,7 @@ def error_response(error: RouterError, request_id: str | None = None) -> Respons
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvflow router", docs_url=None, redoc_url=None)
     api_key = router.config.api_key
+    metrics_need_key = router.config.metrics_require_api_key
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -94,7 +100,8 @@ def build_app(router: Router) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if api_key and (path.startswith("/v1") or (metrics_need_key and path == "/metrics")):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(Unauthorized("invalid or missing API key"))
@@ -136,6 +143,8 @@ async def _handle(router: Router, request: Request, chat: bool) -> Response:
         body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
         parsed = parse_request(body, chat, router.config)
         prepared = await _prepare(router, parsed, request_id)
+        peer = f"http:{request.client.host}:{request.client.port}" if request.client else "http"
+        prepared.owner = caller_identity(router.config.api_key, peer)
     except Exception as exc:  # every input problem becomes a 4xx with the reason
         return error_response(error_from(exc), request_id)
     if not router.config.disable_log_requests:
@@ -227,7 +236,7 @@ async def _merged(router: Router, prepared: _Prepared) -> AsyncGenerator[tuple[i
     if len(prepared.prompts) == 1:
         prompt = prepared.prompts[0]
         async for response in router.generate(prepared.request_id, prompt.token_ids, prompt.params,
-                                              prepared.parsed.cache_salt):
+                                              prepared.parsed.cache_salt, prepared.owner):
             yield 0, response
         return
     queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
@@ -235,7 +244,7 @@ async def _merged(router: Router, prepared: _Prepared) -> AsyncGenerator[tuple[i
     async def pump(i: int, prompt: _Prompt) -> None:
         try:
             async for response in router.generate(_sub_id(prepared, i), prompt.token_ids, prompt.params,
-                                                  prepared.parsed.cache_salt):
+                                                  prepared.parsed.cache_salt, prepared.owner):
                 await queue.put((i, response))
             await queue.put((i, None))
         except BaseException as exc:  # handed to the consumer, which raises it

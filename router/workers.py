@@ -3,7 +3,7 @@
 Each worker gets one daemon thread that asks `Info`, then follows `StreamKVEvents` and applies batches to the
 prefix index in order; a broken stream or a sequence gap forgets the worker's index entries and resubscribes
 (the first batch of every subscription is a snapshot). Request traffic uses separate grpc.aio channels owned by
-the event loop (`router.core`).
+the event loop (`router.core`). Every channel presents the cluster credential (kvflow/auth.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from engine.routing.events import (
 )
 from engine.routing.index import IndexUnavailable, PrefixIndex
 from engine.routing.policy import WorkerView
+from kvflow.auth import ClusterAuth
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -94,8 +95,9 @@ class WorkerPool:
     def __init__(self, index: PrefixIndex, subscriber: str,
                  on_batch: Callable[[Worker, EventBatch, float], None] | None = None,
                  on_index_error: Callable[[IndexUnavailable], None] | None = None,
-                 on_info: Callable[[Worker], None] | None = None) -> None:
+                 on_info: Callable[[Worker], None] | None = None, auth: ClusterAuth | None = None) -> None:
         self.index = index
+        self.auth = auth or ClusterAuth()
         self.subscriber = subscriber
         self._on_batch = on_batch
         self._on_index_error = on_index_error
@@ -140,7 +142,7 @@ class WorkerPool:
     def _follow(self, worker: Worker) -> None:
         backoff = 0.1
         while not worker.stopped.is_set():
-            channel = grpc.insecure_channel(worker.address)
+            channel = self.auth.channel(worker.address)
             try:
                 self._subscribe(worker, channel)
                 backoff = 0.1
@@ -194,6 +196,10 @@ class WorkerPool:
             stream.cancel()
 
     def _accept_info(self, worker: Worker, info: pb.InfoResponse) -> bool:
+        if not info.model_id:  # what a worker tells a caller without its cluster token: role and version only
+            logger.error("%s worker %s withholds its Info: this router does not present the cluster token the "
+                         "worker holds (KVFLOW_CLUSTER_TOKEN / --cluster-token)", worker.role, worker.address)
+            return False
         seen = ModelInfo(info.model, info.model_id, info.block_size, info.max_model_len, info.vocab_size)
         with self._lock:
             if self.model_info is None:

@@ -1,4 +1,7 @@
-"""Worker processes for the P/D tests (SmolLM2 on CPU): start, wait for health, read Info and /metrics, generate."""
+"""Worker processes for the P/D tests (SmolLM2 on CPU): start, wait for health, read Info and /metrics, generate.
+
+Workers inherit the environment, so with KVFLOW_CLUSTER_TOKEN set they demand it; the helpers' channels present
+`ClusterAuth.from_env()` unless given another credential."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvflow.auth import ClusterAuth
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -49,21 +53,24 @@ class Worker:
             self.process.wait(10)
 
 
-def start_worker(role: str, tmp: Path, *extra: str, port: int | None = None) -> Worker:
+def start_worker(role: str, tmp: Path, *extra: str, port: int | None = None, env: dict[str, str] | None = None,
+                 model: str = "smollm2") -> Worker:
+    """`env` is added to this process's environment (e.g. a KVFLOW_CLUSTER_TOKEN of the test's own); `extra`
+    flags come last, so they override the defaults here."""
     port, metrics_port = port or free_port(), free_port()
     log = tmp / f"{role}-{port}.log"
-    cmd = [sys.executable, "-m", "kvflow.cli", role, "--model", "smollm2", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvflow.cli", role, "--model", model, "--port", str(port),
            "--metrics-port", str(metrics_port), "--kv-cache-memory-bytes", str(KV_BYTES),
            "--max-model-len", str(MAX_MODEL_LEN), *extra]
     with log.open("w") as out:
         process = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     return Worker(role, port, metrics_port, process, log)
 
 
-def wait_healthy(worker: Worker, timeout: float = 180.0) -> None:
+def wait_healthy(worker: Worker, timeout: float = 180.0, auth: ClusterAuth | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(worker.address) as channel:
+    with (auth or ClusterAuth.from_env()).channel(worker.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if worker.process.poll() is not None:
@@ -78,8 +85,13 @@ def wait_healthy(worker: Worker, timeout: float = 180.0) -> None:
     raise TimeoutError(f"{worker.role} not healthy:\n{worker.log.read_text()[-3000:]}")
 
 
-def info(worker: Worker) -> pb.InfoResponse:
-    with grpc.insecure_channel(worker.address) as channel:
+def channel_to(worker: Worker, auth: ClusterAuth | None = None) -> grpc.Channel:
+    """A blocking channel to `worker` presenting `auth` (default: KVFLOW_CLUSTER_TOKEN, if set)."""
+    return (auth or ClusterAuth.from_env()).channel(worker.address)
+
+
+def info(worker: Worker, auth: ClusterAuth | None = None) -> pb.InfoResponse:
+    with (auth or ClusterAuth.from_env()).channel(worker.address) as channel:
         if worker.role == "prefill":
             return kvflow_pb2_grpc.PrefillStub(channel).Info(pb.InfoRequest(), timeout=10)
         return kvflow_pb2_grpc.GenerationStub(channel).Info(pb.InfoRequest(), timeout=10)
@@ -116,13 +128,15 @@ def wait_until(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
 
 
 def generate(decode: Worker, prompt_ids: list[int], prefill: Worker | None = None, max_tokens: int = MAX_TOKENS,
-             request_id: str = "", **disagg: int) -> pb.GenerateComplete:
+             request_id: str = "", auth: ClusterAuth | None = None, cache_salt: tuple[str, ...] = (),
+             **disagg: int) -> pb.GenerateComplete:
     disaggregation = pb.DisaggregationParams(prefill_address=prefill.address if prefill else "", **disagg)
     request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt_ids), stream=True,
+                                 cache_salt=list(cache_salt),
                                  sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens),
                                  disaggregation=disaggregation)
     streamed: list[int] = []
-    with grpc.insecure_channel(decode.address) as channel:
+    with (auth or ClusterAuth.from_env()).channel(decode.address) as channel:
         for response in kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300):
             kind = response.WhichOneof("response")
             if kind == "chunk":

@@ -3,7 +3,8 @@
 The fake decode worker parses every request with the real workers' own conversion and checks it as a worker
 would (token ids in the vocabulary, lengths within max_model_len), then answers a canned completion. A request the
 router forwards but a real worker would refuse is answered INTERNAL, which the router turns into a 5xx: so a test
-asserting "never 5xx" also asserts the router validated everything itself.
+asserting "never 5xx" also asserts the router validated everything itself. `SLOW_PROMPT` streams one chunk, then
+waits until the router aborts it (or the call ends); every call's metadata is recorded.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ VOCAB_SIZE = 49152  # SmolLM2's
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 16
 REFUSED_PROMPT = [31337] * 5  # the fake decode worker answers INVALID_ARGUMENT to this prompt, as a worker may
+SLOW_PROMPT = [4242] * 5  # streams one chunk, then runs until aborted
 
 
 def _info(role: int) -> pb.InfoResponse:
@@ -52,15 +54,44 @@ def _heartbeats(role: int, context: grpc.ServicerContext) -> Iterator[pb.KVEvent
 class FakeDecode(kvflow_pb2_grpc.GenerationServicer):
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[tuple[str, dict[str, str]]] = []  # (RPC, its invocation metadata) of every call
+        self.running: dict[str, threading.Event] = {}  # SLOW_PROMPT requests by id: set = aborted
+
+    def _seen(self, name: str, context: grpc.ServicerContext) -> None:
+        self.metadata.append((name, dict(context.invocation_metadata() or ())))
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:  # noqa: N802
+        self._seen("Info", context)
         return _info(pb.WORKER_ROLE_DECODE)
 
     def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._seen("StreamKVEvents", context)
         yield from _heartbeats(pb.WORKER_ROLE_DECODE, context)
 
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:  # noqa: N802
+        self._seen("Abort", context)
+        aborted = self.running.get(request.request_id)
+        if aborted is not None:
+            aborted.set()
+        return pb.AbortResponse(found=aborted is not None)
+
+    def _slow(self, request: pb.GenerateRequest, context: grpc.ServicerContext):  # noqa: ANN202
+        aborted = self.running.setdefault(request.request_id, threading.Event())
+        try:
+            yield pb.GenerateResponse(chunk=pb.GenerateChunk(token_ids=[7], text="ok"))
+            while context.is_active() and not aborted.wait(0.05):
+                pass
+            yield pb.GenerateResponse(complete=pb.GenerateComplete(choices=[pb.CompletionChoice(
+                token_ids=[7], text="ok", finish_reason=pb.FINISH_REASON_ABORT)], usage=pb.Usage(prompt_tokens=5)))
+        finally:
+            self.running.pop(request.request_id, None)
+
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._seen("Generate", context)
         self.requests.append(request)
+        if list(request.token_ids.ids) == SLOW_PROMPT:
+            yield from self._slow(request, context)
+            return
         try:
             params = sampling_params_from_proto(request.sampling_params)
             ids = list(request.token_ids.ids)
@@ -126,11 +157,13 @@ class RouterHarness:
                          grpc_port=free_port(), disable_log_requests=True, disable_log_stats=True), **overrides)
         self.url = f"http://127.0.0.1:{self.config.port}"
         self.grpc_address = f"127.0.0.1:{self.config.grpc_port}"
+        key = self.config.api_key
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
         self._task = asyncio.run_coroutine_threadsafe(serve_router(self.config), self._loop)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.http = httpx.Client(base_url=self.url, timeout=30,
+                                 headers={"Authorization": f"Bearer {key}"} if key else None)
         self._wait_ready()
 
     def _wait_ready(self) -> None:

@@ -156,13 +156,13 @@ def test_resource_inventory(chart: Any) -> None:
             "Role": 1,
             "RoleBinding": 1,
             "ConfigMap": 2,  # engine args, dashboard
-            "Secret": 1,  # redis password
+            "Secret": 2,  # redis password, cluster token
             "PersistentVolumeClaim": 1,
         }
     )
     scaled = Counter(d["kind"] for d in rendered_set(chart, "scaled-out").docs)
     assert scaled["HorizontalPodAutoscaler"] == 1 and scaled["ServiceMonitor"] == 1
-    assert scaled["Secret"] == 2  # redis password + router API key
+    assert scaled["Secret"] == 3  # redis password + cluster token + router API key
     external = rendered_set(chart, "external-redis")
     assert not external.has("Deployment", f"{FULLNAME}-redis")
     assert not external.has("Secret", f"{FULLNAME}-redis")
@@ -190,6 +190,9 @@ BAD_VALUES = [
     {"prefill": {"tolerations": {"key": "x"}}},
     {"prefill": {"nodeSelector": {"gpu": True}}},
     {"serviceMonitor": {"interval": 15}},
+    {"clusterAuth": {"existingSecretKey": "a b"}},
+    {"clusterAuth": {"token": "inline"}},
+    {"router": {"metricsRequireApiKey": "yes"}},
     {"replicas": 3},
 ]
 
@@ -206,6 +209,7 @@ def test_schema_rejects_wrong_types(chart: Any, bad: dict[str, Any]) -> None:
         ({"redis": {"mode": "external"}}, "redis.external.url"),
         ({"model": {"volume": {"type": "existingClaim"}}}, "existingClaim"),
         ({"engineArgs": {"tensor-parallel-size": 4}}, "tensor-parallel-size 4 needs gpusPerPod >= 4"),
+        ({"router": {"metricsRequireApiKey": True}}, "router.metricsRequireApiKey needs router.apiKey"),
     ],
 )
 def test_template_guards(chart: Any, values: dict[str, Any], message: str) -> None:
@@ -380,10 +384,61 @@ def test_index_url_and_password_wiring(chart: Any, tmp_path: Path) -> None:
     )
     none = render(chart, {"redis": {"mode": "none"}})
     assert "--index" not in worker_argv(none, "prefill", tmp_path / "none")
-    assert not none.all("Secret")
+    assert [s["metadata"]["name"] for s in none.all("Secret")] == [f"{FULLNAME}-cluster-token"]
     router_args = none.container("router")["args"]
     assert resolve_env(none, none.container("router"))["KVFLOW_INDEX_URL"] == "memory"
     assert router_args[router_args.index("--index") + 1] == "$(KVFLOW_INDEX_URL)"
+
+
+def test_cluster_token_reaches_router_and_workers_from_a_secret(chart: Any, tmp_path: Path) -> None:
+    """The token every worker RPC needs: generated into a Secret (or the operator's), env only, never in argv."""
+    default = rendered_set(chart, "default")
+    secret = default.get("Secret", f"{FULLNAME}-cluster-token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32 and token.isalnum()
+    assert token != base64.b64decode(render(chart, {}).get("Secret", f"{FULLNAME}-cluster-token")["data"]["token"])
+    for component in ("router", "prefill", "decode"):
+        env = {e["name"]: e for e in default.container(component)["env"]}
+        assert env["KVFLOW_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"{FULLNAME}-cluster-token", "key": "token"}
+        assert resolve_env(default, default.container(component))["KVFLOW_CLUSTER_TOKEN"] == token
+        assert token not in json.dumps(default.pod(component))
+        argv = default.container(component)["args"] if component == "router" else \
+            worker_argv(default, component, tmp_path / component)
+        assert not any("token" in a for a in argv), argv
+    own = render(chart, {"clusterAuth": {"existingSecret": "mine", "existingSecretKey": "k"}})
+    assert not own.has("Secret", f"{FULLNAME}-cluster-token")
+    for component in ("router", "prefill", "decode"):
+        env = {e["name"]: e for e in own.container(component)["env"]}
+        assert env["KVFLOW_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "k"}
+
+
+def test_decode_workers_allow_only_the_prefill_service(value_set: tuple[str, Rendered], tmp_path: Path) -> None:
+    """Decode workers send their token only to prefill workers: the prefill headless Service's name resolves to its
+    ready pods' IPs, which is what discovery hands the router."""
+    _, r = value_set
+    allowlist = flag_value(worker_argv(r, "decode", tmp_path / "decode"), "--prefill-allowlist")
+    host, port = allowlist.rsplit(":", 1)
+    svc = r.get("Service", host)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"].get("publishNotReadyAddresses") is not True
+    assert matches(svc["spec"]["selector"], r.pod("prefill")["metadata"]["labels"])
+    assert int(port) == next(p["containerPort"] for p in r.container("prefill")["ports"] if p["name"] == "grpc")
+    assert "--prefill-allowlist" not in worker_argv(r, "prefill", tmp_path / "prefill")
+
+
+def test_metrics_behind_the_api_key(chart: Any) -> None:
+    r = render(chart, {"router": {"apiKey": {"value": "s3cr3t-key"}, "metricsRequireApiKey": True},
+                       "serviceMonitor": {"enabled": True}})
+    assert "--metrics-require-api-key" in r.container("router")["args"]
+    (sm,) = r.all("ServiceMonitor")
+    http = next(e for e in sm["spec"]["endpoints"] if e["port"] == "http")
+    assert http["authorization"] == {"type": "Bearer", "credentials": {"name": f"{FULLNAME}-router-api-key",
+                                                                      "key": "api-key"}}
+    assert r.has("Secret", f"{FULLNAME}-router-api-key")
+    assert all("authorization" not in e for e in sm["spec"]["endpoints"] if e["port"] != "http")
+    default = rendered_set(chart, "scaled-out")
+    assert "--metrics-require-api-key" not in default.container("router")["args"]
+    assert all("authorization" not in e for e in default.all("ServiceMonitor")[0]["spec"]["endpoints"])
 
 
 def test_engine_args_configmap_change_rolls_workers(chart: Any) -> None:
@@ -610,7 +665,8 @@ def test_network_policies(value_set: tuple[str, Rendered]) -> None:
         assert metrics_rule["from"] == [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
         ]
-        assert len(policy_for(component)["spec"]["ingress"]) == 3  # API, NCCL links, metrics
+        # grpc, metrics, and the any-port rule of NCCL links when there is one
+        assert len(policy_for(component)["spec"]["ingress"]) == 2 + len(any_port_rules(policy_for(component)))
         ports = {p["name"] for p in r.container(component)["ports"]}
         assert ports == {"grpc", "metrics"}
     if "redis" in labels:

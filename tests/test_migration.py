@@ -70,7 +70,8 @@ class RouterThread:
                 if kind == "chunk":
                     streamed.extend(response.chunk.token_ids)
                     if kill and not killed and len(streamed) >= KILL_AFTER:
-                        address = self.router._decode_of[request_id][0].address
+                        (worker,) = self.router._decode_of[("", request_id)].values()
+                        address = worker.address
                         victim = next(w for w in self.cluster.workers if w.address == address)
                         victim.process.send_signal(signal.SIGKILL)
                         killed = True

@@ -30,6 +30,7 @@ from tests.pd_helpers import (
     LAYERS,
     MAX_TOKENS,
     Worker,
+    channel_to,
     generate,
     info,
     metric,
@@ -93,7 +94,7 @@ def test_abort_mid_transfer_keeps_the_link(cluster, prompt_sets, unified) -> Non
     request = pb.GenerateRequest(request_id="abort-me", token_ids=pb.TokenIds(ids=prompt), stream=False,
                                  sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                  disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
-    with grpc.insecure_channel(decode.address) as channel:
+    with channel_to(decode) as channel:
         stub = kvflow_pb2_grpc.GenerationStub(channel)
         call = stub.Generate(request, timeout=120)
         wait_until(lambda: info(prefill).num_free_kv_blocks < prefill_baseline, 60.0, "the transfer to start")
@@ -129,7 +130,7 @@ def test_prefill_killed_mid_transfer_recomputes_and_link_is_rebuilt(cluster, pro
         tokens: list[int] = []
 
         def consume() -> None:
-            with grpc.insecure_channel(decode.address) as channel:
+            with channel_to(decode) as channel:
                 for response in kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300):
                     if response.WhichOneof("response") == "chunk" and not first_token_at:
                         first_token_at.append(time.monotonic())

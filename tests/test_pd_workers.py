@@ -29,6 +29,7 @@ from tests.pd_helpers import (
     MAX_MODEL_LEN,
     MAX_TOKENS,
     Worker,
+    channel_to,
     generate,
     info,
     metric,
@@ -117,7 +118,7 @@ def test_malformed_requests_get_invalid_argument(cluster) -> None:  # noqa: ANN0
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * (MAX_MODEL_LEN + 5))), "context length"),
         (pb.GenerateRequest(text="hi", sampling_params=pb.SamplingParams(top_p=0.0)), "top_p"),
     ]
-    with grpc.insecure_channel(decode.address) as channel:
+    with channel_to(decode) as channel:
         stub = kvflow_pb2_grpc.GenerationStub(channel)
         for request, reason in cases:
             with pytest.raises(grpc.RpcError) as caught:
@@ -133,7 +134,7 @@ def test_malformed_requests_get_invalid_argument(cluster) -> None:  # noqa: ANN0
         (pb.PrefillRequest(prompt_token_ids=[1] * 32, skip_blocks=2), "skip_blocks"),
         (pb.PrefillRequest(prompt_token_ids=[1, 2], sampling_params=pb.SamplingParams(n=2)), "n must be 1"),
     ]
-    with grpc.insecure_channel(prefill.address) as channel:
+    with channel_to(prefill) as channel:
         stub = kvflow_pb2_grpc.PrefillStub(channel)
         for request, reason in prefill_cases:
             with pytest.raises(grpc.RpcError) as caught:
@@ -161,7 +162,7 @@ def test_info_health_metrics_and_kv_events(cluster) -> None:  # noqa: ANN001
         assert re.search(rf"^{re.escape(name)}\{{.*model_name=\"smollm2\"", text, re.M), name
 
     def subscribe(worker: Worker, count: int) -> list[pb.KVEventBatch]:
-        with grpc.insecure_channel(worker.address) as channel:
+        with channel_to(worker) as channel:
             stub = kvflow_pb2_grpc.GenerationStub(channel) if worker.role == "decode" \
                 else kvflow_pb2_grpc.PrefillStub(channel)
             batches = []
@@ -193,7 +194,7 @@ def test_cancelled_prefill_stream_frees_blocks(cluster, prompt_sets) -> None:  #
     prefill, _ = cluster
     baseline = info(prefill).num_free_kv_blocks
     prompt = [t + 1 for t in prompt_sets["long"][1]]  # uncached on the prefill worker
-    with grpc.insecure_channel(prefill.address) as channel:
+    with channel_to(prefill) as channel:
         call = kvflow_pb2_grpc.PrefillStub(channel).Prefill(pb.PrefillRequest(
             request_id="cancel-me", prompt_token_ids=prompt, sampling_params=pb.SamplingParams(temperature=0)))
         kinds = []
@@ -245,7 +246,7 @@ def test_prefill_killed_mid_transfer_decode_recomputes(cluster, prompt_sets, uni
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stream=False, cache_salt=["kill-prefill"],
                                      sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                      disaggregation=pb.DisaggregationParams(prefill_address=doomed.address))
-        with grpc.insecure_channel(decode.address) as channel:
+        with channel_to(decode) as channel:
             call = kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300)
             wait_until(lambda: info(doomed).num_free_kv_blocks < prefill_baseline, 60.0, "the transfer to start")
             doomed.process.send_signal(signal.SIGKILL)
@@ -268,7 +269,7 @@ def test_sigterm_drains_in_flight_prefill(cluster, prompt_sets, unified) -> None
                                  sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                  disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
     baseline = info(prefill).num_free_kv_blocks
-    with grpc.insecure_channel(decode.address) as channel:
+    with channel_to(decode) as channel:
         call = kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300)
         wait_until(lambda: info(prefill).num_free_kv_blocks < baseline, 60.0, "the transfer to start")
         prefill.process.send_signal(signal.SIGTERM)

@@ -1,10 +1,12 @@
 """The router core against real `tiny` workers (2 prefill + 1 decode, a small KV pool): prefix routing picks
 the worker holding the prefix, the index matches the workers' caches under eviction, a killed worker's entries
-are ignored within 2 s and a restarted one starts clean, and a dead Redis index only costs prefix awareness."""
+are ignored within 2 s and a restarted one starts clean, and a dead Redis index only costs prefix awareness.
+The workers hold a cluster token (in their environment, never their command line) that the router presents."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shutil
 import signal
@@ -14,11 +16,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 
 from engine.config import EngineArgs
 from engine.routing.index import MemoryIndex
+from kvflow.auth import TOKEN_ENV, ClusterAuth
 from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
@@ -27,6 +29,7 @@ from router.core import Router
 
 BLOCK = 16
 ENGINE = EngineArgs(model="tiny", num_gpu_blocks_override=40, max_model_len=512, max_num_batched_tokens=512)
+AUTH = ClusterAuth("routing-test-cluster-token-0123")
 
 
 class Harness:
@@ -77,7 +80,7 @@ def prompt(seed: int, blocks: int = 8) -> list[int]:
 
 def worker_snapshot(address: str) -> set[bytes]:
     """The worker's own truth: the cached hashes in the snapshot a fresh subscription starts with."""
-    with grpc.insecure_channel(address) as channel:
+    with AUTH.channel(address) as channel:
         stream = kvflow_pb2_grpc.PrefillStub(channel).StreamKVEvents(pb.KVEventsRequest(subscriber="test"))
         first = next(iter(stream))
         stream.cancel()
@@ -86,15 +89,17 @@ def worker_snapshot(address: str) -> set[bytes]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerCluster]:
-    spec = ClusterSpec(ENGINE, prefill_workers=2, decode_workers=1, log_dir=tmp_path_factory.mktemp("workers"))
+    spec = ClusterSpec(ENGINE, prefill_workers=2, decode_workers=1, log_dir=tmp_path_factory.mktemp("workers"),
+                       auth=AUTH)
     with WorkerCluster(spec) as workers:
         workers.wait_ready(240, progress=False)
+        assert not any(AUTH.token in " ".join(map(str, w.process.args)) for w in workers.workers)
         yield workers
 
 
 @pytest.fixture(scope="module")
 def harness(cluster: WorkerCluster) -> Iterator[Harness]:
-    h = Harness(RouterConfig(decode=("unused",), routing="prefix"), cluster)
+    h = Harness(RouterConfig(decode=("unused",), routing="prefix", cluster=AUTH), cluster)
     yield h
     h.close()
 
@@ -155,7 +160,8 @@ def test_killed_worker_ignored_then_restarted_clean(harness: Harness, cluster: W
     argv = list(process.process.args)
     argv[argv.index("--port") + 1] = port
     with open(process.log_path, "ab") as log:
-        process.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        process.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, TOKEN_ENV: AUTH.token})
     wait_for(lambda: victim.healthy and victim.worker_id and len(router.pool.workers("prefill")) == 2, 120)
     assert router.index.match(hashes, [victim.worker_id])[victim.worker_id] == 0
 
@@ -168,7 +174,7 @@ def test_dead_redis_index_falls_back_to_load_routing(cluster: WorkerCluster, tmp
                                    "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
     try:
         wait_for(lambda: _pings(port), 10)
-        h = Harness(RouterConfig(decode=("unused",), index=f"redis://127.0.0.1:{port}/0"), cluster)
+        h = Harness(RouterConfig(decode=("unused",), index=f"redis://127.0.0.1:{port}/0", cluster=AUTH), cluster)
         try:
             h.generate(prompt(300))
             hashes = h.router.tokenizers.hasher.hash_blocks(prompt(300))

@@ -8,7 +8,8 @@ when there are two), then per prompt length, on fresh random prompts (no cache h
 
 Runs are alternated (local, disaggregated, local, ...) after a warm-up of both paths at each length (link setup,
 kernel compilation). Records carry `workload`, `device`, `prompt_tokens`, `transfer_gbps`, `ttft_disagg_s`,
-`ttft_local_s`. Reports numbers; asserts nothing.
+`ttft_local_s`. Reports numbers; asserts nothing. The workers hold a cluster token (KVFLOW_CLUSTER_TOKEN, or a
+fresh one) that the benchmark presents.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import grpc
-
 from engine.config import EngineArgs
+from kvflow.auth import ClusterAuth
 from kvflow.benchmarks.throughput import host_context
 from kvflow.launcher import ClusterSpec, WorkerCluster
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -73,13 +73,13 @@ def run_pd_bench(engine_args: EngineArgs, prompt_lens: list[int], reps: int, out
         engine_args = replace(engine_args, max_model_len=longest + output_len + 16)
     spec = ClusterSpec(replace(engine_args, usage_context="server"), prefill_workers=1, decode_workers=1,
                        prefill_gpus=prefill_gpus, decode_gpus=decode_gpus, kv_transfer_backend=kv_transfer_backend,
-                       gpu_memory_utilization=gpu_memory_utilization)
+                       gpu_memory_utilization=gpu_memory_utilization, auth=ClusterAuth.from_env().with_token())
     rng = random.Random(seed)
     records = []
     with WorkerCluster(spec) as cluster:
         cluster.wait_ready(900, progress=False)
         prefill, decode = cluster.addresses("prefill")[0], cluster.addresses("decode")[0]
-        with grpc.insecure_channel(decode) as channel:
+        with spec.auth.channel(decode) as channel:
             stub = kvflow_pb2_grpc.GenerationStub(channel)
             decode_info = stub.Info(pb.InfoRequest(), timeout=30)
             layout = decode_info.kv_layout

@@ -8,6 +8,7 @@ runs cannot help). Ends with one JSON line: {policy: {ttft_p50_s, ttft_p99_s, pr
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import httpx
 
 from engine.config import EngineArgs
 from engine.routing.policy import POLICY_NAMES
+from kvflow.auth import ClusterAuth
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
 from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
 
@@ -44,8 +46,9 @@ def _histogram_quantile(text: str, name: str, quantile: float) -> float | None:
 def run_routing_bench(engine_args: EngineArgs, prefill_workers: int, decode_workers: int, num_prefixes: int,
                       prefix_len: int, input_len: int, output_len: int, repeats: int, max_concurrency: int,
                       policies: tuple[str, ...] = POLICY_NAMES) -> dict[str, Any]:
+    auth = ClusterAuth.from_env().with_token()  # the workers' token; each router gets it in its environment
     spec = ClusterSpec(engine_args, prefill_workers, decode_workers,
-                       decode_extra_args=("--no-enable-prefix-caching",))
+                       decode_extra_args=("--no-enable-prefix-caching",), auth=auth)
     results: dict[str, Any] = {}
     with WorkerCluster(spec) as cluster:
         cluster.wait_ready()
@@ -55,7 +58,7 @@ def run_routing_bench(engine_args: EngineArgs, prefill_workers: int, decode_work
                 [sys.executable, "-m", "kvflow.cli", "router", "--prefill", ",".join(cluster.addresses("prefill")),
                  "--decode", ",".join(cluster.addresses("decode")), "--routing", policy, "--port", str(port),
                  "--grpc-port", "0", "--disable-log-requests", "--disable-log-stats"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **auth.env()})
             base = f"http://127.0.0.1:{port}"
             try:
                 deadline = time.monotonic() + 120

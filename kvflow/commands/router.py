@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from engine.routing.policy import POLICY_NAMES
+from kvflow.auth import ClusterAuth, add_cluster_auth_args
 from router.config import DISCOVERY_KINDS, RouterConfig
 
 
@@ -26,6 +27,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port (0: off)")
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (env KVFLOW_API_KEY)")
+    add_metrics_key_arg(g)
     g.add_argument("--routing", choices=POLICY_NAMES, default="prefix")
     g.add_argument("--discovery", choices=DISCOVERY_KINDS, default="static")
     g.add_argument("--k8s-namespace", default="default")
@@ -38,6 +40,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--disable-log-stats", action="store_true")
     add_request_limit_args(parser)
+    add_cluster_auth_args(parser)
+
+
+def add_metrics_key_arg(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--metrics-require-api-key", action="store_true",
+                       help="/metrics needs the API key too (Prometheus then scrapes with a bearer token)")
 
 
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = RouterConfig(
         prefill=tuple(args.prefill), decode=tuple(args.decode), index=args.index, host=args.host, port=args.port,
-        grpc_port=args.grpc_port, api_key=args.api_key or None, routing=args.routing, discovery=args.discovery,
+        grpc_port=args.grpc_port, api_key=args.api_key or None, metrics_require_api_key=args.metrics_require_api_key,
+        cluster=ClusterAuth.from_args(args), routing=args.routing, discovery=args.discovery,
         k8s_namespace=args.k8s_namespace, prefill_selector=args.prefill_selector,
         decode_selector=args.decode_selector, worker_grpc_port_name=args.worker_grpc_port_name,
         tokenizer=args.tokenizer, tokenizer_pool_size=args.tokenizer_pool_size,

@@ -1,4 +1,8 @@
-"""`kvflow serve --model smollm2`: a whole cluster on one machine (workers as subprocesses, the router here)."""
+"""`kvflow serve --model smollm2`: a whole cluster on one machine (workers as subprocesses, the router here).
+
+The cluster token is `--cluster-token` / KVFLOW_CLUSTER_TOKEN, else a fresh random one: workers get it in their
+environment, the router here in its config, so no worker RPC is served to anyone else.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from pathlib import Path
 
 from engine.config import EngineArgs
 from engine.routing.policy import POLICY_NAMES
-from kvflow.commands.router import add_request_limit_args, request_limit_kwargs
+from kvflow.auth import ClusterAuth, add_cluster_auth_args
+from kvflow.commands.router import add_metrics_key_arg, add_request_limit_args, request_limit_kwargs
 from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -31,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port (0: off)")
     g.add_argument("--routing", choices=POLICY_NAMES, default="prefix")
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"))
+    add_metrics_key_arg(g)
     g.add_argument("--served-model-name", nargs="+", default=[])
     g.add_argument("--tokenizer-pool-size", type=int, default=2)
     g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
@@ -46,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
     add_request_limit_args(parser)
+    add_cluster_auth_args(parser)
     EngineArgs.add_cli_args(parser, default_log_stats=True)  # a server logs vLLM's stats line by default
     # Unset: workers sharing a GPU split vLLM's 0.9 between them; set: every worker's own share (vLLM's rule).
     parser.set_defaults(handler=run, gpu_memory_utilization=None)
@@ -59,11 +66,14 @@ def run(args: argparse.Namespace) -> int:
     share = args.gpu_memory_utilization
     args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
     engine_args = server_engine_args(args)
+    if args.metrics_require_api_key and not args.api_key:
+        raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
+    auth = ClusterAuth.from_args(args).with_token()
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
                        decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
-                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share)
+                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth)
     cluster = WorkerCluster(spec)
     # SIGTERM acts like Ctrl-C: uvicorn shuts down gracefully and re-raises it, we then stop the workers.
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -73,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_ready(args.ready_timeout)
         config = RouterConfig(prefill=tuple(cluster.addresses("prefill")), decode=tuple(cluster.addresses("decode")),
                               index=args.index, host=args.host, port=args.port, grpc_port=args.grpc_port,
-                              api_key=args.api_key or None, routing=args.routing,
+                              api_key=args.api_key or None, routing=args.routing, cluster=auth,
+                              metrics_require_api_key=args.metrics_require_api_key,
                               served_model_name=tuple(args.served_model_name),
                               tokenizer_pool_size=args.tokenizer_pool_size,
                               disable_log_requests=args.disable_log_requests,

@@ -1,7 +1,8 @@
 """The process a worker runs, whatever its role: CLI flags, the engine behind its thread, gRPC server, device-touching
 health, `Info`, KV events, the KV-link endpoint, `/metrics`, Redis registration and the SIGTERM drain.
 
-A role adds only its servicers (prefill_worker/, decode_worker/) through `serve_worker`.
+A role adds only its servicers (prefill_worker/, decode_worker/) through `serve_worker`. The gRPC port serves only
+holders of the cluster credential, but for `Info` and health (kvflow/auth.py); channels to peers present it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.stat_logger import StatLogger
 from engine.stats import EngineStats, FinishedRequestTiming
+from kvflow.auth import ClusterAuth, add_cluster_auth_args, public_info
 from kvflow.wire import layout_to_proto
 from kvflow.worker.events import KVEventHub
 from kvflow.worker.kv_link import PrefillLinks
@@ -47,15 +49,17 @@ KV_TRANSFER_BACKENDS = ("auto", "nccl", "grpc")
 
 
 class ChannelPool:
-    """One gRPC channel per peer address, opened on first use and reused (no per-request setup)."""
+    """One gRPC channel per peer address, opened on first use and reused (no per-request setup); each presents
+    this worker's cluster credential."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: ClusterAuth | None = None) -> None:
+        self._auth = auth or ClusterAuth()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = self._auth.aio_channel(address, GRPC_OPTIONS)
             self._channels[address] = channel
         return channel
 
@@ -122,12 +126,17 @@ class WorkerContext:
     links: PrefillLinks
     # Awaited at shutdown, after the gRPC server drained (e.g. the decode role's KV transports and links).
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    auth: ClusterAuth = field(default_factory=ClusterAuth)
 
 
 class WorkerServicer:
     """The RPCs every role serves the same way (mixed into each role's servicer)."""
 
     ctx: WorkerContext
+
+    def info_for_caller(self, info: pb.InfoResponse, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        """`Info` is open to probes; a caller without the cluster token learns only the role and version."""
+        return info if self.ctx.auth.accepts(context.invocation_metadata()) else public_info(info)
 
     async def StreamKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.KVEventBatch]:
@@ -151,6 +160,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="how prompt KV moves from prefill to decode workers: 'nccl' (a torch.distributed link: "
                              "NCCL between GPUs, gloo between CPU workers), 'grpc' (bytes in the gRPC stream), or "
                              "'auto' (NCCL between GPU workers, gRPC otherwise or when no link can be opened)")
+    add_cluster_auth_args(parser)
+
+
+def warn_if_open(auth: ClusterAuth, host: str, address: str) -> None:
+    if not auth.enabled and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("no cluster credential (--cluster-token / KVFLOW_CLUSTER_TOKEN, or --tls-*): anyone who "
+                       "reaches %s can call every RPC of this worker", address)
 
 
 def validate_index_url(url: str) -> None:
@@ -168,6 +184,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     """Build the engine, serve gRPC (+ health, + /metrics) until SIGTERM/SIGINT, then drain and exit."""
     engine_args = server_engine_args(args)
     validate_index_url(args.index)
+    auth = ClusterAuth.from_args(args)  # before the model loads: a bad flag fails at once
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
     llm_engine = await asyncio.to_thread(LLMEngine.from_engine_args, engine_args, True)
     model_name = engine_args.model
@@ -185,16 +202,17 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     address = f"{args.host}:{args.port}"
     advertised = args.advertise_address or address
     links = PrefillLinks(llm_engine.kv_port, advertised.rsplit(":", 1)[0])
-    channels = ChannelPool()
+    channels = ChannelPool(auth)
     context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name, args.kv_transfer_backend, channels,
-                            links)
+                            links, auth=auth)
 
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
     add_servicers(server, context)
     health = DeviceHealth(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if server.add_insecure_port(address) == 0:
+    if auth.add_port(server, address) == 0:
         raise ValueError(f"cannot listen on {address}")
+    warn_if_open(auth, args.host, address)
     await server.start()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port, args.host)

@@ -116,6 +116,20 @@ memory
   value: {{ include "kvflow.indexUrl" . | quote }}
 {{- end }}
 
+{{/* Secret holding the cluster token: the operator's, or the one the chart generates. */}}
+{{- define "kvflow.clusterTokenSecretName" -}}
+{{- default (printf "%s-cluster-token" (include "kvflow.fullname" .)) .Values.clusterAuth.existingSecret }}
+{{- end }}
+
+{{/* Env var carrying the cluster token, shared by the router and the workers. */}}
+{{- define "kvflow.clusterTokenEnv" -}}
+- name: KVFLOW_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvflow.clusterTokenSecretName" . }}
+      key: {{ .Values.clusterAuth.existingSecretKey }}
+{{- end }}
+
 {{/* Shared engineArgs overlaid with the role's (a null in the role's map survives, to drop a flag), as JSON. */}}
 {{- define "kvflow.engineArgs" -}}
 {{- $args := dict }}

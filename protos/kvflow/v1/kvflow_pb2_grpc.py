@@ -77,14 +77,16 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stop a request; its KV blocks are freed. Unknown ids are not an error (the request may have finished).
+        """Stop a request; its KV blocks are freed. Unknown ids are not an error (the request may have finished). On the
+        router ids belong to their caller (API key, or connection): another caller's request is not found.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Info(self, request, context):
-        """Model, block size, KV layout, capacity and role of this server.
+        """Model, block size, KV layout, capacity and role of this server. A worker answers a caller without the cluster
+        credential too, but with `role` and `version` only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
