@@ -610,7 +610,7 @@ def test_network_policies(value_set: tuple[str, Rendered]) -> None:
         assert metrics_rule["from"] == [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
         ]
-        assert len(policy_for(component)["spec"]["ingress"]) == 2
+        assert len(policy_for(component)["spec"]["ingress"]) == 3  # grpc, metrics, NCCL links
         ports = {p["name"] for p in r.container(component)["ports"]}
         assert ports == {"grpc", "metrics"}
     if "redis" in labels:
