@@ -49,12 +49,11 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         relay = None
         try:
-            with self.router.lifecycle.admitted():
+            with self.router.lifecycle.admitted() as ticket:
                 token_ids = await self._token_ids(request)
                 params = self.router.params_for_prompt(self._checked_params(request.sampling_params),
                                                        len(token_ids), request.WhichOneof("input") or "input")
-                relay = self.router.lifecycle.relay(self.router.generate(request_id, token_ids, params,
-                                                                         list(request.cache_salt)))
+                relay = ticket.relay(self.router.generate(request_id, token_ids, params, list(request.cache_salt)))
                 async for response in relay:
                     if request.stream or response.WhichOneof("response") == "complete":
                         response.request_id = request_id

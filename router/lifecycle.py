@@ -3,8 +3,8 @@
 Invariants:
 - Once the drain began, `admitted()` refuses new requests with `ShuttingDown` (HTTP 503 with OpenAI error JSON,
   gRPC UNAVAILABLE) and `/health` answers 503, so load balancers stop sending traffic; the listeners stay open.
-- A request counts as in flight while its handler runs inside `admitted()` and while its `Relay` is open, so the
-  drain also waits for streaming responses that outlive their handler.
+- A request counts as in flight from `admitted()` until its handler returns or, when it opened a `Relay`, until that
+  relay closes, so the drain also waits for streaming responses that outlive their handler.
 - A `Relay` runs a request's worker responses (`Router.generate`, or several merged) in a task of its own and hands
   them to the front through a bounded queue (back pressure is kept). The front can then wait with a timeout (SSE
   keep-alives) and be interrupted (drain deadline, client gone) without cancelling an async generator mid-step:
@@ -130,6 +130,21 @@ class Relay(Generic[T]):
             self._on_close(self)
 
 
+class Ticket:
+    """One admitted request: in flight until its handler returns or, once it opened its relay, until that closes."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self._lifecycle = lifecycle
+        self.relayed = False
+
+    def relay(self, source: AsyncIterator[T]) -> Relay[T]:
+        """Run the request's worker responses through a relay, which now holds the request in flight."""
+        if self.relayed:
+            raise RuntimeError("a request opens one relay")
+        self.relayed = True
+        return self._lifecycle._open(source)
+
+
 class Lifecycle:
     """Admission and in-flight accounting of one router; `drain` runs its shutdown."""
 
@@ -138,7 +153,7 @@ class Lifecycle:
         self._expired = False  # past the drain deadline: a relay opened now is interrupted at once
         self._stop = asyncio.Event()
         self._force = False
-        self._admitted = 0
+        self.in_flight = 0  # admitted requests not yet answered
         self._relays: set[Relay] = set()
 
     def request_stop(self) -> None:
@@ -151,27 +166,29 @@ class Lifecycle:
     async def wait_stop_requested(self) -> None:
         await self._stop.wait()
 
-    @property
-    def in_flight(self) -> int:
-        return self._admitted + len(self._relays)
-
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
+    def admitted(self) -> Iterator[Ticket]:
         """Count a request while it runs; refuse it once the drain began."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
-        self._admitted += 1
+        ticket = Ticket(self)
+        self.in_flight += 1
         try:
-            yield
+            yield ticket
         finally:
-            self._admitted -= 1
+            if not ticket.relayed:
+                self.in_flight -= 1
 
-    def relay(self, source: AsyncIterator[T]) -> Relay[T]:
-        relay = Relay(source, self._relays.discard)
+    def _open(self, source: AsyncIterator[T]) -> Relay[T]:
+        relay = Relay(source, self._closed)
         self._relays.add(relay)
         if self._expired:
             relay.interrupt(_deadline_error())
         return relay
+
+    def _closed(self, relay: Relay) -> None:
+        self._relays.discard(relay)
+        self.in_flight -= 1
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, wait up to `timeout_s` for those in flight, then end the rest."""
@@ -203,4 +220,4 @@ def _deadline_error() -> ShuttingDown:
     return ShuttingDown("the request was aborted: the server shut down before it finished (--drain-timeout)")
 
 
-__all__ = ["IDLE", "ClientGone", "Idle", "Lifecycle", "Relay"]
+__all__ = ["IDLE", "ClientGone", "Idle", "Lifecycle", "Relay", "Ticket"]

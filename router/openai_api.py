@@ -45,7 +45,7 @@ from router.errors import (
     ShuttingDown,
     Unauthorized,
 )
-from router.lifecycle import ClientGone, Idle, Relay
+from router.lifecycle import ClientGone, Idle, Relay, Ticket
 from router.openai_protocol import (
     FINISH,
     ParsedRequest,
@@ -145,15 +145,15 @@ def build_app(router: Router) -> FastAPI:
 async def _handle(router: Router, request: Request, chat: bool) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     try:
-        with router.lifecycle.admitted():
-            return await _respond(router, request, chat, request_id)
+        with router.lifecycle.admitted() as ticket:
+            return await _respond(router, request, chat, request_id, ticket)
     except ShuttingDown as exc:  # the client should reconnect elsewhere, not reuse this connection
         response = error_response(exc, request_id)
         response.headers["connection"] = "close"
         return response
 
 
-async def _respond(router: Router, request: Request, chat: bool, request_id: str) -> Response:
+async def _respond(router: Router, request: Request, chat: bool, request_id: str, ticket: Ticket) -> Response:
     try:
         raw = await _read_body(request, router.config)
         body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
@@ -166,7 +166,7 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
                     "chat" if chat else "completion", len(prepared.prompts),
                     [len(p.token_ids) for p in prepared.prompts], parsed.stream)
     headers = {"x-request-id": request_id}
-    relay = router.lifecycle.relay(_merged(router, prepared))
+    relay = ticket.relay(_merged(router, prepared))
     watcher = asyncio.create_task(_interrupt_on_disconnect(request, relay))
     try:
         if parsed.stream:

@@ -221,8 +221,9 @@ def test_relay_times_out_without_losing_items_and_interrupts() -> None:
             finally:
                 closed.set()
 
-        relay = lifecycle.relay(source())
-        assert lifecycle.in_flight == 1
+        with lifecycle.admitted() as ticket:
+            relay = ticket.relay(source())
+        assert lifecycle.in_flight == 1  # the relay holds the request after its handler returned
         assert await relay.next(0.05) is IDLE
         assert await relay.next(1.0) == 1
         relay.interrupt(RuntimeError("stop"))
@@ -230,9 +231,11 @@ def test_relay_times_out_without_losing_items_and_interrupts() -> None:
             await relay.next(1.0)
         await asyncio.wait_for(closed.wait(), 1)  # the source was closed, not left suspended
         relay.close()
+        relay.close()
         assert lifecycle.in_flight == 0
         with lifecycle.admitted():
             assert lifecycle.in_flight == 1
+        assert lifecycle.in_flight == 0
         await lifecycle.drain(1.0)
         with pytest.raises(Exception, match="shutting down"), lifecycle.admitted():
             pass
