@@ -70,6 +70,8 @@ class RouterMetrics:
                                                 0.1, 0.25), registry=r)
         self.retries = Counter("kvflow:router_retries", "Requests re-sent to another worker.", ["reason"],
                                registry=r)
+        self.worker_restarts = Counter("kvflow:worker_restarts", "Dead workers restarted by `kvflow serve`.", ["role"],
+                                       registry=r)
         self._preemptions_seen: dict[str, int] = {}
 
     def observe_load(self, worker: str, role: str, load: WorkerLoad) -> None:

@@ -4,6 +4,7 @@ and counts the calls cancelled under it (tests/router_fakes.py)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -250,3 +251,34 @@ def test_bad_lifecycle_values_are_refused(field: str, value: float) -> None:
 
     with pytest.raises(ValueError, match="drain-timeout|sse-keepalive"):
         RouterConfig(decode=("x:1",), **{field: value}).validate()
+
+
+@pytest.mark.parametrize("command", ["router", "serve", "decode", "prefill"])
+def test_drain_and_keepalive_flags(command: str) -> None:
+    from kvflow.commands import router as router_command
+    from kvflow.commands import serve as serve_command
+    from kvflow.commands import workers as workers_command
+
+    module = {"router": router_command, "serve": serve_command}.get(command, workers_command)
+    parser = argparse.ArgumentParser()
+    module.register(parser.add_subparsers())
+    base = [command, "--decode", "127.0.0.1:1"] if command == "router" else \
+        [command, "--port", "1"] if command in ("decode", "prefill") else [command]
+    assert parser.parse_args(base).drain_timeout == 30.0
+    assert parser.parse_args([*base, "--drain-timeout", "7.5"]).drain_timeout == 7.5
+    if command in ("router", "serve"):
+        args = parser.parse_args([*base, "--drain-timeout", "7.5", "--sse-keepalive-s", "0"])
+        assert router_command.lifecycle_kwargs(args) == {"drain_timeout_s": 7.5, "sse_keepalive_s": 0.0}
+        assert router_command.lifecycle_kwargs(parser.parse_args(base))["sse_keepalive_s"] == 5.0
+
+
+def test_restart_backoff_doubles_to_its_cap_and_resets_after_a_minute_up() -> None:
+    from kvflow.launcher import RestartBackoff
+
+    backoff = RestartBackoff()
+    delays, previous = [], None
+    for _ in range(7):  # a worker that dies right after each start
+        previous = backoff.delay(previous, uptime_s=2.0)
+        delays.append(previous)
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert backoff.delay(30.0, uptime_s=61.0) == 1.0  # it had been up a minute: a fresh streak
