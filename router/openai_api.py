@@ -176,9 +176,10 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
             except StopAsyncIteration:
                 first = None
             watcher.cancel()  # the streaming response watches the connection itself from here on
-            stream = _stream(router, prepared, chat, _paced(relay, first, keepalive_s))
-            relay = None  # closed by the stream
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            response = _RelayedStream(_stream(router, prepared, chat, _paced(relay, first, keepalive_s)), relay,
+                                      media_type="text/event-stream", headers=headers)
+            relay = None  # the response closes it
+            return response
         payload = await _collect(router, prepared, chat, relay)
     except ClientGone:
         logger.info("request %s: the client disconnected; generation cancelled", request_id)
@@ -190,6 +191,21 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
         if relay is not None:
             relay.close()
     return JSONResponse(payload, headers=headers)
+
+
+class _RelayedStream(StreamingResponse):
+    """A streaming response that closes its relay however it ends: Starlette cancels it when the client goes, and
+    then possibly before its body (which closes the relay too) ever started."""
+
+    def __init__(self, content: AsyncIterator[str], relay: Relay, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._relay.close()
 
 
 async def _interrupt_on_disconnect(request: Request, relay: Relay) -> None:
