@@ -27,7 +27,7 @@ from engine.llm_engine import LLMEngine, RemoteSlot
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvflow.wire import logprobs_to_proto, sampling_params_from_proto
-from kvflow.worker.runtime import WorkerContext, WorkerServicer, info_response
+from kvflow.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -54,10 +54,13 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         self.transports = KVTransports(ctx.kv_transfer_backend, ctx.kv_port, ctx.worker_id,
                                        ctx.channels, allowlist)
         ctx.on_shutdown.append(self.transports.close)
+        ctx.on_drain_timeout.append(self._abort_all)
         self._active: set[str] = set()
+        self._drained: set[str] = set()  # aborted by the drain timeout, not by their caller
         self._pulls: dict[str, asyncio.Task] = {}  # requests whose reserved blocks a transport is writing
         self._aborted_pulls: set[str] = set()
 
+    @admitted
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.perf_counter()
@@ -120,11 +123,17 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                         self._chunk(completion, choices[completion.index], usage, timings)
                 if item.finished:
                     finished = True
+                    if request_id in self._drained and params.n == 1 and \
+                            item.outputs[0].finish_reason == "abort":
+                        yield pb.GenerateResponse(request_id=request_id, error=pb.GenerateError(
+                            code="UNAVAILABLE", message="the decode worker drained before the request finished"))
+                        return
                     yield pb.GenerateResponse(request_id=request_id, complete=self._complete(
                         item, choices, usage, timings, path, len(resumed)))
                     return
         finally:
             self._active.discard(request_id)
+            self._drained.discard(request_id)
             self.engine.close_stream(request_id)
             if not finished:  # the caller went away (or we failed): free the request's blocks now
                 self.engine.submit(lambda e: e.abort_request(request_id))
@@ -222,14 +231,25 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                                    prompt_token_ids=output.prompt_token_ids, prompt_logprobs=prompt_logprobs)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        found = request.request_id in self._active
-        pull = self._pulls.get(request.request_id)
+        return pb.AbortResponse(found=self._abort(request.request_id))
+
+    def _abort(self, request_id: str) -> bool:
+        """End an active request with finish_reason abort (its stream then completes); False if unknown."""
+        found = request_id in self._active
+        pull = self._pulls.get(request_id)
         if pull is not None:  # freeing now would race the KV writes: the pull stops them first, then aborts
-            self._aborted_pulls.add(request.request_id)
+            self._aborted_pulls.add(request_id)
             pull.cancel()
         elif found:
-            self.engine.submit(lambda e: e.abort_request(request.request_id))
-        return pb.AbortResponse(found=found)
+            self.engine.submit(lambda e: e.abort_request(request_id))
+        return found
+
+    def _abort_all(self) -> None:
+        """The drain timeout passed: end what is still running here. Single-sample streams end UNAVAILABLE, so the
+        router migrates them to another decode worker with the tokens already sent; others end with ABORT."""
+        for request_id in list(self._active):
+            self._drained.add(request_id)
+            self._abort(request_id)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         info = await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,

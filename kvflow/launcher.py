@@ -10,10 +10,17 @@ Workers share a GPU when there are fewer GPUs than workers; their default memory
 Credentials: the spec's `ClusterAuth` is the workers' (the token in their environment only, never in argv; TLS
 files as flags), and decode workers may pull KV only from the prefill workers started here
 (`--prefill-allowlist`): every port is chosen before the first worker starts.
+
+Supervision (`WorkerCluster.supervise`, run by `kvflow serve`): a worker that dies is started again with the same
+role, port, worker id and GPU placement, after a backoff (`RestartBackoff`: 1 s doubling to 30 s, back to 1 s once a
+worker stayed up a minute); the router, which keeps following the address, takes it back when it answers. Workers
+run in their own session, so a Ctrl-C at the terminal reaches the launcher only, which stops them in order (router
+drain first, then workers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import dataclasses
@@ -26,7 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -87,6 +95,12 @@ class WorkerProcess:
     log_path: Path
     placement: Placement
     ready: bool = False
+    index: int = 0  # among all workers, prefill first (names its log and worker id)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    backoff_s: float | None = None  # the last restart delay (None: no restart yet in this streak)
+    died_at: float | None = None  # set while it is dead or restarting, until it answers again
+    restart_at: float | None = None
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -115,6 +129,22 @@ class ClusterSpec:
     # None: each worker's share is 0.9 / (workers on its GPU); a number is every worker's own share (vLLM's rule)
     gpu_memory_utilization: float | None = None
     auth: ClusterAuth = ClusterAuth()  # what the workers demand (and the launcher's own probe presents)
+    drain_timeout_s: float | None = None  # the workers' --drain-timeout (None: theirs)
+
+
+@dataclass(frozen=True)
+class RestartBackoff:
+    """The delay before a dead worker is started again: `initial_s`, doubling per quick death up to `max_s`; a worker
+    that ran `reset_after_s` before dying starts the streak over."""
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def delay(self, previous_s: float | None, uptime_s: float) -> float:
+        if previous_s is None or uptime_s >= self.reset_after_s:
+            return self.initial_s
+        return min(previous_s * 2, self.max_s)
 
 
 @dataclass(frozen=True)
@@ -209,6 +239,24 @@ class WorkerCluster:
             if placement.gpu is not None:
                 starting.add(placement.gpu)
 
+    def _spawn(self, index: int, placement: Placement) -> None:
+        port = self._ports[index]
+        log_path = self.log_dir / f"{placement.role}-{index}.log"
+        process = self._popen(placement, index, port, log_path, "wb")
+        self.workers.append(WorkerProcess(placement.role, f"{self.spec.host}:{port}", process, log_path, placement,
+                                          index=index))
+        where = f"GPU {self._gpu_ids[placement.gpu]}" if placement.gpu is not None else "CPU"
+        logger.info("started %s worker %d on port %d, %s (log %s)", placement.role, index, port, where, log_path)
+
+    def _popen(self, placement: Placement, index: int, port: int, log_path: Path, log_mode: str) -> subprocess.Popen:
+        argv = self.worker_argv(index, placement, port)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop(TOKEN_ENV, None)  # the spec's credential only
+        env.update(self.spec.auth.env())
+        with open(log_path, log_mode) as log:  # own session: a terminal's Ctrl-C goes to the launcher only
+            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent, env=env, start_new_session=True)
+
     def worker_argv(self, index: int, placement: Placement, port: int) -> list[str]:
         """The command line of one worker (its engine flags, placement and role options)."""
         spec = self.spec
@@ -228,6 +276,8 @@ class WorkerCluster:
             argv += ["--device", spec.engine_args.device]
         if spec.engine_args.disable_log_stats:
             argv.append("--disable-log-stats")
+        if spec.drain_timeout_s is not None:
+            argv += ["--drain-timeout", str(spec.drain_timeout_s)]
         if role == "decode":
             argv += list(spec.decode_extra_args)
             if self._prefill_addresses:
@@ -235,22 +285,6 @@ class WorkerCluster:
             if spec.disagg_min_prompt_tokens is not None:
                 argv += ["--disagg-min-prompt-tokens", str(spec.disagg_min_prompt_tokens)]
         return argv
-
-    def _spawn(self, index: int, placement: Placement) -> None:
-        spec = self.spec
-        role = placement.role
-        port = self._ports[index]
-        argv = self.worker_argv(index, placement, port)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop(TOKEN_ENV, None)  # the spec's credential only
-        env.update(spec.auth.env())
-        log_path = self.log_dir / f"{role}-{index}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       preexec_fn=_die_with_parent, env=env)
-        self.workers.append(WorkerProcess(role, f"{spec.host}:{port}", process, log_path, placement))
-        where = f"GPU {self._gpu_ids[placement.gpu]}" if placement.gpu is not None else "CPU"
-        logger.info("started %s worker %d on port %d, %s (log %s)", role, index, port, where, log_path)
 
     def wait_ready(self, timeout_s: float = 600.0, progress: bool = True) -> None:
         """Block until every worker answers Info (the model is loaded), starting the ones that waited for their
@@ -281,10 +315,52 @@ class WorkerCluster:
         finally:
             bar.close()
 
-    def check_alive(self) -> list[WorkerProcess]:
-        return [w for w in self.workers if w.process.poll() is not None]
+    async def supervise(self, on_restart: Callable[[WorkerProcess], None], active: Callable[[], bool],
+                        backoff: RestartBackoff = RestartBackoff(), poll_s: float = 0.5) -> None:
+        """Restart dead workers (same role, port and placement) after `backoff`, until cancelled; `on_restart`
+        runs at each restart, and nothing restarts while `active()` is false (the cluster is stopping).
+
+        Must run on the main thread's event loop: PR_SET_PDEATHSIG follows the thread that started a child."""
+        while True:
+            now = time.monotonic()
+            for worker in self.workers:
+                if worker.process.poll() is None:
+                    if worker.died_at is not None and await asyncio.to_thread(_answers_info, worker, self.spec.auth):
+                        logger.info("%s worker %d on %s is serving again, %.1f s after it died", worker.role,
+                                    worker.index, worker.address, time.monotonic() - worker.died_at)
+                        worker.ready, worker.died_at = True, None
+                    continue
+                if worker.restart_at is None:
+                    worker.ready = False
+                    worker.died_at = worker.died_at or now
+                    worker.backoff_s = backoff.delay(worker.backoff_s, now - worker.started_at)
+                    worker.restart_at = now + worker.backoff_s
+                    logger.error("%s worker %d on %s exited with code %s; restarting it in %.0f s; its log (%s) "
+                                 "ends with:\n%s", worker.role, worker.index, worker.address,
+                                 worker.process.returncode, worker.backoff_s, worker.log_path, worker.log_tail())
+                elif now >= worker.restart_at and active() and not self._gpu_busy(worker):
+                    self._restart(worker)
+                    on_restart(worker)
+            await asyncio.sleep(poll_s)
+
+    def _gpu_busy(self, worker: WorkerProcess) -> bool:
+        """Another worker on its GPU is starting: its memory profile must not see two starting workers."""
+        gpu = worker.placement.gpu
+        return gpu is not None and any(w is not worker and w.placement.gpu == gpu and not w.ready
+                                       and w.process.poll() is None for w in self.workers)
+
+    def _restart(self, worker: WorkerProcess) -> None:
+        port = int(worker.address.rsplit(":", 1)[1])
+        worker.restarts += 1
+        worker.restart_at = None
+        worker.started_at = time.monotonic()
+        # the log keeps the previous run's end
+        worker.process = self._popen(worker.placement, worker.index, port, worker.log_path, "ab")
+        logger.warning("restarted %s worker %d on %s (restart %d, pid %d)", worker.role, worker.index,
+                       worker.address, worker.restarts, worker.process.pid)
 
     def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every worker (each drains), wait up to `grace_s`, then kill those left."""
         for worker in self.workers:
             if worker.process.poll() is None:
                 worker.process.send_signal(signal.SIGTERM)
@@ -293,6 +369,8 @@ class WorkerCluster:
             try:
                 worker.process.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
+                logger.warning("%s worker %d on %s did not stop within %.0f s: killed", worker.role, worker.index,
+                               worker.address, grace_s)
                 worker.process.kill()
                 worker.process.wait()
 

@@ -42,7 +42,7 @@ from kvflow.wire import (
     sampling_kwargs_from_proto,
 )
 from kvflow.worker.kv_link import SendLink
-from kvflow.worker.runtime import WorkerContext, WorkerServicer, info_response
+from kvflow.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -149,6 +149,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
         return tensor_bytes(host)
 
     # ---- RPCs ----------------------------------------------------------------------------------------------
+    @admitted
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[pb.PrefillResponse]:
         caller_id = request.request_id or uuid.uuid4().hex

@@ -37,6 +37,8 @@ class RouterConfig:
     max_attempts: int = 3  # decode attempts per request (a failure before the first token moves on)
     max_migrations: int = 3  # mid-stream moves of one request to another decode worker (0: fail the request)
     request_timeout_s: float = 600.0
+    drain_timeout_s: float = 30.0  # after SIGTERM: how long in-flight requests may still run
+    sse_keepalive_s: float = 5.0  # an SSE stream silent this long gets a ": keep-alive" comment (0: never)
     # Request bounds (vLLM names where vLLM has the knob): what one request may ask of the cluster.
     max_n: int = 128  # n and best_of
     max_logprobs: int = 20  # logprobs / top_logprobs (at most the engine's MAX_LOGPROBS)
@@ -80,6 +82,10 @@ class RouterConfig:
             raise ValueError(f"--request-body-timeout must be > 0, got {self.request_body_timeout_s}")
         if not self.chat_template_timeout_s > 0:
             raise ValueError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout_s}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if not self.sse_keepalive_s >= 0:
+            raise ValueError(f"--sse-keepalive-s must be >= 0 (0: off), got {self.sse_keepalive_s}")
         for port in (self.port, self.grpc_port):
             if not 0 <= port < 65536:
                 raise ValueError(f"port {port} is out of range")

@@ -32,6 +32,7 @@ from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
 from router.errors import BadRequest, RouterError, Unavailable, from_code_name
+from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics
 from router.tokenizer_pool import TokenizerPool, tokenizer_path_for
 from router.workers import ModelInfo, Worker, WorkerPool
@@ -69,6 +70,7 @@ class Router:
         config.validate()
         self.config = config
         self.metrics = RouterMetrics()
+        self.lifecycle = Lifecycle()
         self.index = make_index(config.index)
         self.policy = make_policy(config.routing)
         self.pool = WorkerPool(self.index, subscriber=f"router-{uuid.uuid4().hex[:8]}", on_batch=self._on_batch,

@@ -73,6 +73,11 @@ class Unavailable(RouterError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class ShuttingDown(Unavailable):
+    """The router is draining (SIGTERM): new requests are refused, and those still running at --drain-timeout are
+    ended."""
+
+
 class HTTPError(RouterError):
     """Any other HTTP status the web framework answers by itself (an unknown path: 404, a wrong method: 405)."""
 

@@ -1,5 +1,9 @@
 """The router's public gRPC front: the `Generation` service, routed to decode workers like the HTTP API.
 
+Like the HTTP front, it refuses new calls (UNAVAILABLE) while the router drains and ends those still running at the
+drain deadline with UNAVAILABLE. It sends no keep-alive messages: a silent stream is not an idle gRPC channel
+(HTTP/2 pings keep the connection; a call's deadline is the client's), so a gap in tokens needs nothing here.
+
 Input is checked as on the HTTP front (the router's bounds, token ids in the vocabulary, lengths): a refusal ends
 the call with INVALID_ARGUMENT before any worker sees the request. So do bytes that are not a valid request
 message: the handlers are built here with a deserializer that never raises (the generated glue's would make the
@@ -48,19 +52,24 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self._authorize(context)
         request_id = request.request_id or uuid.uuid4().hex
+        relay = None
         try:
-            token_ids = await self._token_ids(request)
-            params = self.router.params_for_prompt(self._checked_params(request.sampling_params), len(token_ids),
-                                                   request.WhichOneof("input") or "input")
-            stream = self.router.generate(request_id, token_ids, params, list(request.cache_salt),
-                                          owner=self._owner(context))
-            async for response in stream:
-                if request.stream or response.WhichOneof("response") == "complete":
-                    response.request_id = request_id
-                    yield response
-        except Exception as exc:
+            with self.router.lifecycle.admitted() as ticket:
+                token_ids = await self._token_ids(request)
+                params = self.router.params_for_prompt(self._checked_params(request.sampling_params),
+                                                       len(token_ids), request.WhichOneof("input") or "input")
+                relay = ticket.relay(self.router.generate(request_id, token_ids, params, list(request.cache_salt),
+                                                          owner=self._owner(context)))
+                async for response in relay:
+                    if request.stream or response.WhichOneof("response") == "complete":
+                        response.request_id = request_id
+                        yield response
+        except Exception as exc:  # ShuttingDown (draining, or the drain deadline) included: UNAVAILABLE
             error = error_from(exc)
             await context.abort(error.grpc_code, error.message)
+        finally:  # a cancelled call (the client went) cancels the worker call too
+            if relay is not None:
+                relay.close()
 
     async def _token_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")

@@ -72,6 +72,8 @@ class RouterMetrics:
                                registry=r)
         self.migrations = Counter("kvflow:migrations", "Requests moved mid-stream to another decode worker (the "
                                   "prompt plus the tokens already streamed).", ["reason"], registry=r)
+        self.worker_restarts = Counter("kvflow:worker_restarts", "Dead workers restarted by `kvflow serve`.", ["role"],
+                                       registry=r)
         self._preemptions_seen: dict[str, int] = {}
 
     def observe_load(self, worker: str, role: str, load: WorkerLoad) -> None:

@@ -6,8 +6,16 @@
 their `x-request-id` from another caller.
 
 Every error response, the framework's own (404, 405) included, is OpenAI error JSON. A request is validated
-completely before a worker sees it, and a streaming response starts only once the first worker response is in:
-a refusal is always a status code, never an error inside a 200 stream (failures after the first token still are).
+completely before a worker sees it, and a streaming response starts once the first worker response is in, or after
+--sse-keepalive-s without one: a refusal within that time is always a status code, never an error inside a 200
+stream (later failures are in-band, then [DONE]). A silent stream gets an SSE comment (": keep-alive") every
+--sse-keepalive-s, e.g. while a decode worker prefills again after its prefill worker died.
+
+Requests end with their client: a streaming response is cancelled by the framework when the connection drops; a
+non-streaming one is watched for the ASGI disconnect. Either way the request's relay (router.lifecycle) closes,
+which cancels the worker call and frees its KV on the decode and prefill workers. While the router drains,
+requests are refused with 503 (router.lifecycle); those still running at the drain deadline end with
+finish_reason "abort" and [DONE] (streaming) or a 503 error (non-streaming).
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ from router.errors import (
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
+    ShuttingDown,
     Unauthorized,
 )
+from router.lifecycle import ClientGone, Idle, Relay, Ticket
 from router.openai_protocol import (
     FINISH,
     ParsedRequest,
@@ -54,6 +64,7 @@ from router.openai_protocol import (
 
 logger = logging.getLogger(__name__)
 PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
+SSE_KEEPALIVE = ": keep-alive\n\n"
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,8 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if router.lifecycle.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503, headers={"connection": "close"})
         if router.is_ready():
             return Response(status_code=200)
         return JSONResponse({"status": "waiting for workers"}, status_code=503)
@@ -139,6 +152,16 @@ def build_app(router: Router) -> FastAPI:
 async def _handle(router: Router, request: Request, chat: bool) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     try:
+        with router.lifecycle.admitted() as ticket:
+            return await _respond(router, request, chat, request_id, ticket)
+    except ShuttingDown as exc:  # the client should reconnect elsewhere, not reuse this connection
+        response = error_response(exc, request_id)
+        response.headers["connection"] = "close"
+        return response
+
+
+async def _respond(router: Router, request: Request, chat: bool, request_id: str, ticket: Ticket) -> Response:
+    try:
         raw = await _read_body(request, router.config)
         body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
         parsed = parse_request(body, chat, router.config)
@@ -152,21 +175,53 @@ async def _handle(router: Router, request: Request, chat: bool) -> Response:
                     "chat" if chat else "completion", len(prepared.prompts),
                     [len(p.token_ids) for p in prepared.prompts], parsed.stream)
     headers = {"x-request-id": request_id}
-    if parsed.stream:
-        responses = _merged(router, prepared)
-        try:  # the first response decides the status: a refusal before any output is a 4xx/5xx, not a 200
-            first = await anext(responses)
-        except StopAsyncIteration:
-            first = None
-        except Exception as exc:
-            return error_response(error_from(exc), request_id)
-        return StreamingResponse(_stream(router, prepared, chat, _resumed(first, responses)),
-                                 media_type="text/event-stream", headers=headers)
+    relay = ticket.relay(_merged(router, prepared))
+    watcher = asyncio.create_task(_interrupt_on_disconnect(request, relay))
     try:
-        payload = await _collect(router, prepared, chat)
+        if parsed.stream:
+            keepalive_s = router.config.sse_keepalive_s or None
+            try:  # the first response decides the status: a refusal before any output is a 4xx/5xx, not a 200
+                first = await relay.next(keepalive_s)  # unless none came in time: then keep-alives hold the line
+            except StopAsyncIteration:
+                first = None
+            watcher.cancel()  # the streaming response watches the connection itself from here on
+            response = _RelayedStream(_stream(router, prepared, chat, _paced(relay, first, keepalive_s)), relay,
+                                      media_type="text/event-stream", headers=headers)
+            relay = None  # the response closes it
+            return response
+        payload = await _collect(router, prepared, chat, relay)
+    except ClientGone:
+        logger.info("request %s: the client disconnected; generation cancelled", request_id)
+        return Response(status_code=499)  # never read: nobody is listening
     except Exception as exc:
         return error_response(error_from(exc), request_id)
+    finally:
+        watcher.cancel()
+        if relay is not None:
+            relay.close()
     return JSONResponse(payload, headers=headers)
+
+
+class _RelayedStream(StreamingResponse):
+    """A streaming response that closes its relay however it ends: Starlette cancels it when the client goes, and
+    then possibly before its body (which closes the relay too) ever started."""
+
+    def __init__(self, content: AsyncIterator[str], relay: Relay, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._relay.close()
+
+
+async def _interrupt_on_disconnect(request: Request, relay: Relay) -> None:
+    """Cancel the request's generation when its client goes (the body was read: only a disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    relay.interrupt(ClientGone())
 
 
 async def _read_body(request: Request, config: RouterConfig) -> bytes:
@@ -266,14 +321,15 @@ async def _merged(router: Router, prepared: _Prepared) -> AsyncGenerator[tuple[i
             task.cancel()
 
 
-async def _collect(router: Router, prepared: _Prepared, chat: bool) -> dict[str, Any]:
+async def _collect(router: Router, prepared: _Prepared, chat: bool,
+                   responses: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> dict[str, Any]:
     parsed, n = prepared.parsed, prepared.parsed.n
     tokenizers = router.tokenizers
     decode = tokenizers.decode_token if tokenizers is not None else str
     choices: list[dict[str, Any]] = []
     usage = pb.Usage()
     prompt_tokens = 0
-    async for i, response in _merged(router, prepared):
+    async for i, response in responses:
         if response.WhichOneof("response") != "complete":
             continue
         complete = response.complete
@@ -301,29 +357,33 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool) -> dict[str,
             "usage": usage_json(usage)}
 
 
-async def _resumed(first: tuple[int, pb.GenerateResponse] | None,
-                   rest: AsyncGenerator[tuple[int, pb.GenerateResponse], None],
-                   ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-    """`rest` with the already-received `first` put back in front (None: the responses had ended)."""
+async def _paced(relay: Relay[tuple[int, pb.GenerateResponse]], first: tuple[int, pb.GenerateResponse] | Idle | None,
+                 keepalive_s: float | None) -> AsyncIterator[tuple[int, pb.GenerateResponse] | Idle]:
+    """`first` (None: the responses had ended), then the relay's items, with IDLE after every `keepalive_s` of
+    silence; closes the relay however the stream ends."""
     try:
         if first is None:
             return
         yield first
-        async for item in rest:
-            yield item
+        while True:
+            try:
+                yield await relay.next(keepalive_s)
+            except StopAsyncIteration:
+                return
     finally:  # a client that hangs up ends the worker calls now, not when the generator is collected
-        await rest.aclose()
+        relay.close()
 
 
 async def _stream(router: Router, prepared: _Prepared, chat: bool,
-                  responses: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> AsyncIterator[str]:
+                  responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle]) -> AsyncIterator[str]:
     parsed, n = prepared.parsed, prepared.parsed.n
     tokenizers = router.tokenizers
     decode = tokenizers.decode_token if tokenizers is not None else str
     kind, prefix = ("chat.completion.chunk", "chatcmpl-") if chat else ("text_completion", "cmpl-")
     base = envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created)
     sent_text: dict[int, str] = {}
-    usage = pb.Usage()
+    finished: set[int] = set()
+    usage_of: dict[int, pb.Usage] = {}  # per prompt, the latest its worker reported (an aborted one's too)
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> str:
         return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
@@ -339,30 +399,49 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool,
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
 
+    def usage_event() -> str:
+        usage = pb.Usage()
+        for part in usage_of.values():
+            usage.prompt_tokens += part.prompt_tokens
+            usage.completion_tokens += part.completion_tokens
+            usage.cached_tokens += part.cached_tokens
+        return event([], usage=usage_json(usage))
+
     try:
         if chat:
             for i in range(len(prepared.prompts) * n):
                 yield event([choice(i, "", [], role=True)])
-        async for i, response in responses:
+        async for item in responses:
+            if isinstance(item, Idle):  # a comment: SSE clients skip it, idle timeouts see bytes
+                yield SSE_KEEPALIVE
+                continue
+            i, response = item
             kind_ = response.WhichOneof("response")
             if kind_ == "chunk":
                 chunk = response.chunk
                 index = i * n + chunk.index
+                if chunk.HasField("usage"):
+                    usage_of[i] = chunk.usage
                 if chunk.text or chunk.logprobs or chunk.token_ids:  # as vLLM: one event per step with tokens,
                     sent_text[index] = sent_text.get(index, "") + chunk.text  # text may be "" (no tokenizer)
                     yield event([choice(index, chunk.text, list(chunk.logprobs))])
             elif kind_ == "complete":
                 complete = response.complete
-                usage.prompt_tokens += complete.usage.prompt_tokens
-                usage.completion_tokens += complete.usage.completion_tokens
-                usage.cached_tokens += complete.usage.cached_tokens
+                usage_of[i] = complete.usage
                 for c in complete.choices:
                     index = i * n + c.index
                     already = sent_text.get(index, "")
                     rest = c.text[len(already):] if c.text.startswith(already) else ""
+                    finished.add(index)
                     yield event([choice(index, rest, [], FINISH.get(c.finish_reason), stop_reason(c))])
         if parsed.include_usage:
-            yield event([], usage=usage_json(usage))
+            yield usage_event()
+    except ShuttingDown:  # the drain deadline: every open choice ends as aborted, as an aborted request does
+        for index in range(len(prepared.prompts) * n):
+            if index not in finished:
+                yield event([choice(index, "", [], "abort")])
+        if parsed.include_usage:
+            yield usage_event()
     except Exception as exc:  # the status line is already sent: report in-band, as vLLM does
         error = error_from(exc)
         yield f"data: {json.dumps(error.to_openai())}\n\n"

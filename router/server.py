@@ -1,9 +1,19 @@
-"""Run a router: discovery -> worker pool, the OpenAI HTTP app (uvicorn) and the gRPC front in one event loop."""
+"""Run a router: discovery -> worker pool, the OpenAI HTTP app (uvicorn) and the gRPC front in one event loop.
+
+SIGTERM/SIGINT start the drain (router.lifecycle) instead of uvicorn's own shutdown, whose listeners would close
+at once and whose in-flight requests would be cut after its graceful timeout: both fronts keep listening and
+refuse new requests with 503 / UNAVAILABLE, in-flight requests get up to --drain-timeout, the rest are ended
+properly, and only then do the listeners close. A second signal cuts the wait short.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -15,32 +25,63 @@ from router.openai_api import build_app
 
 logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 10.0
+SHUTDOWN_GRACE_S = 5.0  # after the drain: for the last bytes of ended responses, then connections are cut
 
 
-async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None) -> None:
-    router = Router(config)
+class _DrainingServer(uvicorn.Server):
+    """uvicorn whose exit signals start the router's drain; uvicorn itself exits once `should_exit` is set."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: hand over to the event loop (not recorded, so uvicorn does not raise it again later).
+        logger.info("received %s", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._on_signal)
+
+
+async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None, router: Router | None = None
+                       ) -> None:
+    """Serve until stopped: a signal, or `router.lifecycle.request_stop()` (then drain first)."""
+    router = router if router is not None else Router(config)
     discovery = make_discovery(config, router.pool.set_addresses)
     discovery.start()
     grpc_server = await start_grpc_server(router, config.host, config.grpc_port) if config.grpc_port else None
     app = build_app(router)
-    uv = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                       access_log=not config.disable_log_requests, timeout_graceful_shutdown=5))
+    uv = _DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                        access_log=not config.disable_log_requests,
+                                        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)),
+                         router.lifecycle.request_stop)
     stats = None if config.disable_log_stats else asyncio.create_task(_log_stats(router))
     warmup = asyncio.create_task(_load_tokenizer_early(router))
     logger.info("router: OpenAI API on http://%s:%d/v1, routing=%s, index=%s", config.host, config.port,
                 config.routing, "memory" if config.index == "memory" else "redis")
+    serving = asyncio.create_task(uv.serve())
+    stop = asyncio.create_task(router.lifecycle.wait_stop_requested())
     try:
         if ready is not None:
             asyncio.get_running_loop().call_later(0.5, ready.set)
-        await uv.serve()
+        await asyncio.wait((serving, stop), return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():
+            await router.lifecycle.drain(config.drain_timeout_s)
+            uv.should_exit = True
+        await serving
     finally:
+        stop.cancel()
+        if not serving.done():  # we were cancelled: so is the HTTP server
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
         warmup.cancel()
         if stats is not None:
             stats.cancel()
         discovery.stop()
         if grpc_server is not None:
-            await grpc_server.stop(grace=2.0)
+            await grpc_server.stop(grace=SHUTDOWN_GRACE_S)
         await router.close()
+        logger.info("router stopped")
 
 
 async def _load_tokenizer_early(router: Router) -> None:

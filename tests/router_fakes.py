@@ -26,6 +26,7 @@ from kvflow.wire import sampling_params_from_proto
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
+from router.core import Router
 
 MODEL = "smollm2"  # the router loads this model's tokenizer (the built-in SmolLM2 package ships it)
 MODEL_ID = "fake-model"
@@ -128,11 +129,55 @@ class FakePrefill(kvflow_pb2_grpc.PrefillServicer):
         yield from _heartbeats(pb.WORKER_ROLE_PREFILL, context)
 
 
+class PacedDecode(FakeDecode):
+    """A fake decode worker that generates at a set pace: `first_gap_s` before the first token, then one token per
+    `interval_s` up to max_tokens; it counts calls that ended before their last token (the caller cancelled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_gap_s, self.interval_s = 0.0, 0.0
+        self.running = 0
+        self.cancelled = 0
+        self._lock = threading.Lock()
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):  # noqa: N802
+        params = sampling_params_from_proto(request.sampling_params)
+        with self._lock:
+            self.running += 1
+        completed = False
+        try:
+            for step in range(params.max_tokens or 1):
+                if not _sleep_while_active(context, self.first_gap_s if step == 0 else self.interval_s):
+                    return
+                if request.stream:
+                    yield pb.GenerateResponse(chunk=pb.GenerateChunk(index=0, token_ids=[7], text="ok"))
+            tokens = params.max_tokens or 1
+            yield pb.GenerateResponse(complete=pb.GenerateComplete(
+                choices=[pb.CompletionChoice(index=0, token_ids=[7] * tokens, text="ok" * tokens,
+                                             finish_reason=pb.FINISH_REASON_LENGTH)],
+                usage=pb.Usage(prompt_tokens=len(request.token_ids.ids), completion_tokens=tokens)))
+            completed = True
+        finally:  # also when the call was cancelled while the generator waited at a yield (GeneratorExit)
+            with self._lock:
+                self.running -= 1
+                self.cancelled += not completed
+
+
+def _sleep_while_active(context: grpc.ServicerContext, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while context.is_active():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        time.sleep(min(left, 0.01))
+    return False
+
+
 class FakeWorkers:
     """One fake decode and one fake prefill worker on a thread-pool gRPC server each."""
 
-    def __init__(self) -> None:
-        self.decode = FakeDecode()
+    def __init__(self, decode: FakeDecode | None = None) -> None:
+        self.decode = decode or FakeDecode()
         self.decode_address, self.prefill_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         self._servers = [grpc.server(futures.ThreadPoolExecutor(max_workers=16)) for _ in range(2)]
         kvflow_pb2_grpc.add_GenerationServicer_to_server(self.decode, self._servers[0])
@@ -144,6 +189,10 @@ class FakeWorkers:
     def close(self) -> None:
         for server in self._servers:
             server.stop(grace=None)
+
+
+async def _make_router(config: RouterConfig) -> Router:
+    return Router(config)  # on the router's loop
 
 
 class RouterHarness:
@@ -161,7 +210,8 @@ class RouterHarness:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
-        self._task = asyncio.run_coroutine_threadsafe(serve_router(self.config), self._loop)
+        self.router = asyncio.run_coroutine_threadsafe(_make_router(self.config), self._loop).result(30)
+        self._task = asyncio.run_coroutine_threadsafe(serve_router(self.config, router=self.router), self._loop)
         self.http = httpx.Client(base_url=self.url, timeout=30,
                                  headers={"Authorization": f"Bearer {key}"} if key else None)
         self._wait_ready()
@@ -183,6 +233,17 @@ class RouterHarness:
         if content is not None:
             return self.http.post(path, content=content, headers={"content-type": "application/json"}, **kwargs)
         return self.http.post(path, json=body, **kwargs)
+
+    def request_stop(self) -> None:
+        """What SIGTERM does to a router process: start the drain."""
+        self._loop.call_soon_threadsafe(self.router.lifecycle.request_stop)
+
+    def stopped(self, timeout: float) -> bool:
+        try:
+            self._task.result(timeout)
+        except futures.TimeoutError:
+            return False
+        return True
 
     def close(self) -> None:
         self.http.close()

@@ -594,11 +594,21 @@ def test_security_contexts(value_set: tuple[str, Rendered]) -> None:
 
 
 def test_graceful_termination(value_set: tuple[str, Rendered]) -> None:
+    """The pod outlives its drain: preStop, then --drain-timeout for in-flight requests, then the exit."""
     _, r = value_set
     for component, minimum in (("router", 30), ("prefill", 60), ("decode", 60)):
         pod = r.pod(component)["spec"]
-        sleep = int(r.container(component)["lifecycle"]["preStop"]["exec"]["command"][1])
-        assert pod["terminationGracePeriodSeconds"] >= max(minimum, sleep + 30)
+        container = r.container(component)
+        sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+        args = container["args"] if component == "router" else container["args"][0].split()
+        drain = float(args[args.index("--drain-timeout") + 1])
+        assert drain >= 30
+        assert pod["terminationGracePeriodSeconds"] >= max(minimum, sleep + drain + 10)
+
+
+def test_grace_period_shorter_than_the_drain_is_refused(chart: Any) -> None:
+    with pytest.raises(helm.HelmError, match="decode: terminationGracePeriodSeconds 100 must be at least"):
+        chart.render({"decode": {"terminationGracePeriodSeconds": 100}}, name=RELEASE, namespace=NAMESPACE)
 
 
 def test_rbac_is_list_watch_endpointslices_only(value_set: tuple[str, Rendered]) -> None:

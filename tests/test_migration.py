@@ -28,7 +28,8 @@ KILL_AFTER = 25  # tokens streamed before the serving worker is killed
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerCluster]:
-    spec = ClusterSpec(ENGINE, prefill_workers=0, decode_workers=4, log_dir=tmp_path_factory.mktemp("workers"))
+    spec = ClusterSpec(ENGINE, prefill_workers=0, decode_workers=5, log_dir=tmp_path_factory.mktemp("workers"),
+                       drain_timeout_s=1.0)
     with WorkerCluster(spec) as workers:
         workers.wait_ready(300, progress=False)
         yield workers
@@ -57,8 +58,9 @@ class RouterThread:
     def call(self, coro: Any, timeout: float = 180) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stream(self, prompt: list[int], params: pb.SamplingParams, kill: bool) -> tuple[list[int], pb.GenerateComplete]:
-        """All streamed token ids and the complete message; with `kill`, the serving worker is killed after
+    def stream(self, prompt: list[int], params: pb.SamplingParams, kill: bool,
+               sig: signal.Signals = signal.SIGKILL) -> tuple[list[int], pb.GenerateComplete]:
+        """All streamed token ids and the complete message; with `kill`, the serving worker gets `sig` after
         KILL_AFTER tokens."""
         request_id = f"r{random.random()}"
 
@@ -73,7 +75,7 @@ class RouterThread:
                         (worker,) = self.router._decode_of[("", request_id)].values()
                         address = worker.address
                         victim = next(w for w in self.cluster.workers if w.address == address)
-                        victim.process.send_signal(signal.SIGKILL)
+                        victim.process.send_signal(sig)
                         killed = True
                 elif kind == "complete":
                     return streamed, response.complete
@@ -119,6 +121,18 @@ def test_killed_decode_worker_mid_stream_loses_and_repeats_nothing(router: Route
     assert list(complete.choices[0].token_ids) == reference
     assert complete.usage.completion_tokens == MAX_TOKENS
     assert complete.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_drained_decode_worker_hands_its_streams_over(router: RouterThread) -> None:
+    """SIGTERM (a rolling update): the worker finishes what it can within --drain-timeout (1 s here), then ends the
+    rest UNAVAILABLE, and the router continues them elsewhere."""
+    params = pb.SamplingParams(max_tokens=MAX_TOKENS * 3, temperature=0.0, ignore_eos=True)
+    tokens = prompt(42)
+    reference, _ = router.stream(tokens, params, kill=False)
+    before = router.migrations()
+    streamed, complete = router.stream(tokens, params, kill=True, sig=signal.SIGTERM)
+    assert streamed == reference and list(complete.choices[0].token_ids) == reference
+    assert router.migrations() == before + 1
 
 
 def test_past_max_migrations_the_caller_gets_a_clean_error(cluster: WorkerCluster) -> None:

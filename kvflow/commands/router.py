@@ -41,11 +41,28 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-stats", action="store_true")
     add_request_limit_args(parser)
     add_cluster_auth_args(parser)
+    add_lifecycle_args(parser)
 
 
 def add_metrics_key_arg(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--metrics-require-api-key", action="store_true",
                        help="/metrics needs the API key too (Prometheus then scrapes with a bearer token)")
+
+
+def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
+    """Shutdown and idle-stream behaviour (shared by `kvflow router` and `kvflow serve`)."""
+    d = RouterConfig()
+    g = parser.add_argument_group("shutdown and streaming")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help="seconds in-flight requests may still run after SIGTERM (new ones get 503); the rest are "
+                        "then ended with finish_reason 'abort'")
+    g.add_argument("--sse-keepalive-s", type=float, default=d.sse_keepalive_s,
+                   help="send an SSE comment on a stream silent for this many seconds (0: never)")
+
+
+def lifecycle_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """RouterConfig fields from the flags of `add_lifecycle_args`."""
+    return {"drain_timeout_s": args.drain_timeout, "sse_keepalive_s": args.sse_keepalive_s}
 
 
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_selector=args.decode_selector, worker_grpc_port_name=args.worker_grpc_port_name,
         tokenizer=args.tokenizer, tokenizer_pool_size=args.tokenizer_pool_size,
         served_model_name=tuple(args.served_model_name), disable_log_requests=args.disable_log_requests,
-        disable_log_stats=args.disable_log_stats, **request_limit_kwargs(args))
+        disable_log_stats=args.disable_log_stats, **request_limit_kwargs(args), **lifecycle_kwargs(args))
     config.validate()
     return config
 

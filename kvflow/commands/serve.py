@@ -2,6 +2,11 @@
 
 The cluster token is `--cluster-token` / KVFLOW_CLUSTER_TOKEN, else a fresh random one: workers get it in their
 environment, the router here in its config, so no worker RPC is served to anyone else.
+
+A worker that dies is restarted (`WorkerCluster.supervise`; counted in kvflow:worker_restarts_total{role}).
+SIGTERM or Ctrl-C stops the cluster in order: the router drains first (new requests get 503, in-flight ones run
+for up to --drain-timeout through the still-running workers, the rest end with finish_reason "abort"), then the
+workers are stopped (each drains what it may still have), then killed if they outlive the drain.
 """
 
 from __future__ import annotations
@@ -13,14 +18,26 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import EngineArgs
 from engine.routing.policy import POLICY_NAMES
 from kvflow.auth import ClusterAuth, add_cluster_auth_args
-from kvflow.commands.router import add_metrics_key_arg, add_request_limit_args, request_limit_kwargs
+from kvflow.commands.router import (
+    add_lifecycle_args,
+    add_metrics_key_arg,
+    add_request_limit_args,
+    lifecycle_kwargs,
+    request_limit_kwargs,
+)
 from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
+if TYPE_CHECKING:
+    from kvflow.launcher import WorkerCluster
+    from router.config import RouterConfig
+
 logger = logging.getLogger(__name__)
+WORKER_STOP_MARGIN_S = 15.0  # beyond --drain-timeout before a worker that does not stop is killed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
     add_request_limit_args(parser)
     add_cluster_auth_args(parser)
+    add_lifecycle_args(parser)
     EngineArgs.add_cli_args(parser, default_log_stats=True)  # a server logs vLLM's stats line by default
     # Unset: workers sharing a GPU split vLLM's 0.9 between them; set: every worker's own share (vLLM's rule).
     parser.set_defaults(handler=run, gpu_memory_utilization=None)
@@ -73,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
                        decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
-                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth)
+                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth,
+                       drain_timeout_s=args.drain_timeout)
     cluster = WorkerCluster(spec)
-    # SIGTERM acts like Ctrl-C: uvicorn shuts down gracefully and re-raises it, we then stop the workers.
+    # Before the router runs (and after it stopped), SIGTERM acts like Ctrl-C; while it runs, it starts its drain.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         cluster.start()
@@ -89,13 +108,13 @@ def run(args: argparse.Namespace) -> int:
                               tokenizer_pool_size=args.tokenizer_pool_size,
                               disable_log_requests=args.disable_log_requests,
                               disable_log_stats=args.disable_log_stats,
-                              **request_limit_kwargs(args))
+                              **request_limit_kwargs(args), **lifecycle_kwargs(args))
         asyncio.run(_serve(config, cluster))
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        cluster.stop()
+        cluster.stop(args.drain_timeout + WORKER_STOP_MARGIN_S)
     return 0
 
 
@@ -103,23 +122,29 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-async def _serve(config: object, cluster: object) -> None:
+async def _serve(config: RouterConfig, cluster: WorkerCluster) -> None:
+    from router.core import Router
     from router.server import serve_router
 
+    router = Router(config)
     ready = asyncio.Event()
-    task = asyncio.create_task(serve_router(config, ready))  # type: ignore[arg-type]
-    watcher = asyncio.create_task(_announce_and_watch(config, cluster, ready))
+    task = asyncio.create_task(serve_router(config, ready, router))
+    announce = asyncio.create_task(_announce(config, ready))
+    supervisor = asyncio.create_task(cluster.supervise(
+        on_restart=lambda worker: router.metrics.worker_restarts.labels(worker.role).inc(),
+        active=lambda: not router.lifecycle.draining))
     try:
         await task
     finally:
-        watcher.cancel()
+        announce.cancel()
+        supervisor.cancel()
 
 
-async def _announce_and_watch(config: object, cluster: object, ready: asyncio.Event) -> None:
+async def _announce(config: RouterConfig, ready: asyncio.Event) -> None:
     import httpx
 
     await ready.wait()
-    url = f"http://{config.host}:{config.port}"  # type: ignore[attr-defined]
+    url = f"http://{config.host}:{config.port}"
     start = time.monotonic()
     async with httpx.AsyncClient() as client:
         while time.monotonic() - start < 60:
@@ -129,13 +154,5 @@ async def _announce_and_watch(config: object, cluster: object, ready: asyncio.Ev
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.2)
-    print(f"kvflow is serving the OpenAI API at {url}/v1 (gRPC on port {config.grpc_port}); "  # type: ignore[attr-defined]
-          "Ctrl-C to stop", file=sys.stderr, flush=True)
-    reported: set[int] = set()
-    while True:  # a worker that dies is reported once; the router stops routing to it
-        for worker in cluster.check_alive():  # type: ignore[attr-defined]
-            if worker.process.pid not in reported:
-                reported.add(worker.process.pid)
-                logger.error("%s worker %s exited (code %s); log tail:\n%s", worker.role, worker.address,
-                             worker.process.returncode, worker.log_tail())
-        await asyncio.sleep(1.0)
+    print(f"kvflow is serving the OpenAI API at {url}/v1 (gRPC on port {config.grpc_port}); Ctrl-C to stop",
+          file=sys.stderr, flush=True)

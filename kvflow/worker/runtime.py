@@ -3,18 +3,29 @@ health, `Info`, KV events, the KV-link endpoint, `/metrics`, Redis registration 
 
 A role adds only its servicers (prefill_worker/, decode_worker/) through `serve_worker`. The gRPC port serves only
 holders of the cluster credential, but for `Info` and health (kvflow/auth.py); channels to peers present it.
+
+The drain (SIGTERM or SIGINT): health turns NOT_SERVING and the Redis registration is withdrawn, so no new work is
+routed here; request RPCs (`@admitted`: Generate, Prefill) arriving anyway get UNAVAILABLE, which the router and
+decode workers treat as "try elsewhere". Those in flight get up to --drain-timeout; the rest are then ended by the
+role (`WorkerContext.on_drain_timeout`: a decode worker aborts them in its engine, so each stream still ends with a
+complete message, finish_reason ABORT; a prefill worker's streams are cancelled by the server's stop, and their
+decode workers prefill locally), and only then does the gRPC server stop. A second signal cuts the wait short.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -33,6 +44,9 @@ from kvflow.worker.events import KVEventHub
 from kvflow.worker.kv_link import PrefillLinks
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
+if TYPE_CHECKING:
+    from engine.routing.registration import WorkerRegistration
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -42,7 +56,8 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
-DRAIN_GRACE_S = 30.0
+DRAIN_TIMEOUT_S = 30.0  # --drain-timeout default
+ABORT_FLUSH_S = 5.0  # after the drain timeout: for the ended requests' last messages, then calls are cancelled
 HEALTH_TIMEOUT_S = 5.0
 VERSION = "0.1.0"
 KV_TRANSFER_BACKENDS = ("auto", "nccl", "grpc")
@@ -110,6 +125,45 @@ def info_response(engine: LLMEngine, role: int, worker_id: str, disagg_min_promp
 
 
 # ---- process lifecycle ----------------------------------------------------------------------------------------
+class Admission:
+    """Whether request RPCs are still taken, and how many run (event loop only)."""
+
+    def __init__(self) -> None:
+        self.open = True
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def wait_idle(self, timeout_s: float, cut_short: asyncio.Event) -> bool:
+        """Wait until nothing is in flight (True), `timeout_s` passed or `cut_short` is set (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline and not cut_short.is_set():
+            await asyncio.sleep(0.05)
+        return not self.in_flight
+
+
+def admitted(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """For a servicer's server-streaming request RPC: UNAVAILABLE while the worker drains, else counted in flight
+    until its stream ends."""
+    @functools.wraps(method)
+    async def wrapper(self: WorkerServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        admission = self.ctx.admission
+        if not admission.open:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.ctx.worker_id} is shutting down")
+        with admission.track():
+            async with contextlib.aclosing(method(self, request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+    return wrapper
+
+
 @dataclass
 class WorkerContext:
     """What a role's servicers get: the engine (behind its thread), metrics, KV events, peers' channels and the
@@ -127,6 +181,9 @@ class WorkerContext:
     # Awaited at shutdown, after the gRPC server drained (e.g. the decode role's KV transports and links).
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     auth: ClusterAuth = field(default_factory=ClusterAuth)
+    admission: Admission = field(default_factory=Admission)
+    # Called when --drain-timeout passed with requests still in flight: end them (each stream ends by itself).
+    on_drain_timeout: list[Callable[[], None]] = field(default_factory=list)
 
 
 class WorkerServicer:
@@ -160,6 +217,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="how prompt KV moves from prefill to decode workers: 'nccl' (a torch.distributed link: "
                              "NCCL between GPUs, gloo between CPU workers), 'grpc' (bytes in the gRPC stream), or "
                              "'auto' (NCCL between GPU workers, gRPC otherwise or when no link can be opened)")
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                        help="seconds in-flight requests may still run after SIGTERM (new ones get UNAVAILABLE); "
+                             "the rest are then aborted")
     add_cluster_auth_args(parser)
 
 
@@ -185,6 +245,8 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     engine_args = server_engine_args(args)
     validate_index_url(args.index)
     auth = ClusterAuth.from_args(args)  # before the model loads: a bad flag fails at once
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
     llm_engine = await asyncio.to_thread(LLMEngine.from_engine_args, engine_args, True)
     model_name = engine_args.model
@@ -225,19 +287,44 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
         registration = WorkerRegistration(args.index, role_name, advertised)
         registration.start()
 
-    stop = asyncio.Event()
+    stop, cut_short = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (cut_short if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
-    logger.info("draining in-flight requests (up to %.0f s)", DRAIN_GRACE_S)
-    health.draining = True
-    if registration is not None:  # routers stop sending new work here first
-        registration.stop()
-    await server.stop(DRAIN_GRACE_S)
+    await _drain(context, health, registration, args.drain_timeout, cut_short)
+    await server.stop(ABORT_FLUSH_S)
     for close in context.on_shutdown:
         await close()
     links.close()
     await channels.close()
     await engine.stop()
     logger.info("%s worker %s stopped", role_name, worker_id)
+
+
+async def _drain(context: WorkerContext, health: DeviceHealth, registration: WorkerRegistration | None,
+                 timeout_s: float, cut_short: asyncio.Event) -> None:
+    """Stop admission, let in-flight requests finish for up to `timeout_s`, then end the rest (module docstring)."""
+    admission = context.admission
+    health.draining = True
+    admission.open = False
+    if registration is not None:  # routers stop sending new work here first
+        registration.stop()
+    started = time.monotonic()
+    logger.info("draining: %d request(s) in flight, waiting up to %.0f s (--drain-timeout)", admission.in_flight,
+                timeout_s)
+    if await admission.wait_idle(timeout_s, cut_short):
+        logger.info("drained in %.1f s", time.monotonic() - started)
+        return
+    logger.warning("drain timeout: ending %d request(s) still in flight", admission.in_flight)
+    if not context.on_drain_timeout:  # the server's stop cancels them after its grace
+        return
+    for abort in context.on_drain_timeout:
+        abort()
+    if not await admission.wait_idle(ABORT_FLUSH_S, asyncio.Event()):
+        logger.warning("%d request(s) did not end within %.0f s; cancelling them", admission.in_flight,
+                       ABORT_FLUSH_S)

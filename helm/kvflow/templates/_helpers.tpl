@@ -181,6 +181,15 @@ are printed as integers (YAML numbers arrive as float64).
 {{- end }}
 {{- end }}
 
+{{/* Kubernetes must not kill a pod before its drain ends: the grace period covers preStop, the drain and the
+exit. */}}
+{{- define "kvflow.checkGrace" -}}
+{{- $need := add (int .role.preStopSleepSeconds) (int .role.drainTimeoutSeconds) 10 -}}
+{{- if lt (int .role.terminationGracePeriodSeconds) (int $need) }}
+{{- fail (printf "%s: terminationGracePeriodSeconds %d must be at least preStopSleepSeconds + drainTimeoutSeconds + 10 = %d" .name (int .role.terminationGracePeriodSeconds) (int $need)) }}
+{{- end }}
+{{- end }}
+
 {{/* Volume source of the model volume (the part after "- name: model"). */}}
 {{- define "kvflow.modelVolume" -}}
 {{- $v := .Values.model.volume }}
