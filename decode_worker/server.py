@@ -52,7 +52,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         allowlist = PrefillAllowlist(prefill_allowlist, holds_token=ctx.auth.token is not None)
         self.transports = KVTransports(ctx.kv_transfer_backend, ctx.kv_port, ctx.worker_id,
-                                       ctx.channels, allowlist)
+                                       ctx.channels, allowlist, ctx.faults)
         ctx.on_shutdown.append(self.transports.close)
         ctx.on_drain_timeout.append(self._abort_all)
         self._active: set[str] = set()

@@ -34,6 +34,7 @@ from kvflow.wire import (
     logprobs_from_proto,
     sampling_params_to_proto,
 )
+from kvflow.worker.faults import FaultInjector
 from kvflow.worker.kv_link import DecodeLinks, link_backend_available, link_backend_for
 from kvflow.worker.runtime import ChannelPool
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -245,7 +246,7 @@ class KVTransports:
     workers it runs the same path over gloo) and recomputes when it fails; `grpc` never opens links."""
 
     def __init__(self, choice: str, port: KVPort, worker_id: str, channels: ChannelPool,
-                 allowlist: PrefillAllowlist | None = None) -> None:
+                 allowlist: PrefillAllowlist | None = None, faults: FaultInjector | None = None) -> None:
         if choice not in TRANSFER_BACKENDS:
             raise ValueError(f"--kv-transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {choice!r}")
         if choice == "nccl" and not link_backend_available(port.device):
@@ -253,6 +254,7 @@ class KVTransports:
                              "not available in this torch build")
         self.choice = choice
         self.allowlist = allowlist or PrefillAllowlist((), holds_token=False)
+        self.faults = faults or FaultInjector()
         self.grpc = GrpcKVTransport(port, worker_id, channels)
         use_link = choice == "nccl" or (choice == "auto" and port.on_cuda and link_backend_available(port.device))
         self.link = LinkKVTransport(port, worker_id, channels) if use_link else None
@@ -260,6 +262,16 @@ class KVTransports:
     async def pull(self, address: str, job: PullJob) -> PullResult:
         if not await self.allowlist.allows(address):
             raise KVTransferError("prefill_not_allowed", f"prefill address {address} is not in --prefill-allowlist")
+        if self.faults.strike():  # fault tests: cut the pull at a random point, as a peer failure would
+            pull = asyncio.ensure_future(self._pull(address, job))
+            await asyncio.wait({pull}, timeout=self.faults.delay_s())
+            pull.cancel()
+            with contextlib.suppress(BaseException):
+                await pull
+            raise KVTransferError("injected_fault", "injected KV-transfer fault (--kv-transfer-fault-rate)")
+        return await self._pull(address, job)
+
+    async def _pull(self, address: str, job: PullJob) -> PullResult:
         if self.link is None:
             return await self.grpc.pull(address, job)
         if self.choice == "auto":

@@ -185,8 +185,11 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
                 layout=layout_to_proto(self.layout), num_prompt_tokens=len(prompt),
                 num_blocks=total_blocks - request.skip_blocks, first_block=request.skip_blocks,
                 backend=BACKEND_ENUMS[backend]))
+            fault = self.ctx.faults.strike()  # fault tests: end this stream after its first KV or token
             while True:
                 item = await transfer.inbox.get()
+                if fault:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "injected KV-transfer fault")
                 if isinstance(item, _Staged):
                     for export in item.exports:
                         data = await loop.run_in_executor(self._serializer, self._to_bytes, export)

@@ -41,6 +41,7 @@ from engine.stats import EngineStats, FinishedRequestTiming
 from kvflow.auth import ClusterAuth, add_cluster_auth_args, public_info
 from kvflow.wire import layout_to_proto
 from kvflow.worker.events import KVEventHub
+from kvflow.worker.faults import FaultInjector
 from kvflow.worker.kv_link import PrefillLinks
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
@@ -184,6 +185,7 @@ class WorkerContext:
     admission: Admission = field(default_factory=Admission)
     # Called when --drain-timeout passed with requests still in flight: end them (each stream ends by itself).
     on_drain_timeout: list[Callable[[], None]] = field(default_factory=list)
+    faults: FaultInjector = field(default_factory=FaultInjector)  # --kv-transfer-fault-rate (fault tests only)
 
 
 class WorkerServicer:
@@ -217,6 +219,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="how prompt KV moves from prefill to decode workers: 'nccl' (a torch.distributed link: "
                              "NCCL between GPUs, gloo between CPU workers), 'grpc' (bytes in the gRPC stream), or "
                              "'auto' (NCCL between GPU workers, gRPC otherwise or when no link can be opened)")
+    parser.add_argument("--kv-transfer-fault-rate", type=float, default=0.0,
+                        help="fault testing only: fail this share of KV transfers at a random point (the decode "
+                             "side recomputes); 0 in production")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="seconds in-flight requests may still run after SIGTERM (new ones get UNAVAILABLE); "
                              "the rest are then aborted")
@@ -247,6 +252,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     auth = ClusterAuth.from_args(args)  # before the model loads: a bad flag fails at once
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    faults = FaultInjector(args.kv_transfer_fault_rate)
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
     llm_engine = await asyncio.to_thread(LLMEngine.from_engine_args, engine_args, True)
     model_name = engine_args.model
@@ -265,8 +271,9 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     advertised = args.advertise_address or address
     links = PrefillLinks(llm_engine.kv_port, advertised.rsplit(":", 1)[0])
     channels = ChannelPool(auth)
-    context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name, args.kv_transfer_backend, channels,
-                            links, auth=auth)
+    context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name,
+                            args.kv_transfer_backend, channels, links, auth=auth,
+                            faults=faults)
 
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
     add_servicers(server, context)
