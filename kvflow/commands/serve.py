@@ -65,6 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-transfer-backend", choices=KV_TRANSFER_BACKENDS, default="auto",
                    help="prefill -> decode KV: 'nccl' (torch.distributed link; gloo on CPU workers), 'grpc', or "
                         "'auto' (NCCL between GPU workers, gRPC otherwise)")
+    g.add_argument("--kv-transfer-fault-rate", type=float, default=0.0,
+                   help="fault testing only: the workers fail this share of KV transfers at a random point")
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
@@ -92,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
                        decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
                        kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth,
-                       drain_timeout_s=args.drain_timeout)
+                       drain_timeout_s=args.drain_timeout,
+                       worker_extra_args=("--kv-transfer-fault-rate", str(args.kv_transfer_fault_rate))
+                       if args.kv_transfer_fault_rate else ())
     cluster = WorkerCluster(spec)
     # Before the router runs (and after it stopped), SIGTERM acts like Ctrl-C; while it runs, it starts its drain.
     signal.signal(signal.SIGTERM, _raise_interrupt)
