@@ -240,6 +240,7 @@ def run_case(name: str, serve: Serve, reference: dict[str, str], prompts: list[s
     baseline_blocks = serve.free_blocks()
     restarts_before = serve.metric("kvflow:worker_restarts_total")
     migrations_before = serve.metric("kvflow:migrations_total")
+    retries_before = serve.metric("kvflow:router_retries_total")
     load = Load(prompts)
     started = time.monotonic()
     fault_at: list[float] = []
@@ -280,8 +281,10 @@ def run_case(name: str, serve: Serve, reference: dict[str, str], prompts: list[s
         "failed": len(prompts) - len(ok) - dropped, "success_rate": len(ok) / max(len(prompts) - dropped, 1),
         "text_mismatches": mismatched, "lost_tokens": lost, "duplicated_tokens": duplicated,
         "stranded_blocks": stranded, "stranded_blocks_total": sum(max(v, 0) for v in stranded.values()),
-        "worker_restarts": serve.metric("kvflow:worker_restarts_total") - restarts_before,
-        "migrations": serve.metric("kvflow:migrations_total") - migrations_before,
+        # After SIGTERM the router is gone: its counters can no longer be read.
+        "worker_restarts": None if final else serve.metric("kvflow:worker_restarts_total") - restarts_before,
+        "migrations": None if final else serve.metric("kvflow:migrations_total") - migrations_before,
+        "router_retries": None if final else serve.metric("kvflow:router_retries_total") - retries_before,
         "errors": sorted({r.error for r in load.results if r.error})[:5], "duration_s": round(duration, 2),
     }
     if final and fault_at:
@@ -291,7 +294,7 @@ def run_case(name: str, serve: Serve, reference: dict[str, str], prompts: list[s
                       refused_after_fault=sum(1 for r in load.results if r.first_token_at is None and not r.ok))
     log(f"{name}: {record['succeeded']}/{record['requests'] - dropped} ok, mismatched {mismatched}, lost {lost}, "
         f"duplicated {duplicated}, stranded {record['stranded_blocks_total']}, restarts {record['worker_restarts']}, "
-        f"migrations {record['migrations']}, errors {record['errors'][:2]}")
+        f"migrations {record['migrations']}, retries {record['router_retries']}, errors {record['errors'][:2]}")
     return record
 
 
@@ -334,8 +337,10 @@ def main() -> int:
 
         def kill(role: str) -> Any:
             def act() -> None:
-                victims = [p for r, _, p in serve.workers() if r == role]
-                victims[0].kill()
+                # The busiest one (fewest free KV blocks): the prefix-aware router may keep one worker idle.
+                free = serve.free_blocks()
+                victims = sorted((free.get(a, 0), a, p) for r, a, p in serve.workers() if r == role)
+                victims[0][2].kill()
             return act
 
         records.append(run_case("decode_kill", serve, reference, prompts, args.concurrency, kill("decode")))

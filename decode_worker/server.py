@@ -11,6 +11,7 @@ stream to the caller from this worker only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -20,11 +21,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_worker.allowlist import PrefillAllowlist
-from decode_worker.transports import KVTransports
+from decode_worker.transports import KVTransports, finish_uncancelled
 from engine.errors import InvalidRequest
 from engine.kv_transfer import DEFAULT_LEASE_S, KVTransferError, PullJob
 from engine.llm_engine import LLMEngine, RemoteSlot
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvflow.wire import logprobs_to_proto, sampling_params_from_proto
 from kvflow.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
@@ -89,6 +90,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         stream = self.engine.open_stream(request_id)
         self._active.add(request_id)
         finished = False
+        pull: asyncio.Future | None = None
         try:
             try:
                 slot = await self.engine.call(admit)
@@ -98,11 +100,21 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             admitted = time.perf_counter() - arrival
             path, pull_s, transfer_s, remote_cached, remote = pb.PREFILL_PATH_LOCAL, 0.0, 0.0, 0, None
             if slot is not None:
-                path, pull_s, transfer_s, remote_cached, remote = await self._pull(address, slot, extra_keys)
+                # The pull runs beside the stream: the prefill worker's first token streams as soon as it arrives,
+                # while its KV is still landing.
+                pull = asyncio.ensure_future(self._pull(address, slot, extra_keys))
             choices = [_Choice(num_tokens=len(resumed)) for _ in range(params.n)]  # resumed ones were sent
             first_token_s: float | None = None
             while True:
-                item = await stream.get()
+                if pull is not None:
+                    item = await self._next_during_pull(stream, pull)
+                    if pull.done():
+                        path, pull_s, transfer_s, remote_cached, remote = pull.result()
+                        pull = None
+                    if item is None:
+                        continue
+                else:
+                    item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     yield pb.GenerateResponse(request_id=request_id, error=pb.GenerateError(
@@ -132,11 +144,29 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                         item, choices, usage, timings, path, len(resumed)))
                     return
         finally:
+            if pull is not None and not pull.done():  # no write into the request's blocks may outlive it
+                pull.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # the cleanup below must still run
+                    await finish_uncancelled(pull)
             self._active.discard(request_id)
             self._drained.discard(request_id)
             self.engine.close_stream(request_id)
             if not finished:  # the caller went away (or we failed): free the request's blocks now
                 self.engine.submit(lambda e: e.abort_request(request_id))
+
+    @staticmethod
+    async def _next_during_pull(stream: asyncio.Queue, pull: asyncio.Future) -> object | None:
+        """The stream's next item, or None when the pull finished first (its result is then due)."""
+        getter = asyncio.ensure_future(stream.get())
+        done, _ = await asyncio.wait({getter, pull}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await getter
+        if not getter.cancelled():  # it got an item as it was being cancelled
+            return getter.result()
+        return None
 
     async def _pull(self, address: str, slot: RemoteSlot, extra_keys: tuple[str, ...]
                     ) -> tuple[int, float, float, int, pb.Timings | None]:
@@ -147,7 +177,10 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         request_id = slot.request_id
         job = PullJob(request_id, slot.prompt_token_ids, slot.params, slot.block_ids, slot.num_cached_blocks,
                       extra_keys, DEFAULT_LEASE_S)
-        task = asyncio.ensure_future(self.transports.pull(address, job))
+        async def take_first_token(token: int, logprobs: PositionLogprobs | None, sampler_state: bytes) -> None:
+            await self.engine.call(lambda e: e.take_remote_first_token(request_id, token, logprobs, sampler_state))
+
+        task = asyncio.ensure_future(self.transports.pull(address, job, take_first_token))
         self._pulls[request_id] = task
         try:
             result = await task

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -26,6 +27,7 @@ import torch
 from decode_worker.allowlist import PrefillAllowlist
 from engine.kv_port import KVPort
 from engine.kv_transfer import KVSlice, KVTransferError, PullJob, PullResult, check_slice
+from engine.outputs import PositionLogprobs
 from kvflow.wire import (
     BACKEND_ENUMS,
     BACKEND_NAMES,
@@ -68,10 +70,16 @@ async def finish_uncancelled(future: asyncio.Future) -> object:
     return result
 
 
+# Called with the prefill worker's first token (id, logprobs, sampler state) as soon as it arrives, when that is
+# before the KV has landed (link transports), so that the token can stream while the transfer finishes.
+FirstTokenCallback = Callable[[int, PositionLogprobs | None, bytes], Awaitable[None]]
+
+
 class KVTransport(Protocol):
     backend: str
 
-    async def pull(self, address: str, job: PullJob) -> PullResult: ...
+    async def pull(self, address: str, job: PullJob, on_first_token: FirstTokenCallback | None = None
+                   ) -> PullResult: ...
 
     async def close(self) -> None: ...
 
@@ -108,9 +116,12 @@ class _PrefillStream:
                                                 f"+{len(job.block_ids) - job.skip_blocks})")
         self.header_seen = True
 
+    @staticmethod
+    def first_token_logprobs(done: pb.PrefillDone) -> PositionLogprobs | None:
+        return logprobs_from_proto(done.first_token_logprob) if done.HasField("first_token_logprob") else None
+
     def result(self, done: pb.PrefillDone, num_bytes: int, started: float, wire_seconds: float) -> PullResult:
-        logprobs = logprobs_from_proto(done.first_token_logprob) if done.HasField("first_token_logprob") else None
-        return PullResult(done.first_token_id, logprobs, len(self.job.block_ids) - self.job.skip_blocks, num_bytes,
+        return PullResult(done.first_token_id, self.first_token_logprobs(done), len(self.job.block_ids) - self.job.skip_blocks, num_bytes,
                           done.num_cached_tokens, time.perf_counter() - started, wire_seconds, self.backend,
                           done.sampler_state, done.timings if done.HasField("timings") else None)
 
@@ -138,7 +149,9 @@ class GrpcKVTransport:
         with self.port.transfer_stream(self._stream):
             self.port.import_(block_ids, part, self.port.wire_from_bytes(part, data)).wait()
 
-    async def pull(self, address: str, job: PullJob) -> PullResult:
+    async def pull(self, address: str, job: PullJob, on_first_token: FirstTokenCallback | None = None
+                   ) -> PullResult:
+        # The first token comes after the KV on this stream: no early delivery (the caller takes it from the result).
         started = time.perf_counter()
         reader = _PrefillStream(job, self.port, self.backend)
         stub = kvflow_pb2_grpc.PrefillStub(self._channels.get(address))
@@ -192,7 +205,8 @@ class LinkKVTransport:
         self._channels = channels
         self.links = DecodeLinks(port, worker_id, channels.get)
 
-    async def pull(self, address: str, job: PullJob) -> PullResult:
+    async def pull(self, address: str, job: PullJob, on_first_token: FirstTokenCallback | None = None
+                   ) -> PullResult:
         started = time.perf_counter()
         link = await self.links.get(address)
         waiter = link.expect(job.request_id, job.block_ids, job.skip_blocks)
@@ -208,6 +222,9 @@ class LinkKVTransport:
                 finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in finished:
                     future.result()  # raises its failure
+                if first_token in finished and on_first_token is not None and pending:
+                    done = first_token.result()
+                    await on_first_token(done.first_token_id, reader.first_token_logprobs(done), done.sampler_state)
             return reader.result(first_token.result(), waiter.received_bytes, started, waiter.wire_seconds)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(address, exc) from exc
@@ -259,19 +276,20 @@ class KVTransports:
         use_link = choice == "nccl" or (choice == "auto" and port.on_cuda and link_backend_available(port.device))
         self.link = LinkKVTransport(port, worker_id, channels) if use_link else None
 
-    async def pull(self, address: str, job: PullJob) -> PullResult:
+    async def pull(self, address: str, job: PullJob, on_first_token: FirstTokenCallback | None = None
+                   ) -> PullResult:
         if not await self.allowlist.allows(address):
             raise KVTransferError("prefill_not_allowed", f"prefill address {address} is not in --prefill-allowlist")
         if self.faults.strike():  # fault tests: cut the pull at a random point, as a peer failure would
-            pull = asyncio.ensure_future(self._pull(address, job))
+            pull = asyncio.ensure_future(self._pull(address, job, on_first_token))
             await asyncio.wait({pull}, timeout=self.faults.delay_s())
             pull.cancel()
             with contextlib.suppress(BaseException):
                 await pull
             raise KVTransferError("injected_fault", "injected KV-transfer fault (--kv-transfer-fault-rate)")
-        return await self._pull(address, job)
+        return await self._pull(address, job, on_first_token)
 
-    async def _pull(self, address: str, job: PullJob) -> PullResult:
+    async def _pull(self, address: str, job: PullJob, on_first_token: FirstTokenCallback | None) -> PullResult:
         if self.link is None:
             return await self.grpc.pull(address, job)
         if self.choice == "auto":
@@ -279,7 +297,7 @@ class KVTransports:
                 await self.link.links.get(address)
             except KVTransferError:
                 return await self.grpc.pull(address, job)  # no GPU path to this peer
-        return await self.link.pull(address, job)
+        return await self.link.pull(address, job, on_first_token)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -216,12 +216,39 @@ class LLMEngine:
         if state is None:
             return  # aborted meanwhile
         sample = state.samples[0]
+        taken_early = sample.request.num_output_tokens > 0
         self.scheduler.resume_remote(sample.request, first_token, sampler_state)
+        if taken_early:
+            return  # absorbed and delivered by `take_remote_first_token`
         self._absorb(state, sample, logprobs, None)
         if state.finished:
             self._pending_outputs.append(self._finish_state(state))
         elif state.output_kind != "final":
             self._pending_outputs.append(self._make_output(state, finished=False))
+
+    def take_remote_first_token(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
+                                sampler_state: bytes = b"") -> bool:
+        """The prefill worker sampled the first token; its KV is still on the way. Deliver the token now (TTFT is
+        then the prefill worker's, not prefill + transfer) and keep waiting for the KV before decoding on.
+
+        Declined (False) when the token would end the request or the request has stop strings (either ends it,
+        which must wait until no transfer writes into its blocks): `finish_remote_prefill` then takes the token.
+        Taken, it stays taken whatever the transfer does: `fail_remote_prefill` recomputes the prompt and this
+        token, and sampling continues from the prefill side's generator state."""
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        sample = state.samples[0]
+        request = sample.request
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV or request.num_output_tokens \
+                or request.sampling_params.stop:
+            return False
+        if not self.scheduler.take_remote_first_token(request, first_token, sampler_state):
+            return False
+        self._absorb(state, sample, logprobs, None)
+        if state.output_kind != "final":
+            self._pending_outputs.append(self._make_output(state, finished=False))
+        return True
 
     def sampler_state(self, request_id: str) -> bytes:
         """Prefill side: the request's seeded generator state (empty if unseeded); read it right after the step
@@ -229,7 +256,8 @@ class LLMEngine:
         return self.runner.generator_state(request_id)
 
     def fail_remote_prefill(self, request_id: str) -> None:
-        """The prefill worker failed: recompute the prompt here (its reserved blocks are dropped)."""
+        """The prefill worker failed: recompute the prompt here (its reserved blocks are dropped), with the first
+        token if `take_remote_first_token` took it."""
         state = self._states.get(request_id)
         if state is not None and state.samples[0].request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             self.scheduler.requeue_remote(state.samples[0].request)

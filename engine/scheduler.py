@@ -87,14 +87,31 @@ class Scheduler:
         self.remote_waiting[request.request_id] = request
         return True
 
+    def take_remote_first_token(self, request: Request, first_token: int, sampler_state: bytes = b"") -> bool:
+        """The prefill worker's first token, arriving before the prompt's KV: count it as output now, so that it
+        streams at once. Declined (False, nothing changed) when the token ends the request: ending it frees blocks
+        that the transfer may still be writing, so that case waits for `resume_remote` as before."""
+        request.append_output_token(first_token)
+        if self._check_stop(request, first_token) is not None:
+            request.output_token_ids.pop()
+            request.all_token_ids.pop()
+            request.stop_reason = None
+            return False
+        request.remote_sampler_state = sampler_state
+        return True
+
     def resume_remote(self, request: Request, first_token: int, sampler_state: bytes = b"") -> None:
         """The prompt's KV is in the reserved blocks: run on as a decoding request with its first token (and the
         prefill side's generator state, handed to the runner with the request's `NewRequestData`)."""
         del self.remote_waiting[request.request_id]
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_time = time.monotonic()
-        request.remote_sampler_state = sampler_state
         self.kv.cache_blocks(request)
+        if request.num_output_tokens:  # the first token was taken early (a remote request has no other output)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            return
+        request.remote_sampler_state = sampler_state
         request.append_output_token(first_token)
         status = self._check_stop(request, first_token)
         if status is not None:

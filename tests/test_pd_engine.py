@@ -132,3 +132,61 @@ def test_kv_port_rejects_bad_payloads() -> None:
         port.export([1, 2], part)
     with pytest.raises(KVTransferError, match="does not match"):
         port.import_([1], part, port.empty_wire(KVSlice(0, 2, 0, layout.num_layers)))
+
+
+@pytest.mark.parametrize("seed,temperature,transfer_fails", [(None, 0.0, False), (None, 0.0, True),
+                                                             (5, 0.9, False), (5, 0.9, True)])
+def test_first_token_streams_before_the_kv(engines, seed, temperature, transfer_fails) -> None:  # noqa: ANN001
+    """The prefill worker's first token is delivered while the KV is still landing; decoding waits for the KV,
+    and a transfer that then fails recomputes the prompt and that token: the output is the unified one."""
+    prefill, decode, unified = engines
+    prompt = prompts()[3]
+    params = dict(max_tokens=6, temperature=temperature, seed=seed)
+    rid = f"early-{seed}-{transfer_fails}"
+    unified.add_request(rid, prompt, SamplingParams(**params))
+    expected = run_to_end(unified, rid)
+
+    slot = decode.add_remote_prefill_request(rid, prompt, SamplingParams(**params), output_kind="delta")
+    assert slot is not None
+    prefill.add_request(rid, prompt, SamplingParams(**{**params, "max_tokens": 1}), kv_lease_s=10)
+    first = run_to_end(prefill, rid)[0]
+    sampler_state = prefill.sampler_state(rid)
+    assert first == expected[0]
+
+    assert decode.take_remote_first_token(rid, first, None, sampler_state)
+    early = decode.take_pending_outputs()
+    assert [o.outputs[0].token_ids for o in early] == [[first]] and not early[0].finished
+    assert not decode.take_remote_first_token(rid, first, None, sampler_state), "taken once"
+    for _ in range(3):  # no decoding before the KV is there
+        assert all(o.request_id != rid for o in decode.step())
+    if transfer_fails:
+        decode.fail_remote_prefill(rid)
+    else:
+        held = prefill.kv_block_ids(rid)
+        part = KVSlice(slot.num_cached_blocks, len(held) - slot.num_cached_blocks, 0, prefill.kv_port.layout.num_layers)
+        export = prefill.kv_port.export(held[part.first_block :], part)
+        assert decode.kv_port.import_(slot.block_ids[part.first_block :], part, export.tensor).wait()
+        decode.finish_remote_prefill(rid, first, None, sampler_state)
+    prefill.release_kv(rid)
+    tokens: list[int] = [first]
+    for _ in range(1000):
+        outputs = [o for o in decode.step() if o.request_id == rid]
+        for output in outputs:
+            tokens = output.outputs[0].token_ids
+        if outputs and outputs[-1].finished:
+            break
+    assert tokens == expected
+
+
+def test_first_token_that_ends_the_request_waits_for_the_kv() -> None:
+    decode = make()
+    prompt = prompts()[2]
+    cases = {"length": (SamplingParams(max_tokens=1), 7), "stop-id": (SamplingParams(stop_token_ids=[7]), 7),
+             "stop-string": (SamplingParams(max_tokens=5, stop=["zz"]), 7)}
+    for name, (params, token) in cases.items():
+        slot = decode.add_remote_prefill_request(name, prompt, params)
+        assert slot is not None
+        assert not decode.take_remote_first_token(name, token, None), name
+        assert decode.take_pending_outputs() == []
+        decode.abort_request(name)
+        decode.take_pending_outputs()
