@@ -9,6 +9,7 @@ import os
 import sys
 
 from engine.errors import ModelNotAvailable
+from kvflow.lifeline import die_with_parent_if_asked
 
 # Each module defines register(subparsers) -> None and sets a `handler` default on its parser.
 COMMAND_MODULES = [
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -21,8 +21,6 @@ drain first, then workers).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import dataclasses
 import logging
 import math
@@ -42,6 +40,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
 from kvflow.auth import TOKEN_ENV, ClusterAuth
+from kvflow.lifeline import lifeline_env
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -79,12 +78,6 @@ def engine_argv(args: EngineArgs) -> list[str]:
         elif value is not None:
             out += [flag, str(value)]
     return out
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM the child if the launcher dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -253,9 +246,10 @@ class WorkerCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop(TOKEN_ENV, None)  # the spec's credential only
         env.update(self.spec.auth.env())
+        env.update(lifeline_env())  # the child dies with us (kvflow/lifeline.py: why not a preexec_fn)
         with open(log_path, log_mode) as log:  # own session: a terminal's Ctrl-C goes to the launcher only
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent, env=env, start_new_session=True)
+                                    env=env, start_new_session=True)
 
     def worker_argv(self, index: int, placement: Placement, port: int) -> list[str]:
         """The command line of one worker (its engine flags, placement and role options)."""
