@@ -309,13 +309,18 @@ def wait_workers(serve: Serve, count: int, timeout_s: float = 300) -> None:
     raise TimeoutError("workers did not come back")
 
 
+CASES = ("decode_kill", "prefill_kill", "redis_kill", "client_disconnect", "sigterm", "transfer_faults_5pct")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=40, help="requests per case")
     parser.add_argument("--fault-requests", type=int, default=1000, help="requests of the 5 %% fault case")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos_smollm2_cpu.json")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="a subset (default: all)")
     args = parser.parse_args()
+    wanted = set(args.cases)
     workdir = Path(tempfile.mkdtemp(prefix="kvflow-chaos-"))
     redis = Redis(workdir)
     redis.start()
@@ -329,7 +334,7 @@ def main() -> int:
         serve.wait()
         log(f"kvflow serve up ({serve.url}); reference run")
         reference: dict[str, str] = {}
-        for batch in (prompts, long_prompts, fault_prompts[:100]):  # faults: a checked sample
+        for batch in (prompts, long_prompts, fault_prompts[:100] if "transfer_faults_5pct" in wanted else []):  # faults: a checked sample
             calm = Load(batch)
             asyncio.run(drive(serve.url, calm, args.concurrency))
             reference.update({p: r.text for p, r in zip(batch, calm.results, strict=True) if r.ok})
@@ -343,38 +348,48 @@ def main() -> int:
                 victims[0][2].kill()
             return act
 
-        records.append(run_case("decode_kill", serve, reference, prompts, args.concurrency, kill("decode")))
-        wait_workers(serve, 3)
-        records.append(run_case("prefill_kill", serve, reference, long_prompts, args.concurrency, kill("prefill"),
-                                fault_after_streams=0))
-        wait_workers(serve, 3)
+        if "decode_kill" in wanted:
+            records.append(run_case("decode_kill", serve, reference, prompts, args.concurrency, kill("decode")))
+            wait_workers(serve, 3)
+        if "prefill_kill" in wanted:
+            records.append(run_case("prefill_kill", serve, reference, long_prompts, args.concurrency,
+                                    kill("prefill"), fault_after_streams=0))
+            wait_workers(serve, 3)
 
         def redis_flap() -> None:
             redis.kill()
             time.sleep(3)
             redis.start()
 
-        records.append(run_case("redis_kill", serve, reference, prompts, args.concurrency, redis_flap))
-        records.append(run_case("client_disconnect", serve, reference, prompts, args.concurrency, drop_every=2))
-        sigterm_start = time.monotonic()
-        records.append(run_case("sigterm", serve, reference, prompts, args.concurrency,
-                                lambda: serve.process.send_signal(signal.SIGTERM), fault_after_streams=4,
-                                final=True))
-        serve.process.wait(120)
-        records[-1]["serve_exit_code"] = serve.process.returncode
-        records[-1]["shutdown_s"] = round(time.monotonic() - sigterm_start, 1)
-        records[-1]["stranded_blocks"] = {}  # the cluster is gone: nothing to strand
-        records[-1]["stranded_blocks_total"] = 0
-        leftover = [p.pid for p in psutil.process_iter(["cmdline"])
-                    if p.info["cmdline"] and str(workdir) in " ".join(p.info["cmdline"])]
-        records[-1]["leftover_processes"] = leftover
+        if "redis_kill" in wanted:
+            records.append(run_case("redis_kill", serve, reference, prompts, args.concurrency, redis_flap))
+        if "client_disconnect" in wanted:
+            records.append(run_case("client_disconnect", serve, reference, prompts, args.concurrency,
+                                    drop_every=2))
+        if "sigterm" in wanted:
+            sigterm_start = time.monotonic()
+            records.append(run_case("sigterm", serve, reference, prompts, args.concurrency,
+                                    lambda: serve.process.send_signal(signal.SIGTERM), fault_after_streams=4,
+                                    final=True))
+            serve.process.wait(120)
+            records[-1]["serve_exit_code"] = serve.process.returncode
+            records[-1]["shutdown_s"] = round(time.monotonic() - sigterm_start, 1)
+            records[-1]["stranded_blocks"] = {}  # the cluster is gone: nothing to strand
+            records[-1]["stranded_blocks_total"] = 0
+            leftover = [p.pid for p in psutil.process_iter(["cmdline"])
+                        if p.info["cmdline"] and str(workdir) in " ".join(p.info["cmdline"])]
+            records[-1]["leftover_processes"] = leftover
+        else:
+            serve.stop()
 
-        faulty = Serve(workdir, redis, token, "--kv-transfer-fault-rate", "0.05")
-        try:
-            faulty.wait()
-            records.append(run_case("transfer_faults_5pct", faulty, reference, fault_prompts, args.concurrency))
-        finally:
-            faulty.stop()
+        if "transfer_faults_5pct" in wanted:
+            faulty = Serve(workdir, redis, token, "--kv-transfer-fault-rate", "0.05")
+            try:
+                faulty.wait()
+                records.append(run_case("transfer_faults_5pct", faulty, reference, fault_prompts,
+                                        args.concurrency))
+            finally:
+                faulty.stop()
     finally:
         serve.stop()
         redis.kill()
