@@ -184,12 +184,7 @@ def test_stream_options(router: RouterHarness) -> None:
     (COMPLETIONS, {"best_of": 3}, "best_of"),
     (COMPLETIONS, {"best_of": 2, "n": 3}, "best_of"),
     (COMPLETIONS, {"suffix": "tail"}, "suffix"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    (CHAT, {"response_format": "text"}, "response_format"),
-    (COMPLETIONS, {"guided_json": {}}, "guided_json"),
+    (COMPLETIONS, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_unimplemented_fields_are_refused_not_ignored(router: RouterHarness, path: str, extra: dict[str, Any],
