@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Imported with the router, not lazily: importing xgrammar (and so transformers) in the event loop while the
+# tokenizer pool's threads import transformers races transformers' lazy module (an ImportError).
+import xgrammar  # noqa: F401
+
 from engine.errors import InvalidRequest
 from engine.structured_output import StructuredOutputsParams, check_grammar_syntax
 from router.errors import BadRequest
