@@ -152,8 +152,12 @@ def _short(exc: Exception) -> str:
 class StructuredOutputManager:
     """One per engine: compiled grammars (cached per distinct constraint), matchers, and the batch bitmask."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, max_threads: int = 2,
+                 tokenizer_info: Any = None) -> None:
+        """`tokenizer_info`: an xgrammar TokenizerInfo to use instead of one read from `tokenizer` (a benchmark
+        on a random-weight model without a tokenizer)."""
         self.tokenizer = tokenizer
+        self.tokenizer_info = tokenizer_info
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.max_threads = max_threads
@@ -166,11 +170,14 @@ class StructuredOutputManager:
         if self._compiler is None:
             import xgrammar as xgr
 
-            if self.tokenizer is None:
-                raise InvalidRequest("structured output needs the model's tokenizer, and this model has none", PARAM)
-            stop = [self.eos_token_id] if self.eos_token_id is not None else None
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=stop)
+            info = self.tokenizer_info
+            if info is None:
+                if self.tokenizer is None:
+                    raise InvalidRequest("structured output needs the model's tokenizer, and this model has none",
+                                         PARAM)
+                stop = [self.eos_token_id] if self.eos_token_id is not None else None
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=stop)
             self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
         return self._compiler
 
@@ -225,8 +232,8 @@ class StructuredOutputManager:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
         bitmask = self._bitmask
         for row, matcher in constrained:
-            if matcher.is_terminated():
-                bitmask[row].zero_()
+            if matcher.is_terminated():  # only end-of-sequence (if the model has none: nothing left to forbid)
+                bitmask[row].fill_(0 if self.eos_token_id is not None else -1)
                 if self.eos_token_id is not None:
                     bit = 1 << (self.eos_token_id % 32)
                     bitmask[row, self.eos_token_id // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32

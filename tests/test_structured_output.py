@@ -73,7 +73,10 @@ def test_the_batched_sampler_masks_only_constrained_rows() -> None:
 
 # ---- parameters and the wire -----------------------------------------------------------------------------------
 def test_params_validate_and_travel_on_the_wire() -> None:
-    assert GuidedDecodingParams is StructuredOutputsParams
+    import kvflow
+    from kvflow.sampling_params import GuidedDecodingParams as VllmSpelling
+
+    assert GuidedDecodingParams is StructuredOutputsParams is VllmSpelling is kvflow.GuidedDecodingParams
     params = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(json=PERSON))
     assert params.structured_outputs is not None and params.guided_decoding is params.structured_outputs
     for constraint in (StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
