@@ -160,7 +160,7 @@ def main() -> None:
                      "request": "chat, response_format json_schema, temperature 0",
                      "max_tokens": args.max_tokens, "concurrency": args.concurrency},
         "device": {"kind": "cpu", "processor": platform.processor() or platform.machine(),
-                   "cpus": os.cpu_count()},
+                   "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
         "paths": {},
     }
     for path in args.paths:
