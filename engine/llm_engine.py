@@ -25,6 +25,7 @@ from engine.sampler import seeded_generator_state
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, FinishedRequestTiming
+from engine.structured_output import StructuredOutputManager
 from engine.swap_space import SwapSpace
 from engine.tokenizer import load_tokenizer
 
@@ -110,6 +111,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, SwapSpace(num_swap) if num_swap else None)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path)
         self.eos_token_id = self._eos_token_id()
+        self.structured_output = StructuredOutputManager(self.tokenizer, config.model.arch.vocab_size,
+                                                         self.eos_token_id)
+        self.runner.structured_output = self.structured_output
         self.generation_defaults: dict[str, Any] = {}
         if config.model.generation_config == "auto":
             self.generation_defaults = load_generation_defaults(config.model.model_path)
@@ -319,6 +323,8 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:  # an index past the logits would crash the step
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         params = params.with_defaults(self.generation_defaults)
+        if params.structured_outputs is not None:  # compiled once per distinct constraint; a bad one is a 400
+            self.structured_output.compile(params.structured_outputs)
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         resumed = list(resumed or [])

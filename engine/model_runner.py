@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,8 +42,9 @@ from engine.outputs import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from engine.sampler import Sampler, SamplingRow, gather_logprobs
+from engine.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputManager
 from kernels._triton import HAS_TRITON
 
 logger = logging.getLogger(__name__)
@@ -117,6 +119,12 @@ class RunnerRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: Any = None  # xgrammar GrammarMatcher of a structured-output request
+
+    def record(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        if self.matcher is not None:
+            self.matcher.accept_token(token)
 
 
 @dataclass
@@ -182,6 +190,7 @@ class ModelRunner:
         logger.info("loaded %s (%.1fM params, %s) in %.1fs", config.model.model, arch.num_params / 1e6,
                     config.model.dtype, time.perf_counter() - started)
         self.sampler = Sampler(config.model.seed, self.device)
+        self.structured_output: StructuredOutputManager | None = None  # the engine sets it (it owns the tokenizer)
         self.requests: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[KVCache] = []
         self.swap_caches: list[KVCache] = []
@@ -335,7 +344,8 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in so.new_requests:
             self.requests[new.request_id] = RunnerRequestState(
-                new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), self._generator(new))
+                new.sampling_params, new.prompt_token_ids, list(new.output_token_ids), self._generator(new),
+                self._matcher(new))
         self._swap(so.blocks_to_swap_out, to_cpu=True)
         self._swap(so.blocks_to_swap_in, to_cpu=False)
         if self.graphs is not None and so.chunks and not so.blocks_to_swap_in and not so.blocks_to_swap_out:
@@ -405,8 +415,16 @@ class ModelRunner:
             self._step_done.synchronize()
         token_list = tokens.tolist()  # the step's one host sync
         for state, token in zip(states, token_list, strict=True):
-            state.output_token_ids.append(token)
+            state.record(token)
         return ModelRunnerOutput(dict(zip(sample_ids, token_list, strict=True)), logprobs, prompt_logprobs)
+
+    def _matcher(self, new: NewRequestData) -> Any:
+        guided = new.sampling_params.structured_outputs
+        if guided is None:
+            return None
+        if self.structured_output is None:
+            raise RuntimeError("a structured-output request reached a runner without a StructuredOutputManager")
+        return self.structured_output.new_matcher(guided, new.output_token_ids)
 
     def _generator(self, new: NewRequestData) -> torch.Generator | None:
         seed = new.sampling_params.seed
@@ -430,7 +448,12 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], states: list[RunnerRequestState]
                 ) -> tuple[torch.Tensor, dict[str, PositionLogprobs]]:
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states]
-        tokens = self.sampler.sample(logits, rows)
+        grammar = None
+        constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
+        if constrained and self.structured_output is not None:  # host work, overlapping the GPU's forward
+            bitmask = self.structured_output.fill_bitmask(len(states), constrained)
+            grammar = GrammarMask(bitmask, [i for i, _ in constrained])
+        tokens = self.sampler.sample(logits, rows, grammar)
         logprobs: dict[str, PositionLogprobs] = {}
         wants = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if wants:
@@ -467,7 +490,7 @@ class ModelRunner:
         ids = [chunk.request_id for chunk in chunks]
         states = [self.requests[rid] for rid in ids]
         plain_greedy = all(s.params.is_greedy and not s.params.needs_penalties and not s.params.logit_bias
-                           and s.params.logprobs is None for s in states)
+                           and s.params.logprobs is None and s.matcher is None for s in states)
         logprobs: dict[str, PositionLogprobs] = {}
         if plain_greedy:
             tokens = result.tokens  # the sampler would take the same argmax of the same logits
@@ -480,7 +503,7 @@ class ModelRunner:
         if self.ahead is not None:
             self.ahead.tokens = token_list
         for state, token in zip(states, token_list, strict=True):
-            state.output_token_ids.append(token)
+            state.record(token)
         return ModelRunnerOutput(dict(zip(ids, token_list, strict=True)), logprobs, {})
 
     def _queue_ahead(self, chunks: list[ScheduledChunk], positions: list[int], states: list[RunnerRequestState],

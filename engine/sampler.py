@@ -1,4 +1,4 @@
-"""Batched sampling: logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: grammar bitmasks (structured output), logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Everything runs as whole-batch tensor ops on the logits' device; the only per-row loop draws the uniform number of
 rows with their own seed, so a seeded request samples the same tokens whatever batch it lands in.
@@ -12,6 +12,16 @@ import torch
 
 from engine.outputs import Logprob, PositionLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_bitmask
+
+
+@dataclass(frozen=True)
+class GrammarMask:
+    """The batch's one token bitmask (int32 [B, ceil(V / 32)]) and the rows it constrains; other rows are not
+    touched, so unconstrained requests pay nothing per row."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
 
 
 @dataclass
@@ -92,8 +102,12 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """logits [B, V] float32 -> next token ids [B] (on the logits' device)."""
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarMask | None = None
+               ) -> torch.Tensor:
+        """logits [B, V] float32 -> next token ids [B] (on the logits' device). `grammar` masks the constrained
+        rows' disallowed tokens to -inf first (in place), as vLLM applies its bitmask before the sampler."""
+        if grammar is not None and grammar.rows:
+            apply_bitmask(logits, grammar.bitmask, grammar.rows)
         logits = apply_logit_bias(logits, rows)
         if any(r.params.needs_penalties for r in rows):
             logits = apply_penalties(logits, rows)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequest
+from engine.structured_output import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default --max-logprobs)
@@ -36,10 +37,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
+    # Guided decoding (vLLM's name; `guided_decoding=` is accepted as its older spelling).
+    structured_outputs: StructuredOutputsParams | None = None
     # Fields the user set explicitly; generation_config defaults fill only the others.
     _explicit: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __init__(self, **kwargs: Any) -> None:
+        if "guided_decoding" in kwargs:  # vLLM before 0.10.2
+            if kwargs.get("structured_outputs") is not None:
+                raise InvalidRequest("give structured_outputs or guided_decoding, not both", "guided_decoding")
+            kwargs = {**kwargs, "structured_outputs": kwargs["guided_decoding"]}
+            del kwargs["guided_decoding"]
         names = {f.name for f in dataclasses.fields(self)} - {"_explicit"}
         unknown = set(kwargs) - names
         if unknown:
@@ -54,11 +62,17 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = self.logit_bias or None  # {} biases nothing
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def guided_decoding(self) -> StructuredOutputsParams | None:
+        return self.structured_outputs
 
     @property
     def needs_penalties(self) -> bool:

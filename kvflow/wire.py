@@ -16,6 +16,7 @@ from engine.errors import InvalidRequest
 from engine.kv_transfer import KVLayout
 from engine.outputs import Logprob, PositionLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
 _NEGATED = {"skip_special_tokens": "skip_special_tokens_false"}
@@ -41,6 +42,32 @@ BACKEND_ENUMS = {"grpc": pb.KV_TRANSFER_BACKEND_GRPC, "nccl": pb.KV_TRANSFER_BAC
 
 
 # ---- sampling parameters ---------------------------------------------------------------------------------------
+def structured_outputs_to_proto(params: StructuredOutputsParams) -> pb.StructuredOutputs:
+    out = pb.StructuredOutputs(disable_any_whitespace=params.disable_any_whitespace)
+    kind = params.kind
+    if kind == "json":
+        out.json = params.schema_text()
+    elif kind == "choice":
+        out.choice.choices.extend(params.choice or [])
+    elif kind == "json_object":
+        out.json_object = True
+    else:
+        setattr(out, kind, getattr(params, kind))
+    return out
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("structured_outputs sets no constraint", "structured_outputs")
+    value: Any = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutputsParams(**{kind: value}, disable_any_whitespace=msg.disable_any_whitespace)
+
+
+# Message-typed sampling fields: (engine -> proto, proto -> engine).
+_MESSAGES = {"structured_outputs": (structured_outputs_to_proto, structured_outputs_from_proto)}
+
+
 def sampling_kwargs_from_proto(msg: pb.SamplingParams) -> dict[str, Any]:
     """The fields the sender set, as `SamplingParams` keyword arguments (unset ones keep engine defaults, and
     generation-config defaults may fill them, as in vLLM)."""
@@ -53,7 +80,7 @@ def sampling_kwargs_from_proto(msg: pb.SamplingParams) -> dict[str, Any]:
                 kwargs[name] = dict(value) if hasattr(value, "items") else list(value)
         elif _MESSAGE_FIELDS[wire_name].has_presence:
             if msg.HasField(wire_name):
-                kwargs[name] = value
+                kwargs[name] = _MESSAGES[name][1](value) if name in _MESSAGES else value
         elif value:  # plain proto3 scalars: the zero value means "not set"
             kwargs[name] = not value if name in _NEGATED else value
     for name, value in kwargs.items():
@@ -78,6 +105,8 @@ def sampling_params_to_proto(params: SamplingParams, explicit_only: bool = False
             continue
         if name in _NEGATED:
             setattr(out, _NEGATED[name], not value)
+        elif name in _MESSAGES:
+            getattr(out, name).CopyFrom(_MESSAGES[name][0](value))
         elif isinstance(value, dict):
             getattr(out, name).update(value)
         elif isinstance(value, list):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.routing.policy import POLICY_NAMES
 from engine.sampling_params import MAX_LOGPROBS
 from kvflow.auth import ClusterAuth
+from router.tool_calls import TOOL_CALL_PARSERS
 
 DISCOVERY_KINDS = ("static", "redis", "kubernetes")
 
@@ -47,6 +48,8 @@ class RouterConfig:
     request_body_timeout_s: float = 30.0  # a body still arriving after this: 408
     trust_request_chat_template: bool = False  # accept a request's own `chat_template` (it runs on the router)
     chat_template_timeout_s: float = 5.0  # a chat template render running longer fails the request (400)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag); needs tool_call_parser
+    tool_call_parser: str | None = None  # router.tool_calls.TOOL_CALL_PARSERS
 
     def validate(self) -> None:
         if self.routing not in POLICY_NAMES:
@@ -70,6 +73,12 @@ class RouterConfig:
             raise ValueError("max_attempts must be >= 1")
         if self.max_migrations < 0:
             raise ValueError("--max-migrations must be >= 0")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if self.max_n < 1:
             raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

@@ -61,6 +61,7 @@ from router.openai_protocol import (
     stop_reason,
     usage_json,
 )
+from router.tool_calls import ToolStream, chat_message
 
 logger = logging.getLogger(__name__)
 PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
@@ -262,7 +263,8 @@ async def _prepare(router: Router, parsed: ParsedRequest, request_id: str) -> _P
     if parsed.messages is not None:
         try:
             text, ids = await tokenizers.run(tokenizers.chat_prompt, parsed.messages, parsed.add_generation_prompt,
-                                             parsed.chat_template, router.config.chat_template_timeout_s)
+                                             parsed.chat_template, router.config.chat_template_timeout_s,
+                                             parsed.tools.tools if parsed.tools is not None else None)
         except InvalidRequest as exc:  # the template failed on these messages (or is the request's own)
             raise BadRequest(str(exc), exc.param or ("chat_template" if parsed.chat_template else "messages")) \
                 from exc
@@ -338,8 +340,10 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool,
         usage.cached_tokens += complete.usage.cached_tokens
         for choice in complete.choices:
             index = i * n + choice.index
+            finish = FINISH.get(choice.finish_reason)
             if chat:
-                item: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": choice.text},
+                message, finish = chat_message(parsed.tools, choice.text, finish)
+                item: dict[str, Any] = {"index": index, "message": message,
                                         "logprobs": chat_logprobs(list(choice.logprobs), decode, parsed.logprobs or 0)
                                         if parsed.logprobs is not None else None}
             else:
@@ -347,7 +351,7 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool,
                 item = {"index": index, "text": prefix + choice.text,
                         "logprobs": completion_logprobs(list(choice.logprobs), decode)
                         if parsed.logprobs is not None else None}
-            item["finish_reason"] = FINISH.get(choice.finish_reason)
+            item["finish_reason"] = finish
             item["stop_reason"] = stop_reason(choice)
             choices.append(item)
     usage.prompt_tokens = prompt_tokens
@@ -388,14 +392,19 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool,
     def event(choices: list[dict[str, Any]], **extra: Any) -> str:
         return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
 
+    tool_streams: dict[int, ToolStream] = {}  # per choice, when the request's output becomes tool calls
+
     def choice(index: int, text: str, logprobs: list[pb.TokenLogprob], finish: str | None = None,
-               stop: str | int | None = None, role: bool = False) -> dict[str, Any]:
+               stop: str | int | None = None, role: bool = False, tool_delta: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
         lp = None
         if parsed.logprobs is not None and logprobs:
             lp = chat_logprobs(logprobs, decode, parsed.logprobs) if chat else completion_logprobs(logprobs, decode)
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text} \
                 if text or not finish else {}
+            if tool_delta is not None:
+                delta = tool_delta
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
 
@@ -422,7 +431,13 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool,
                 index = i * n + chunk.index
                 if chunk.HasField("usage"):
                     usage_of[i] = chunk.usage
-                if chunk.text or chunk.logprobs or chunk.token_ids:  # as vLLM: one event per step with tokens,
+                if chat and parsed.tools is not None and parsed.tools.parses:
+                    sent_text[index] = sent_text.get(index, "") + chunk.text
+                    tools = tool_streams.setdefault(index, ToolStream(parsed.tools))
+                    tool_delta = tools.feed(chunk.text)
+                    if tool_delta is not None or chunk.logprobs:
+                        yield event([choice(index, "", list(chunk.logprobs), tool_delta=tool_delta or {})])
+                elif chunk.text or chunk.logprobs or chunk.token_ids:  # as vLLM: one event per step with tokens,
                     sent_text[index] = sent_text.get(index, "") + chunk.text  # text may be "" (no tokenizer)
                     yield event([choice(index, chunk.text, list(chunk.logprobs))])
             elif kind_ == "complete":
@@ -433,6 +448,11 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool,
                     already = sent_text.get(index, "")
                     rest = c.text[len(already):] if c.text.startswith(already) else ""
                     finished.add(index)
+                    if chat and parsed.tools is not None and parsed.tools.parses:
+                        tools = tool_streams.setdefault(index, ToolStream(parsed.tools))
+                        tool_delta, finish = tools.finish(c.text, FINISH.get(c.finish_reason))
+                        yield event([choice(index, "", [], finish, stop_reason(c), tool_delta=tool_delta)])
+                        continue
                     yield event([choice(index, rest, [], FINISH.get(c.finish_reason), stop_reason(c))])
         if parsed.include_usage:
             yield usage_event()

@@ -24,9 +24,13 @@ from typing import Any
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from kvflow.wire import structured_outputs_to_proto
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.config import RouterConfig
 from router.errors import BadRequest
+from router.structured_output import check as check_constraint
+from router.structured_output import structured_outputs_from_body
+from router.tool_calls import ToolRequest, parse_tools
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 _NUMBER = (int, float)
@@ -51,19 +55,14 @@ def _accepted(*values: Any) -> Callable[[Any], bool]:
 # 400 naming the field; the change that implements one removes its entry here.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": _accepted(None, ""),
-    "tools": _accepted(None, []),
-    "tool_choice": _accepted(None, "none"),
-    "functions": _accepted(None, []),
+    "functions": _accepted(None, []),  # the deprecated spelling of tools
     "function_call": _accepted(None, "none"),
-    "response_format": _accepted(None, {"type": "text"}),
     "prompt_logprobs": _accepted(None),
     "use_beam_search": _accepted(None, False),
     "continue_final_message": _accepted(None, False),
-    "guided_json": _accepted(None),
-    "guided_regex": _accepted(None),
-    "guided_choice": _accepted(None),
-    "guided_grammar": _accepted(None),
-    "structured_outputs": _accepted(None),
+    "guided_decoding_backend": _accepted(None, "auto", "xgrammar"),  # kvflow's one backend is xgrammar
+    "guided_whitespace_pattern": _accepted(None),
+    "structural_tag": _accepted(None),
 }
 
 
@@ -83,6 +82,7 @@ class ParsedRequest:
     chat_template: str | None
     cache_salt: tuple[str, ...]
     max_tokens_param: str  # the field max_tokens came from (chat: max_completion_tokens or max_tokens)
+    tools: ToolRequest | None = None  # chat: tools and tool_choice
 
 
 # ---- the body ----------------------------------------------------------------------------------------------
@@ -344,6 +344,7 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
     logit_bias = _logit_bias(body)
     if logit_bias:
         kwargs["logit_bias"] = logit_bias
+    tools = _tools(body, chat, config, kwargs)
     try:
         checked = SamplingParams(**kwargs)  # vLLM's range rules and messages
     except InvalidRequest as exc:
@@ -354,7 +355,28 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
         max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, logprobs=logprobs,
         echo=_field(body, "echo", bool, False) if not chat else False,
         add_generation_prompt=_field(body, "add_generation_prompt", bool, True) if chat else True,
-        chat_template=chat_template, cache_salt=(salt,) if salt else (), max_tokens_param=max_tokens_param)
+        chat_template=chat_template, cache_salt=(salt,) if salt else (), max_tokens_param=max_tokens_param,
+        tools=tools)
+
+
+def _tools(body: dict[str, Any], chat: bool, config: RouterConfig, kwargs: dict[str, Any]) -> ToolRequest | None:
+    """Output constraints (response_format, guided_*, structured_outputs) and tools into `kwargs`."""
+    if not chat and body.get("tools"):
+        raise BadRequest("'tools' is only supported by /v1/chat/completions", "tools")
+    tools = parse_tools(body, config.enable_auto_tool_choice, config.tool_call_parser) if chat else None
+    guided, guided_field = structured_outputs_from_body(body)
+    constraint = tools.constraint if tools is not None else None
+    if constraint is not None:
+        if guided is not None:
+            raise BadRequest(f"'{guided_field}' cannot be combined with tool_choice {tools.choice!r} (it constrains "
+                             "the output to the tools' schema)", guided_field)
+        check_constraint(constraint, "tools")
+        guided = constraint
+    if guided is not None:
+        kwargs["structured_outputs"] = guided
+    if tools is not None and tools.parser == "hermes" and "skip_special_tokens" not in kwargs:
+        kwargs["skip_special_tokens"] = False  # <tool_call> is a special token of Hermes / Qwen vocabularies
+    return tools
 
 
 def _body_name(param: str | None, chat: bool, max_tokens_param: str) -> str | None:
@@ -382,6 +404,8 @@ def to_proto(params: SamplingParams, explicit: set[str]) -> pb.SamplingParams:
     out.min_tokens = params.min_tokens
     out.skip_special_tokens_false = not params.skip_special_tokens
     out.logit_bias.update(params.logit_bias or {})
+    if params.structured_outputs is not None:
+        out.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return out
 
 

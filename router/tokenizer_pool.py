@@ -83,9 +83,11 @@ class TokenizerPool:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    chat_template: str | None, timeout_s: float) -> tuple[str, list[int]]:
+                    chat_template: str | None, timeout_s: float,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         text = render_with_deadline(
-            lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template), timeout_s)
+            lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template, tools),
+            timeout_s)
         return text, self.encode(text, add_special_tokens=False)  # the template already has them
 
     def decode_token(self, token_id: int) -> str:

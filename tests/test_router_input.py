@@ -184,12 +184,7 @@ def test_stream_options(router: RouterHarness) -> None:
     (COMPLETIONS, {"best_of": 3}, "best_of"),
     (COMPLETIONS, {"best_of": 2, "n": 3}, "best_of"),
     (COMPLETIONS, {"suffix": "tail"}, "suffix"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    (CHAT, {"response_format": "text"}, "response_format"),
-    (COMPLETIONS, {"guided_json": {}}, "guided_json"),
+    (COMPLETIONS, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_unimplemented_fields_are_refused_not_ignored(router: RouterHarness, path: str, extra: dict[str, Any],
@@ -380,10 +375,10 @@ def test_grpc_logit_bias_is_forwarded(router: RouterHarness, workers: FakeWorker
 # ---- flags -----------------------------------------------------------------------------------------------------
 FLAGS = ["--max-n", "8", "--max-logprobs", "5", "--max-prompts-per-request", "16", "--max-request-body-bytes",
          "1000", "--request-body-timeout", "2.5", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
-         "--max-migrations", "1"]
+         "--max-migrations", "1", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
 EXPECTED = {"max_n": 8, "max_logprobs": 5, "max_prompts_per_request": 16, "max_request_body_bytes": 1000,
             "request_body_timeout_s": 2.5, "trust_request_chat_template": True, "chat_template_timeout_s": 0.5,
-            "max_migrations": 1}
+            "max_migrations": 1, "enable_auto_tool_choice": True, "tool_call_parser": "llama3_json"}
 
 
 @pytest.mark.parametrize("command", ["router", "serve"])

@@ -8,6 +8,7 @@ import pytest
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from kvflow.wire import sampling_kwargs_from_proto, sampling_params_from_proto, sampling_params_to_proto
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
@@ -15,7 +16,8 @@ from protos.kvflow.v1 import kvflow_pb2 as pb
 NON_DEFAULT = dict(n=3, temperature=0.25, top_p=0.5, top_k=7, min_p=0.125, presence_penalty=0.5,
                    frequency_penalty=-0.5, repetition_penalty=1.25, seed=11, stop=["x", "yz"], stop_token_ids=[5, 9],
                    include_stop_str_in_output=True, ignore_eos=True, max_tokens=40, min_tokens=2, logprobs=3,
-                   prompt_logprobs=1, skip_special_tokens=False, logit_bias={3: -100.0, 70000: 2.5})
+                   prompt_logprobs=1, skip_special_tokens=False, logit_bias={3: -100.0, 70000: 2.5},
+                   structured_outputs=StructuredOutputsParams(json='{"type":"object"}', disable_any_whitespace=True))
 
 
 def test_every_sampling_field_is_covered() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from engine.routing.policy import POLICY_NAMES
 from kvflow.auth import ClusterAuth, add_cluster_auth_args
 from router.config import DISCOVERY_KINDS, RouterConfig
+from router.tool_calls import TOOL_CALL_PARSERS
 
 
 def _addresses(value: str) -> list[str]:
@@ -82,6 +83,10 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="accept a `chat_template` sent with a chat request (it runs on the router)")
     g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout_s,
                    help="seconds a chat template may take to render (then 400)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice \"auto\" (needs --tool-call-parser), as in vLLM")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are found in a model's free text for tool_choice auto")
     g.add_argument("--max-migrations", type=int, default=d.max_migrations,
                    help="times one request may move mid-stream to another decode worker when its worker fails "
                         "(0: the caller gets the error)")
@@ -94,7 +99,8 @@ def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "max_request_body_bytes": args.max_request_body_bytes,
             "request_body_timeout_s": args.request_body_timeout,
             "trust_request_chat_template": args.trust_request_chat_template,
-            "chat_template_timeout_s": args.chat_template_timeout, "max_migrations": args.max_migrations}
+            "chat_template_timeout_s": args.chat_template_timeout, "max_migrations": args.max_migrations,
+            "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     engine_args = server_engine_args(args)
     if args.metrics_require_api_key and not args.api_key:
         raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any worker starts
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     auth = ClusterAuth.from_args(args).with_token()
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
