@@ -406,7 +406,7 @@ class LLMEngine:
                 sample.cumulative_logprob += chosen.logprob
         sample.sent_tokens = request.num_output_tokens
         if sample.detokenizer is not None:
-            stop = sample.detokenizer.update(new_tokens)
+            stop = sample.detokenizer.update(new_tokens[:-1] if _stop_token_ended(request) else new_tokens)
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -418,7 +418,8 @@ class LLMEngine:
         if sample.detokenizer is not None:
             text = sample.detokenizer.visible_text(finished)
         elif finished:
-            text = decode_all(self.tokenizer, request.output_token_ids, params.skip_special_tokens)
+            shown = request.output_token_ids[:-1] if _stop_token_ended(request) else request.output_token_ids
+            text = decode_all(self.tokenizer, shown, params.skip_special_tokens)
         else:
             text = ""
         token_ids = list(request.output_token_ids)
@@ -474,3 +475,10 @@ class LLMEngine:
     def take_finished_timings(self) -> list[FinishedRequestTiming]:
         timings, self.finished_timings = self.finished_timings, []
         return timings
+
+
+def _stop_token_ended(request: Request) -> bool:
+    """The request ended on EOS or one of its stop_token_ids: as vLLM, that token's text is not part of the output
+    unless include_stop_str_in_output (its id stays in token_ids)."""
+    return (request.status is RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+            and not request.sampling_params.include_stop_str_in_output and request.num_output_tokens > 0)

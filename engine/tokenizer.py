@@ -18,7 +18,7 @@ def load_tokenizer(path: str | None) -> Any:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        chat_template: str | None = None) -> str:
+                        chat_template: str | None = None, continue_final_message: bool = False) -> str:
     if tokenizer is None:
         raise InvalidRequest("this model has no tokenizer, so chat is unavailable; send token ids")
     if not isinstance(messages, list) or not messages:
@@ -28,6 +28,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_gene
             raise InvalidRequest("each message needs a 'role' and 'content'")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template,
+                                             continue_final_message=continue_final_message)
     except Exception as exc:  # template errors are the caller's input problem
         raise InvalidRequest(f"chat template failed: {exc}") from exc
