@@ -15,10 +15,10 @@ from engine.block_hash import BlockHasher
 from engine.config import EngineArgs, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_all
 from engine.errors import InvalidRequest
+from engine.generation_config import cap_max_tokens, resolve_generation_defaults
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_port import KVPort
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_generation_defaults
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import seeded_generator_state
@@ -110,12 +110,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, SwapSpace(num_swap) if num_swap else None)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path)
         self.eos_token_id = self._eos_token_id()
-        self.generation_defaults: dict[str, Any] = {}
-        if config.model.generation_config == "auto":
-            self.generation_defaults = load_generation_defaults(config.model.model_path)
-            if self.generation_defaults:
-                logger.info("Default sampling parameters have been overridden by the model's generation config: "
-                            "%s (use generation_config='vllm' to ignore them)", self.generation_defaults)
+        self.generation_defaults: dict[str, Any] = resolve_generation_defaults(
+            config.model.generation_config, config.model.model_path, config.model.override_generation_config)
+        if self.generation_defaults:
+            logger.info("Default sampling parameters have been overridden by the generation config: %s (use "
+                        "generation_config='vllm' to ignore the model's)", self.generation_defaults)
         self.stats = EngineStats(num_gpu_blocks=num_blocks)
         self.finished_timings: list[FinishedRequestTiming] = []
         self._states: dict[str, _RequestState] = {}
@@ -291,6 +290,10 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:  # an index past the logits would crash the step
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         params = params.with_defaults(self.generation_defaults)
+        capped = cap_max_tokens(self.generation_defaults, params.max_tokens)
+        if capped != params.max_tokens:  # max_new_tokens caps what a request asks for (a copy: callers share)
+            params = copy.copy(params)
+            params.max_tokens = capped
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         resumed = list(resumed or [])
