@@ -162,6 +162,14 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def _override_arg(text: str) -> dict[str, Any] | None:
+    """--override-generation-config: argparse prints our reason, not "invalid value"."""
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @dataclass
 class EngineArgs:
     """vLLM-named engine arguments, shared by `LLM(...)` and every CLI command."""
@@ -225,7 +233,7 @@ class EngineArgs:
         g.add_argument("--load-format", choices=("auto", "safetensors", "gguf", "dummy"), default="auto")
         g.add_argument("--generation-config", default=d.generation_config,
                        help="'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding one")
-        g.add_argument("--override-generation-config", type=parse_override, default=None,
+        g.add_argument("--override-generation-config", type=_override_arg, default=None,
                        help="JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'; "
                             "max_new_tokens caps every request's max_tokens")
         g.add_argument("--enforce-eager", action="store_true")

@@ -293,8 +293,7 @@ def _n_and_best_of(body: dict[str, Any], max_n: int) -> int:
     n = _int(body, "n", 1, max_n, default=1)
     best_of = _int(body, "best_of", 1, max_n)
     if best_of is not None and best_of != n:
-        raise BadRequest(f"'best_of' is not supported: kvflow returns every sample it generates, so best_of must "
-                         f"equal n ({n}), got {best_of}", "best_of")
+        raise BadRequest(f"'best_of' is not supported yet unless it equals n ({n}), got {best_of}", "best_of")
     return n if n is not None else 1
 
 

@@ -190,7 +190,6 @@ def test_stream_options(router: RouterHarness) -> None:
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     (CHAT, {"response_format": "text"}, "response_format"),
     (COMPLETIONS, {"guided_json": {}}, "guided_json"),
-    (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_unimplemented_fields_are_refused_not_ignored(router: RouterHarness, path: str, extra: dict[str, Any],
                                                        param: str) -> None:

@@ -41,6 +41,7 @@ def make_vllm_style(parser: argparse.ArgumentParser) -> None:
     """Give every store_true / store_false flag of the sub-commands a hidden `--no-<flag>` (the opposite), so that
     `--flag false` can be spelled with it (BooleanOptionalAction flags have one already)."""
     for sub in _subparsers(parser).values():
+        make_vllm_style(sub)  # nested sub-commands (bench throughput, bench serve)
         for action in list(sub._actions):
             if not isinstance(action, argparse._StoreConstAction) or not _bool_flag(action):
                 continue
@@ -69,12 +70,17 @@ def _dashes(token: str) -> str:
     return name.replace("_", "-") + eq + value
 
 
-def _command_index(parser: argparse.ArgumentParser, argv: list[str]) -> int | None:
-    commands = _subparsers(parser)
-    for i, token in enumerate(argv):
-        if token in commands:
-            return i
-    return None
+def _command(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.ArgumentParser, int] | None:
+    """The innermost sub-command's parser and the index of its name in argv (None: no sub-command)."""
+    found = None
+    current, start = parser, 0
+    while True:
+        commands = _subparsers(current)
+        index = next((i for i in range(start, len(argv)) if argv[i] in commands), None)
+        if index is None:
+            return found
+        current, start = commands[argv[index]], index + 1
+        found = (current, index)
 
 
 def prepare_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
@@ -82,10 +88,10 @@ def prepare_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[s
     tokens = list(argv)
     end = tokens.index("--") if "--" in tokens else len(tokens)  # after it, everything is positional
     tokens[:end] = [_dashes(t) for t in tokens[:end]]
-    index = _command_index(parser, tokens[:end])
-    if index is None:
+    command = _command(parser, tokens[:end])
+    if command is None:
         return tokens
-    sub = _subparsers(parser)[tokens[index]]
+    sub, index = command
     out = tokens[: index + 1]
     i = index + 1
     while i < end:
