@@ -1,5 +1,7 @@
-"""The OpenAI-compatible HTTP front (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
+"""The OpenAI-compatible HTTP front (FastAPI): /v1/completions, /v1/chat/completions, /v1/responses
+(`openai_responses`), /v1/models, /health, /metrics, and vLLM's /tokenize, /detokenize, /version
+(`openai_extras`). Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
+Streams follow vLLM's chunk sequence (see `_stream`).
 
 `/metrics` needs the API key too with `metrics_require_api_key`. Requests are owned by their caller
 (`router.core.caller_identity`: the key, or the connection), so the gRPC front's `Abort` cannot reach them by
