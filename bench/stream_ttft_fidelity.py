@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--url", default=None)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--prompt-words", type=int, default=600)
+    parser.add_argument("--prompt-words", type=int, default=300)  # the test server has max_model_len 1024
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
     server = None
