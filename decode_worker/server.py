@@ -237,8 +237,11 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             sent.text.append(completion.text)
         if not new_tokens and not completion.text:
             return None
-        return pb.GenerateChunk(index=completion.index, token_ids=new_tokens, text=completion.text,
-                                logprobs=logprobs, usage=usage, timings=timings)
+        chunk = pb.GenerateChunk(index=completion.index, token_ids=new_tokens, text=completion.text,
+                                 logprobs=logprobs, usage=usage, timings=timings)
+        if completion.finish_reason is not None:  # the sample's last chunk carries its end (as vLLM's streams)
+            _set_finish(chunk, completion)
+        return chunk
 
     @staticmethod
     def _complete(output: RequestOutput, choices: list[_Choice], usage: pb.Usage, timings: pb.Timings,
@@ -246,12 +249,8 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         out = []
         for completion in output.outputs:
             choice = pb.CompletionChoice(
-                index=completion.index, token_ids=completion.token_ids, text="".join(choices[completion.index].text),
-                finish_reason=FINISH_REASONS.get(completion.finish_reason or "abort", pb.FINISH_REASON_ABORT))
-            if isinstance(completion.stop_reason, str):
-                choice.stop_string = completion.stop_reason
-            elif isinstance(completion.stop_reason, int):
-                choice.stop_token_id = completion.stop_reason
+                index=completion.index, token_ids=completion.token_ids, text="".join(choices[completion.index].text))
+            _set_finish(choice, completion)
             if completion.logprobs is not None:
                 choice.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in  # logprobs of this worker's tokens
                                        zip(completion.token_ids[num_resumed:], completion.logprobs, strict=False))
@@ -288,6 +287,14 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         info = await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
                                                               self.disagg_min_prompt_tokens))
         return self.info_for_caller(info, context)
+
+
+def _set_finish(message: pb.GenerateChunk | pb.CompletionChoice, completion: CompletionOutput) -> None:
+    message.finish_reason = FINISH_REASONS.get(completion.finish_reason or "abort", pb.FINISH_REASON_ABORT)
+    if isinstance(completion.stop_reason, str):
+        message.stop_string = completion.stop_reason
+    elif isinstance(completion.stop_reason, int):
+        message.stop_token_id = completion.stop_reason
 
 
 def add_generation_servicer(server: grpc.aio.Server, ctx: WorkerContext, disagg_min_prompt_tokens: int,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from engine.errors import InvalidRequest
+from engine.generation_config import check_generation_config, parse_override
 
 GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
@@ -66,6 +67,7 @@ class ModelConfig:
     load_format: str = "auto"
     generation_config: str = "auto"
     seed: int = 0
+    override_generation_config: dict[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,14 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def _override_arg(text: str) -> dict[str, Any] | None:
+    """--override-generation-config: argparse prints our reason, not "invalid value"."""
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @dataclass
 class EngineArgs:
     """vLLM-named engine arguments, shared by `LLM(...)` and every CLI command."""
@@ -181,7 +191,8 @@ class EngineArgs:
     preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     load_format: str = "auto"
-    generation_config: str = "auto"
+    generation_config: str = "auto"  # 'auto', 'vllm' or a folder holding generation_config.json
+    override_generation_config: dict[str, Any] | None = None  # generation_config.json names, e.g. temperature
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -220,7 +231,11 @@ class EngineArgs:
         g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode)
         g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap space")
         g.add_argument("--load-format", choices=("auto", "safetensors", "gguf", "dummy"), default="auto")
-        g.add_argument("--generation-config", default=d.generation_config, help="'auto' or 'vllm'")
+        g.add_argument("--generation-config", default=d.generation_config,
+                       help="'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding one")
+        g.add_argument("--override-generation-config", type=_override_arg, default=None,
+                       help="JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'; "
+                            "max_new_tokens caps every request's max_tokens")
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -276,6 +291,7 @@ class EngineArgs:
             load_format=resolved.load_format,
             generation_config=self.generation_config,
             seed=self.seed,
+            override_generation_config=parse_override(self.override_generation_config),
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -313,7 +329,6 @@ class EngineArgs:
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
              "num_gpu_blocks_override must be >= 2"),
             (self.swap_space >= 0, "swap_space must be >= 0"),
-            (self.generation_config in ("auto", "vllm"), "generation_config must be 'auto' or 'vllm'"),
             (self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet (one GPU per worker)"),
             (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
             (self.usage_context in USAGE_CONTEXTS,
@@ -322,6 +337,7 @@ class EngineArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        check_generation_config(self.generation_config)
 
 
 __all__ = [

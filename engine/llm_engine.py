@@ -15,10 +15,10 @@ from engine.block_hash import BlockHasher
 from engine.config import EngineArgs, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_all
 from engine.errors import InvalidRequest
+from engine.generation_config import cap_max_tokens, resolve_generation_defaults
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_port import KVPort
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_generation_defaults
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import seeded_generator_state
@@ -114,12 +114,11 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.arch.vocab_size,
                                                          self.eos_token_id)
         self.runner.structured_output = self.structured_output
-        self.generation_defaults: dict[str, Any] = {}
-        if config.model.generation_config == "auto":
-            self.generation_defaults = load_generation_defaults(config.model.model_path)
-            if self.generation_defaults:
-                logger.info("Default sampling parameters have been overridden by the model's generation config: "
-                            "%s (use generation_config='vllm' to ignore them)", self.generation_defaults)
+        self.generation_defaults: dict[str, Any] = resolve_generation_defaults(
+            config.model.generation_config, config.model.model_path, config.model.override_generation_config)
+        if self.generation_defaults:
+            logger.info("Default sampling parameters have been overridden by the generation config: %s (use "
+                        "generation_config='vllm' to ignore the model's)", self.generation_defaults)
         self.stats = EngineStats(num_gpu_blocks=num_blocks)
         self.finished_timings: list[FinishedRequestTiming] = []
         self._states: dict[str, _RequestState] = {}
@@ -325,6 +324,10 @@ class LLMEngine:
         params = params.with_defaults(self.generation_defaults)
         if params.structured_outputs is not None:  # compiled once per distinct constraint; a bad one is a 400
             self.structured_output.compile(params.structured_outputs)
+        capped = cap_max_tokens(self.generation_defaults, params.max_tokens)
+        if capped != params.max_tokens:  # max_new_tokens caps what a request asks for (a copy: callers share)
+            params = copy.copy(params)
+            params.max_tokens = capped
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         resumed = list(resumed or [])
@@ -440,7 +443,7 @@ class LLMEngine:
                 sample.cumulative_logprob += chosen.logprob
         sample.sent_tokens = request.num_output_tokens
         if sample.detokenizer is not None:
-            stop = sample.detokenizer.update(new_tokens)
+            stop = sample.detokenizer.update(new_tokens[:-1] if _stop_token_ended(request) else new_tokens)
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -452,7 +455,8 @@ class LLMEngine:
         if sample.detokenizer is not None:
             text = sample.detokenizer.visible_text(finished)
         elif finished:
-            text = decode_all(self.tokenizer, request.output_token_ids, params.skip_special_tokens)
+            shown = request.output_token_ids[:-1] if _stop_token_ended(request) else request.output_token_ids
+            text = decode_all(self.tokenizer, shown, params.skip_special_tokens)
         else:
             text = ""
         token_ids = list(request.output_token_ids)
@@ -508,3 +512,10 @@ class LLMEngine:
     def take_finished_timings(self) -> list[FinishedRequestTiming]:
         timings, self.finished_timings = self.finished_timings, []
         return timings
+
+
+def _stop_token_ended(request: Request) -> bool:
+    """The request ended on EOS or one of its stop_token_ids: as vLLM, that token's text is not part of the output
+    unless include_stop_str_in_output (its id stays in token_ids)."""
+    return (request.status is RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+            and not request.sampling_params.include_stop_str_in_output and request.num_output_tokens > 0)

@@ -18,7 +18,8 @@ def load_tokenizer(path: str | None) -> Any:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+                        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                        continue_final_message: bool = False) -> str:
     """`tools` (OpenAI function tools) reach the template as vLLM passes them; a template without tool support
     ignores them."""
     if tokenizer is None:
@@ -30,6 +31,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_gene
             raise InvalidRequest("each message needs a 'role' and 'content'")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tools=tools)
+                                             chat_template=chat_template, tools=tools,
+                                             continue_final_message=continue_final_message)
     except Exception as exc:  # template errors are the caller's input problem
         raise InvalidRequest(f"chat template failed: {exc}") from exc

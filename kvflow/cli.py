@@ -9,6 +9,7 @@ import os
 import sys
 
 from engine.errors import ModelNotAvailable
+from kvflow.commands.flag_compat import FlagRefused, make_vllm_style, prepare_argv
 from kvflow.lifeline import die_with_parent_if_asked
 
 # Each module defines register(subparsers) -> None and sets a `handler` default on its parser.
@@ -27,12 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    make_vllm_style(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     parser = build_parser()
+    try:  # vLLM's spellings (--flag_name, --flag false); vLLM flags kvflow lacks end here, one line each
+        argv = prepare_argv(parser, sys.argv[1:] if argv is None else argv)
+    except FlagRefused as exc:
+        print(exc, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -75,6 +76,8 @@ def engine_argv(args: EngineArgs) -> list[str]:
                 out.append(flag)
         elif isinstance(value, (list, tuple)):
             out += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # a JSON flag (--override-generation-config)
+            out += [flag, json.dumps(value)]
         elif value is not None:
             out += [flag, str(value)]
     return out

@@ -30,6 +30,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the generation config's defaults (--generation-config and its override),
+        or plain SamplingParams() when there are none."""
+        defaults = self.llm_engine.generation_defaults
+        return SamplingParams(**defaults) if defaults else SamplingParams()
+
     @property
     def stats(self) -> EngineStats:
         return self.llm_engine.stats

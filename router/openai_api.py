@@ -1,5 +1,7 @@
-"""The OpenAI-compatible HTTP front (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
+"""The OpenAI-compatible HTTP front (FastAPI): /v1/completions, /v1/chat/completions, /v1/responses
+(`openai_responses`), /v1/models, /health, /metrics, and vLLM's /tokenize, /detokenize, /version
+(`openai_extras`). Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
+Streams follow vLLM's chunk sequence (see `_stream`).
 
 `/metrics` needs the API key too with `metrics_require_api_key`. Requests are owned by their caller
 (`router.core.caller_identity`: the key, or the connection), so the gRPC front's `Abort` cannot reach them by
@@ -26,7 +28,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +60,7 @@ from router.openai_protocol import (
     envelope,
     load_body,
     parse_request,
+    prompt_logprobs_json,
     stop_reason,
     usage_json,
 )
@@ -147,25 +150,45 @@ def build_app(router: Router) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, chat=True)
 
+    from router import openai_responses
+    from router.openai_extras import add_extra_routes
+
+    responses_api = _Api(openai_responses.parse_responses_request, openai_responses.stream_response,
+                         openai_responses.collect_response)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _handle(router, request, chat=True, api=responses_api)
+
+    add_extra_routes(app, router)  # /tokenize, /detokenize, /version
     return app
 
 
-async def _handle(router: Router, request: Request, chat: bool) -> Response:
+@dataclass(frozen=True)
+class _Api:
+    """Another request/response shape over the chat path (e.g. /v1/responses): its parser and its shapers."""
+    parse: Callable[[Any, RouterConfig], ParsedRequest]
+    stream: Callable[[Router, _Prepared, AsyncIterator[Any]], AsyncIterator[str]]
+    collect: Callable[[Router, _Prepared, AsyncIterator[Any]], Awaitable[dict[str, Any]]]
+
+
+async def _handle(router: Router, request: Request, chat: bool, api: _Api | None = None) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     try:
         with router.lifecycle.admitted() as ticket:
-            return await _respond(router, request, chat, request_id, ticket)
+            return await _respond(router, request, chat, request_id, ticket, api)
     except ShuttingDown as exc:  # the client should reconnect elsewhere, not reuse this connection
         response = error_response(exc, request_id)
         response.headers["connection"] = "close"
         return response
 
 
-async def _respond(router: Router, request: Request, chat: bool, request_id: str, ticket: Ticket) -> Response:
+async def _respond(router: Router, request: Request, chat: bool, request_id: str, ticket: Ticket,
+                   api: _Api | None = None) -> Response:
     try:
         raw = await _read_body(request, router.config)
         body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
-        parsed = parse_request(body, chat, router.config)
+        parsed = api.parse(body, router.config) if api else parse_request(body, chat, router.config)
         prepared = await _prepare(router, parsed, request_id)
         peer = f"http:{request.client.host}:{request.client.port}" if request.client else "http"
         prepared.owner = caller_identity(router.config.api_key, peer)
@@ -186,11 +209,12 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
             except StopAsyncIteration:
                 first = None
             watcher.cancel()  # the streaming response watches the connection itself from here on
-            response = _RelayedStream(_stream(router, prepared, chat, _paced(relay, first, keepalive_s)), relay,
-                                      media_type="text/event-stream", headers=headers)
+            paced = _paced(relay, first, keepalive_s)
+            body_stream = api.stream(router, prepared, paced) if api else _stream(router, prepared, chat, paced)
+            response = _RelayedStream(body_stream, relay, media_type="text/event-stream", headers=headers)
             relay = None  # the response closes it
             return response
-        payload = await _collect(router, prepared, chat, relay)
+        payload = await (api.collect(router, prepared, relay) if api else _collect(router, prepared, chat, relay))
     except ClientGone:
         logger.info("request %s: the client disconnected; generation cancelled", request_id)
         return Response(status_code=499)  # never read: nobody is listening
@@ -264,7 +288,8 @@ async def _prepare(router: Router, parsed: ParsedRequest, request_id: str) -> _P
         try:
             text, ids = await tokenizers.run(tokenizers.chat_prompt, parsed.messages, parsed.add_generation_prompt,
                                              parsed.chat_template, router.config.chat_template_timeout_s,
-                                             parsed.tools.tools if parsed.tools is not None else None)
+                                             parsed.tools.tools if parsed.tools is not None else None,
+                                             parsed.continue_final_message)
         except InvalidRequest as exc:  # the template failed on these messages (or is the request's own)
             raise BadRequest(str(exc), exc.param or ("chat_template" if parsed.chat_template else "messages")) \
                 from exc
@@ -331,10 +356,13 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool,
     choices: list[dict[str, Any]] = []
     usage = pb.Usage()
     prompt_tokens = 0
+    prompt_lps: dict[int, list[dict[str, Any] | None]] = {}  # per prompt, with prompt_logprobs
     async for i, response in responses:
         if response.WhichOneof("response") != "complete":
             continue
         complete = response.complete
+        if parsed.prompt_logprobs is not None:
+            prompt_lps[i] = prompt_logprobs_json(list(complete.prompt_logprobs), decode)
         prompt_tokens += complete.usage.prompt_tokens
         usage.completion_tokens += complete.usage.completion_tokens
         usage.cached_tokens += complete.usage.cached_tokens
@@ -353,12 +381,17 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool,
                         if parsed.logprobs is not None else None}
             item["finish_reason"] = finish
             item["stop_reason"] = stop_reason(choice)
+            if not chat and parsed.prompt_logprobs is not None:  # vLLM: per choice for completions
+                item["prompt_logprobs"] = prompt_lps.get(i)
             choices.append(item)
     usage.prompt_tokens = prompt_tokens
     choices.sort(key=lambda c: c["index"])
     kind, prefix = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
-    return {**envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created), "choices": choices,
-            "usage": usage_json(usage)}
+    out = {**envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created), "choices": choices,
+           "usage": usage_json(usage)}
+    if chat and parsed.prompt_logprobs is not None:  # vLLM: once, at the top, for chat
+        out["prompt_logprobs"] = prompt_lps.get(0)
+    return out
 
 
 async def _paced(relay: Relay[tuple[int, pb.GenerateResponse]], first: tuple[int, pb.GenerateResponse] | Idle | None,
@@ -380,14 +413,20 @@ async def _paced(relay: Relay[tuple[int, pb.GenerateResponse]], first: tuple[int
 
 async def _stream(router: Router, prepared: _Prepared, chat: bool,
                   responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle]) -> AsyncIterator[str]:
+    """vLLM's chunk sequence: (chat) a role chunk per choice once the first output is in, one chunk per worker step
+    with tokens, the last one carrying finish_reason (and stop_reason), then the usage chunk with include_usage
+    (usage on every chunk too with continuous_usage_stats), then [DONE]."""
     parsed, n = prepared.parsed, prepared.parsed.n
     tokenizers = router.tokenizers
     decode = tokenizers.decode_token if tokenizers is not None else str
     kind, prefix = ("chat.completion.chunk", "chatcmpl-") if chat else ("text_completion", "cmpl-")
     base = envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created)
+    num_choices = len(prepared.prompts) * n
     sent_text: dict[int, str] = {}
+    num_tokens: dict[int, int] = {}  # per choice, tokens streamed so far (continuous usage)
     finished: set[int] = set()
     usage_of: dict[int, pb.Usage] = {}  # per prompt, the latest its worker reported (an aborted one's too)
+    started = False
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> str:
         return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
@@ -395,18 +434,45 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool,
     tool_streams: dict[int, ToolStream] = {}  # per choice, when the request's output becomes tool calls
 
     def choice(index: int, text: str, logprobs: list[pb.TokenLogprob], finish: str | None = None,
-               stop: str | int | None = None, role: bool = False, tool_delta: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
+               stop: str | int | None = None, tool_delta: dict[str, Any] | None = None) -> dict[str, Any]:
         lp = None
         if parsed.logprobs is not None and logprobs:
             lp = chat_logprobs(logprobs, decode, parsed.logprobs) if chat else completion_logprobs(logprobs, decode)
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text} \
-                if text or not finish else {}
-            if tool_delta is not None:
-                delta = tool_delta
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
+        if chat:  # vLLM leaves stop_reason out of chat chunks until the last one
+            delta: dict[str, Any] = {"content": text} if text or not finish else {}
+            out: dict[str, Any] = {"index": index, "delta": tool_delta if tool_delta is not None else delta,
+                                   "logprobs": lp, "finish_reason": finish}
+            if finish is not None:
+                out["stop_reason"] = stop
+            return out
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
+
+    def choice_usage(index: int) -> dict[str, Any] | None:
+        """continuous_usage_stats: this choice's prompt and its completion tokens so far."""
+        if not parsed.continuous_usage:
+            return None
+        prompt = usage_of.get(index // n)
+        return usage_json(pb.Usage(prompt_tokens=prompt.prompt_tokens if prompt else 0,
+                                   completion_tokens=num_tokens.get(index, 0)))
+
+    def choice_event(index: int, text: str, logprobs: list[pb.TokenLogprob], finish: str | None = None,
+                     stop: str | int | None = None, tool_delta: dict[str, Any] | None = None) -> str:
+        usage = choice_usage(index)
+        extra = {"usage": usage} if usage is not None else {}
+        return event([choice(index, text, logprobs, finish, stop, tool_delta)], **extra)
+
+    def tool_stream(index: int) -> ToolStream | None:
+        """The choice's tool-call parser, when this chat request's output becomes tool calls."""
+        if not (chat and parsed.tools is not None and parsed.tools.parses):
+            return None
+        return tool_streams.setdefault(index, ToolStream(parsed.tools))
+
+    def role_events() -> Iterator[str]:
+        for index in range(num_choices):
+            out: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}
+            usage = choice_usage(index)
+            yield event([out], **({"usage": usage} if usage is not None else {}))
 
     def usage_event() -> str:
         usage = pb.Usage()
@@ -417,9 +483,6 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool,
         return event([], usage=usage_json(usage))
 
     try:
-        if chat:
-            for i in range(len(prepared.prompts) * n):
-                yield event([choice(i, "", [], role=True)])
         async for item in responses:
             if isinstance(item, Idle):  # a comment: SSE clients skip it, idle timeouts see bytes
                 yield SSE_KEEPALIVE
@@ -428,38 +491,57 @@ async def _stream(router: Router, prepared: _Prepared, chat: bool,
             kind_ = response.WhichOneof("response")
             if kind_ == "chunk":
                 chunk = response.chunk
-                index = i * n + chunk.index
                 if chunk.HasField("usage"):
                     usage_of[i] = chunk.usage
-                if chat and parsed.tools is not None and parsed.tools.parses:
+            elif kind_ == "complete":
+                usage_of[i] = response.complete.usage
+            if chat and not started:  # as vLLM: once the first output is in, not before prefill
+                started = True
+                for line in role_events():
+                    yield line
+            if kind_ == "chunk":
+                index = i * n + chunk.index
+                # The last token's chunk carries the end; an abort may still become a migration, so the
+                # complete message reports that one.
+                finish = FINISH.get(chunk.finish_reason) if chunk.finish_reason != pb.FINISH_REASON_ABORT else None
+                tools = tool_stream(index)
+                if tools is not None:  # the text becomes tool-call deltas (or content, for `auto` without a call)
                     sent_text[index] = sent_text.get(index, "") + chunk.text
-                    tools = tool_streams.setdefault(index, ToolStream(parsed.tools))
+                    num_tokens[index] = num_tokens.get(index, 0) + len(chunk.token_ids)
                     tool_delta = tools.feed(chunk.text)
                     if tool_delta is not None or chunk.logprobs:
-                        yield event([choice(index, "", list(chunk.logprobs), tool_delta=tool_delta or {})])
-                elif chunk.text or chunk.logprobs or chunk.token_ids:  # as vLLM: one event per step with tokens,
+                        yield choice_event(index, "", list(chunk.logprobs), tool_delta=tool_delta or {})
+                    if finish is not None:
+                        finished.add(index)
+                        tool_delta, finish = tools.finish(sent_text[index], finish)
+                        yield choice_event(index, "", [], finish, stop_reason(chunk), tool_delta=tool_delta)
+                elif chunk.text or chunk.logprobs or chunk.token_ids or finish:  # as vLLM: one event per step
                     sent_text[index] = sent_text.get(index, "") + chunk.text  # text may be "" (no tokenizer)
-                    yield event([choice(index, chunk.text, list(chunk.logprobs))])
+                    num_tokens[index] = num_tokens.get(index, 0) + len(chunk.token_ids)
+                    if finish is not None:
+                        finished.add(index)
+                    yield choice_event(index, chunk.text, list(chunk.logprobs), finish,
+                                       stop_reason(chunk) if finish else None)
             elif kind_ == "complete":
-                complete = response.complete
-                usage_of[i] = complete.usage
-                for c in complete.choices:
+                for c in response.complete.choices:
                     index = i * n + c.index
+                    if index in finished:
+                        continue
                     already = sent_text.get(index, "")
                     rest = c.text[len(already):] if c.text.startswith(already) else ""
                     finished.add(index)
-                    if chat and parsed.tools is not None and parsed.tools.parses:
-                        tools = tool_streams.setdefault(index, ToolStream(parsed.tools))
+                    tools = tool_stream(index)
+                    if tools is not None:
                         tool_delta, finish = tools.finish(c.text, FINISH.get(c.finish_reason))
-                        yield event([choice(index, "", [], finish, stop_reason(c), tool_delta=tool_delta)])
+                        yield choice_event(index, "", [], finish, stop_reason(c), tool_delta=tool_delta)
                         continue
-                    yield event([choice(index, rest, [], FINISH.get(c.finish_reason), stop_reason(c))])
+                    yield choice_event(index, rest, [], FINISH.get(c.finish_reason), stop_reason(c))
         if parsed.include_usage:
             yield usage_event()
     except ShuttingDown:  # the drain deadline: every open choice ends as aborted, as an aborted request does
-        for index in range(len(prepared.prompts) * n):
+        for index in range(num_choices):
             if index not in finished:
-                yield event([choice(index, "", [], "abort")])
+                yield choice_event(index, "", [], "abort")
         if parsed.include_usage:
             yield usage_event()
     except Exception as exc:  # the status line is already sent: report in-band, as vLLM does

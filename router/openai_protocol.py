@@ -57,9 +57,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": _accepted(None, ""),
     "functions": _accepted(None, []),  # the deprecated spelling of tools
     "function_call": _accepted(None, "none"),
-    "prompt_logprobs": _accepted(None),
     "use_beam_search": _accepted(None, False),
-    "continue_final_message": _accepted(None, False),
     "guided_decoding_backend": _accepted(None, "auto", "xgrammar"),  # kvflow's one backend is xgrammar
     "guided_whitespace_pattern": _accepted(None),
     "structural_tag": _accepted(None),
@@ -76,13 +74,16 @@ class ParsedRequest:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage on every chunk (with include_usage)
     logprobs: int | None  # top alternatives per token; None: no logprobs
     echo: bool
     add_generation_prompt: bool
+    continue_final_message: bool  # chat: the last (assistant) message is left open, the reply continues it
     chat_template: str | None
     cache_salt: tuple[str, ...]
     max_tokens_param: str  # the field max_tokens came from (chat: max_completion_tokens or max_tokens)
     tools: ToolRequest | None = None  # chat: tools and tool_choice
+    prompt_logprobs: int | None = None  # top alternatives per prompt position; None: none (non-streaming only)
 
 
 # ---- the body ----------------------------------------------------------------------------------------------
@@ -241,14 +242,30 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise BadRequest(f"'{name}' is not supported yet", name)
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
-    """include_usage (vLLM: options only with stream: true)."""
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous usage); as vLLM: options only with stream: true, and continuous_usage_stats
+    only counts with include_usage."""
     options = _field(body, "stream_options", dict)
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
-    return bool(_field(options, "include_usage", bool, False, param="stream_options.include_usage"))
+    include = bool(_field(options, "include_usage", bool, False, param="stream_options.include_usage"))
+    continuous = bool(_field(options, "continuous_usage_stats", bool, False,
+                             param="stream_options.continuous_usage_stats"))
+    return include, include and continuous
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's rules: a count of alternatives per prompt position, not with stream (beyond 0)."""
+    value = _field(body, "prompt_logprobs", int)
+    if value is None:
+        return None
+    if value < 0:
+        raise BadRequest(f"'prompt_logprobs' must be a non-negative integer, got {value}", "prompt_logprobs")
+    if stream and value > 0:
+        raise BadRequest("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    return value
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
@@ -300,7 +317,16 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
     messages = _messages(body) if chat else None
     n = _n_and_best_of(body, config.max_n)
     stream = _field(body, "stream", bool, False)
-    include_usage = _stream_options(body, stream)
+    include_usage, continuous_usage = _stream_options(body, stream)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    add_generation_prompt = _field(body, "add_generation_prompt", bool, True) if chat else True
+    continue_final = _field(body, "continue_final_message", bool, False) if chat else False
+    if continue_final and add_generation_prompt:
+        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                         "continue_final_message")
+    if continue_final and messages and messages[-1].get("role") != "assistant":
+        raise BadRequest("'continue_final_message' needs the last message to be the assistant's",
+                         "continue_final_message")
     max_tokens_param = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens_param = "max_completion_tokens"
@@ -341,6 +367,8 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
             kwargs[name] = value
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     logit_bias = _logit_bias(body)
     if logit_bias:
         kwargs["logit_bias"] = logit_bias
@@ -352,11 +380,11 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
     salt = _field(body, "cache_salt", str)
     return ParsedRequest(
         model=model, prompts=prompts, messages=messages, params=to_proto(checked, set(kwargs)),
-        max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, logprobs=logprobs,
-        echo=_field(body, "echo", bool, False) if not chat else False,
-        add_generation_prompt=_field(body, "add_generation_prompt", bool, True) if chat else True,
+        max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+        logprobs=logprobs, echo=_field(body, "echo", bool, False) if not chat else False,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
         chat_template=chat_template, cache_salt=(salt,) if salt else (), max_tokens_param=max_tokens_param,
-        tools=tools)
+        prompt_logprobs=prompt_logprobs, tools=tools)
 
 
 def _tools(body: dict[str, Any], chat: bool, config: RouterConfig, kwargs: dict[str, Any]) -> ToolRequest | None:
@@ -392,7 +420,7 @@ def to_proto(params: SamplingParams, explicit: set[str]) -> pb.SamplingParams:
     """Only explicitly set fields are sent, so the worker's generation-config defaults fill the rest."""
     out = pb.SamplingParams(n=params.n)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "logprobs"):
+                 "repetition_penalty", "seed", "logprobs", "prompt_logprobs"):
         if name in explicit and getattr(params, name) is not None:
             setattr(out, name, getattr(params, name))
     if params.max_tokens is not None:
@@ -444,7 +472,23 @@ def chat_logprobs(entries: list[pb.TokenLogprob], decode: Decode, top_n: int) ->
     return {"content": content}
 
 
-def stop_reason(choice: pb.CompletionChoice) -> str | int | None:
+def prompt_logprobs_json(entries: list[pb.TokenLogprob], decode: Decode) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank, decoded_token}},
+    the prompt's own token and the top alternatives."""
+    out: list[dict[str, Any] | None] = []
+    for i, entry in enumerate(entries):
+        if i == 0 and not entry.top and not entry.logprob:
+            out.append(None)
+            continue
+        position = {str(t.token_id): {"logprob": t.logprob, "rank": t.rank,
+                                      "decoded_token": t.token or decode(t.token_id)} for t in entry.top}
+        position.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": entry.rank,
+                                                  "decoded_token": decode(entry.token_id)})
+        out.append(position)
+    return out
+
+
+def stop_reason(choice: pb.CompletionChoice | pb.GenerateChunk) -> str | int | None:
     kind = choice.WhichOneof("stop_reason")
     return getattr(choice, kind) if kind else None
 

@@ -84,11 +84,17 @@ class TokenizerPool:
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     chat_template: str | None, timeout_s: float,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False
+                    ) -> tuple[str, list[int]]:
         text = render_with_deadline(
-            lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template, tools),
-            timeout_s)
+            lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template, tools,
+                                        continue_final_message), timeout_s)
         return text, self.encode(text, add_special_tokens=False)  # the template already has them
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer on the router")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
         if self.tokenizer is None:

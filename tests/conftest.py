@@ -2,12 +2,15 @@
 modules run their kernel cases in a subprocess with it set. Each case is collected in exactly one of the two
 processes (deselected, not skipped, in the other).
 
-The P/D worker tests share the SmolLM2 prompt sets and the unified engine's reference outputs (session fixtures).
+The P/D worker tests share the SmolLM2 prompt sets and the unified engine's reference outputs (session fixtures);
+the OpenAI-front tests share one real `kvflow serve` (`server`, tests/serve_helpers.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -53,3 +56,10 @@ def unified(prompt_sets: dict[str, list[list[int]]]) -> dict[tuple[int, ...], li
                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     del llm
     return {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.serve_helpers import start_server
+
+    yield from start_server(tmp_path_factory.mktemp("serve") / "serve.log")

@@ -48,6 +48,11 @@ def test_stop_token_ids_and_length(llm: LLM) -> None:
     first = free.token_ids.index(target)
     assert out.outputs[0].token_ids == free.token_ids[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == target
+    decode = llm.get_tokenizer().decode  # as vLLM: the stop token's text is left out, unless asked for
+    assert out.outputs[0].text == decode(free.token_ids[:first], skip_special_tokens=True)
+    kept = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[target],
+                                                   include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == decode(free.token_ids[: first + 1], skip_special_tokens=True)
     at_least = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=first + 2,
                                                        stop_token_ids=[target]))[0].outputs[0]
     assert len(at_least.token_ids) > first + 1

@@ -185,7 +185,6 @@ def test_stream_options(router: RouterHarness) -> None:
     (COMPLETIONS, {"best_of": 2, "n": 3}, "best_of"),
     (COMPLETIONS, {"suffix": "tail"}, "suffix"),
     (COMPLETIONS, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-    (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_unimplemented_fields_are_refused_not_ignored(router: RouterHarness, path: str, extra: dict[str, Any],
                                                        param: str) -> None:

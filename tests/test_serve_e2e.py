@@ -5,12 +5,8 @@ environment, never the command line), and a clean shutdown with no orphan worker
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,54 +16,11 @@ import pytest
 
 from kvflow.auth import TOKEN_ENV, ClusterAuth
 from kvflow.client import Client, InvalidArgumentError
-from kvflow.launcher import free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
+from tests.serve_helpers import API_KEY, Server, _children
 
-API_KEY = "test-key"
-ENGINE = ["--kv-cache-memory-bytes", str(256 << 20), "--max-model-len", "1024"]
 PROMPT = "The capital of France is"
-
-
-class Server:
-    def __init__(self, process: subprocess.Popen, port: int, grpc_port: int, log: Path) -> None:
-        self.process, self.port, self.grpc_port, self.log = process, port, grpc_port, log
-        self.url = f"http://127.0.0.1:{port}"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        text = (task / "children").read_text().split()
-        out += [int(c) for c in text]
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port, grpc_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "KVFLOW_API_KEY": API_KEY}
-    env.pop(TOKEN_ENV, None)  # serve makes its own
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "serve", "--model", "smollm2", "--port",
-                                    str(port), "--grpc-port", str(grpc_port), *ENGINE], stdout=out,
-                                   stderr=subprocess.STDOUT, env=env)
-    srv = Server(process, port, grpc_port, log)
-    deadline = time.monotonic() + 300
-    while True:
-        assert process.poll() is None, f"kvflow serve exited:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{srv.url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"kvflow serve not healthy in time:\n{log.read_text()[-3000:]}"
-        time.sleep(0.5)
-    yield srv
-    if process.poll() is None:
-        process.terminate()
-        process.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +100,7 @@ def test_stop_n_logprobs_and_request_id(server: Server, client: openai.OpenAI) -
     ({"model": "smollm2", "prompt": [10**10] + [1] * 20}, 400, "token ids"),  # once a block-hashing overflow (500)
     (b'{"model": "smollm2", "prompt": "\\ud800"}', 400, "surrogate"),
     (b'{"model": "smollm2", "prompt": "hi", "temperature": NaN}', 400, "not valid JSON"),
-    ({"model": "smollm2", "prompt": "hi", "suffix": "x"}, 400, "not supported yet"),
+    ({"model": "smollm2", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
 ])
 def test_bad_requests_get_4xx_with_reason(server: Server, body: object, status: int, needle: str) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}

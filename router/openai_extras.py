@@ -1,0 +1,111 @@
+"""vLLM's utility endpoints beside the OpenAI ones: /tokenize, /detokenize, /version.
+
+Shapes as vLLM's (`vllm bench serve` uses them to align its token counts with the server's):
+- POST /tokenize: `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...], "add_generation_prompt":
+  true, "continue_final_message": false, "add_special_tokens": false, "chat_template": ...}` (plus an optional
+  `model`, `return_token_strs`) -> `{"count", "max_model_len", "tokens", "token_strs"}`.
+- POST /detokenize: `{"tokens": [int, ...]}` -> `{"prompt": str}`.
+- GET /version: `{"version": "<kvflow version>"}`.
+Tokenizing runs in the router's tokenizer pool, with the same chat-template rules (and time limit) as chat requests.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.errors import InvalidRequest
+from router.core import Router, error_from
+from router.errors import BadRequest, ModelNotFound
+from router.openai_protocol import _field, _messages, load_body
+
+
+def kvflow_version() -> str:
+    try:
+        return importlib.metadata.version("kvflow")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout without an install
+        return "unknown"
+
+
+def _check_model(router: Router, body: dict[str, Any]) -> None:
+    model = _field(body, "model", str)
+    if model is not None and model not in router.served_model_names and model != router.model_info.model:
+        raise ModelNotFound(f"The model `{model}` does not exist.", "model")
+
+
+async def _tokenize(router: Router, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _check_model(router, body)
+    tokenizers = await router.ensure_tokenizers()
+    if tokenizers.tokenizer is None:
+        raise BadRequest("this model has no tokenizer on the router", "prompt")
+    if "messages" in body:
+        messages = _messages(body)
+        add_generation_prompt = _field(body, "add_generation_prompt", bool, True)
+        continue_final = _field(body, "continue_final_message", bool, False)
+        if continue_final and add_generation_prompt:
+            raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                             "continue_final_message")
+        chat_template = _field(body, "chat_template", str)
+        if chat_template is not None and not router.config.trust_request_chat_template:
+            raise BadRequest("a request's own chat_template is refused: the router does not run --trust-request-"
+                             "chat-template", "chat_template")
+        add_special = _field(body, "add_special_tokens", bool, False)
+        try:
+            text, _ = await tokenizers.run(tokenizers.chat_prompt, messages, add_generation_prompt, chat_template,
+                                           router.config.chat_template_timeout_s, None, continue_final)
+        except InvalidRequest as exc:
+            raise BadRequest(str(exc), exc.param or "messages") from exc
+        tokens = await tokenizers.run(tokenizers.encode, text, add_special)
+    else:
+        prompt = _field(body, "prompt", str)
+        if prompt is None:
+            raise BadRequest("/tokenize needs 'prompt' (a string) or 'messages'", "prompt")
+        tokens = await tokenizers.run(tokenizers.encode, prompt, _field(body, "add_special_tokens", bool, True))
+    token_strs = None
+    if _field(body, "return_token_strs", bool, False):
+        token_strs = tokenizers.tokenizer.convert_ids_to_tokens(tokens)
+    return {"count": len(tokens), "max_model_len": router.model_info.max_model_len, "tokens": tokens,
+            "token_strs": token_strs}
+
+
+async def _detokenize(router: Router, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _check_model(router, body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadRequest("'tokens' must be a list of token ids", "tokens")
+    router.check_token_ids(tokens, "tokens")
+    tokenizers = await router.ensure_tokenizers()
+    try:
+        return {"prompt": await tokenizers.run(tokenizers.decode, tokens)}
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc), "tokens") from exc
+
+
+def add_extra_routes(app: FastAPI, router: Router) -> None:
+    from router.openai_api import _read_body, error_response  # the app module imports this one while building
+
+    async def answer(request: Request, handler: Any) -> Response:
+        try:
+            body = load_body(await _read_body(request, router.config))  # the chat endpoints' size and time limits
+            return JSONResponse(await handler(router, body))
+        except Exception as exc:  # every input problem is a 4xx naming its field
+            return error_response(error_from(exc))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await answer(request, _tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await answer(request, _detokenize)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kvflow_version()})
