@@ -17,7 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer, decode_all
 from engine.errors import InvalidRequest
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_port import KVPort
-from engine.model_runner import ModelRunner
+from engine.parallel.executor import create_runner
 from engine.models.loader import load_generation_defaults
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
@@ -86,7 +86,7 @@ class _RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = create_runner(config)  # tensor parallelism: rank 0's runner, the other ranks started
         num_blocks = self.runner.determine_num_blocks()
         capacity = (num_blocks - 1) * config.cache.block_size
         if config.model.max_model_len > capacity:
@@ -268,6 +268,14 @@ class LLMEngine:
         """Make the engine's GPU the calling thread's current device (CUDA's current device is per thread)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    def check_ranks(self) -> None:
+        """Raise if a tensor-parallel rank is gone (health probes)."""
+        self.runner.check_ranks()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        self.runner.shutdown()
 
     def expire_kv_leases(self) -> None:
         self.num_lease_expired_blocks += self.kv_manager.release_expired(time.monotonic())
