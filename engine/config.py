@@ -324,12 +324,6 @@ class EngineArgs:
              "num_gpu_blocks_override must be >= 2"),
             (self.swap_space >= 0, "swap_space must be >= 0"),
             (self.generation_config in ("auto", "vllm"), "generation_config must be 'auto' or 'vllm'"),
-            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
-            (self.pipeline_parallel_size == 1,
-             f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: kvflow has tensor "
-             "parallelism only (--tensor-parallel-size); use --pipeline-parallel-size 1"),
-            (not self.enable_expert_parallel,
-             "enable_expert_parallel is not supported: kvflow serves dense models only (no MoE experts)"),
             (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
             (self.usage_context in USAGE_CONTEXTS,
              f"usage_context must be 'llm' or 'server', got {self.usage_context!r}"),
@@ -337,6 +331,18 @@ class EngineArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.validate_parallel()
+
+    def validate_parallel(self) -> None:
+        """The parallel layout alone (cheap: `kvflow serve` checks it before starting any worker)."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: kvflow has "
+                             "tensor parallelism only (--tensor-parallel-size); use --pipeline-parallel-size 1")
+        if self.enable_expert_parallel:
+            raise ValueError("enable_expert_parallel is not supported: kvflow serves dense models only "
+                             "(no MoE experts to distribute)")
 
 
 __all__ = [

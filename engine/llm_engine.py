@@ -17,9 +17,9 @@ from engine.detokenizer import IncrementalDetokenizer, decode_all
 from engine.errors import InvalidRequest
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_port import KVPort
-from engine.parallel.executor import create_runner
 from engine.models.loader import load_generation_defaults
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from engine.parallel.executor import create_runner
 from engine.request import Request, RequestStatus
 from engine.sampler import seeded_generator_state
 from engine.sampling_params import SamplingParams

@@ -34,9 +34,6 @@ from engine.cpu_memory import keep_freed_memory_for_reuse
 from engine.cuda_graphs import DecodeGraphs, DecodeResult, capture_sizes
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
-from engine.parallel.group import TPGroup
-from engine.parallel.layout import RankShard, shard_for
-from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
 from engine.outputs import (
     ModelRunnerOutput,
     NewRequestData,
@@ -44,6 +41,9 @@ from engine.outputs import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from engine.parallel.group import TPGroup
+from engine.parallel.layout import RankShard, shard_for
+from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
 from engine.sampler import Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
 from kernels._triton import HAS_TRITON
