@@ -211,7 +211,7 @@ class Bench:
     def engine(self, model: str, tp: int, **extra: Any) -> dict[str, Any]:
         base: dict[str, Any] = {"model": model, "load_format": "dummy", "tensor_parallel_size": tp}
         if self.smoke:
-            base.update(kv_cache_memory_bytes=1 << 26, max_model_len=1024)
+            base.update(device="cpu", kv_cache_memory_bytes=1 << 26, max_model_len=1024)
         else:
             base.update(dtype="bfloat16", gpu_memory_utilization=0.88, cudagraph_capture_sizes=GRAPH_SIZES)
         base.update(extra)
