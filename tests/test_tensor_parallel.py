@@ -212,3 +212,24 @@ def test_serve_places_each_workers_ranks_on_consecutive_gpus() -> None:
         place_workers(ClusterSpec(args, 0, 1), 1)
     with pytest.raises(ValueError, match="consecutive GPUs"):
         place_workers(ClusterSpec(args, 0, 1, decode_gpus=(1,)), 2)
+
+
+def test_a_worker_whose_rank_died_turns_not_serving_and_stops() -> None:
+    import asyncio
+
+    from kvflow.worker.runtime import _watch_ranks
+
+    class DeadRanks:
+        def check_ranks(self) -> None:
+            raise TensorParallelError("tensor-parallel rank 1 exited with code -9")
+
+    class Health:
+        draining = False
+
+    async def scenario() -> tuple[bool, bool, list[BaseException]]:
+        health, stop, failure = Health(), asyncio.Event(), []
+        await asyncio.wait_for(_watch_ranks(DeadRanks(), health, stop, failure), 5)  # type: ignore[arg-type]
+        return health.draining, stop.is_set(), failure
+
+    draining, stopped, failure = asyncio.run(scenario())
+    assert draining and stopped and "rank 1" in str(failure[0])

@@ -310,7 +310,12 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    rank_failure: list[BaseException] = []
+    watch = asyncio.create_task(_watch_ranks(llm_engine, health, stop, rank_failure)) \
+        if engine_args.tensor_parallel_size > 1 else None
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     await _drain(context, health, registration, args.drain_timeout, cut_short)
     await server.stop(ABORT_FLUSH_S)
     for close in context.on_shutdown:
@@ -320,6 +325,24 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     await engine.stop()
     llm_engine.shutdown()  # the other tensor-parallel ranks, if any
     logger.info("%s worker %s stopped", role_name, worker_id)
+    if rank_failure:  # a non-zero exit: a supervisor (kvflow serve, Kubernetes) starts a whole new worker
+        raise RuntimeError(f"stopped after a tensor-parallel failure: {rank_failure[0]}")
+
+
+async def _watch_ranks(llm_engine: LLMEngine, health: DeviceHealth, stop: asyncio.Event,
+                       failure: list[BaseException]) -> None:
+    """Tensor parallelism: once a rank is gone the engine cannot run a step again, so turn NOT_SERVING at once
+    and stop the worker (no new work is routed here; its supervisor restarts it with all its ranks)."""
+    while not stop.is_set():
+        try:
+            llm_engine.check_ranks()  # reads process states and a flag only: safe beside the engine thread
+        except Exception as exc:  # noqa: BLE001 - any rank failure ends this worker
+            logger.error("%s: this worker turns NOT_SERVING and stops", exc)
+            health.draining = True
+            failure.append(exc)
+            stop.set()
+            return
+        await asyncio.sleep(0.5)
 
 
 async def _drain(context: WorkerContext, health: DeviceHealth, registration: WorkerRegistration | None,
