@@ -227,8 +227,9 @@ class Bench:
         model = "tiny"
         prompts = [[1, 5, 9, 33, 7, 100], list(range(3, 60))]
         ids = {"prompts": prompts, "max_tokens": 24}
-        fp32 = {"dtype": "float32", "gpu_memory_utilization": 0.3} if self.cuda else {}
-        jobs = [{"kind": "engine", "engine": self.engine(model, 1, **fp32), "ids": ids}]
+        fp32 = {"dtype": "float32", "gpu_memory_utilization": 0.3, "cudagraph_capture_sizes": [1, 2, 4]} \
+            if self.cuda else {}
+        jobs = [{"kind": "engine", "engine": self.engine(model, 1, enforce_eager=True, **fp32), "ids": ids}]
         modes = ["graphs", "eager"] if self.cuda else ["eager"]
         for mode in modes:
             jobs.append({"kind": "engine", "engine": self.engine(model, 2, enforce_eager=mode == "eager", **fp32),
@@ -259,7 +260,7 @@ class Bench:
 
     def decode8b(self) -> None:
         model = "tiny" if self.smoke else "llama-3.1-8b"
-        decode = {"short": 16, "long": 80 if self.smoke else 528, "prompt_len": 32}
+        decode = {"short": 16, "long": 80 if self.smoke else 272, "prompt_len": 32, "repeats": 2}
         small = {} if self.smoke else {"max_model_len": 4096, "max_num_seqs": 8, "cudagraph_capture_sizes": [1, 2]}
         res = {}
         for name, engine in (("tp1", self.engine(model, 1, **small)), ("tp2", self.engine(model, 2, **small)),
@@ -275,11 +276,12 @@ class Bench:
         model = "tiny" if self.smoke else "llama-3.1-8b"
         n = self.args.num_prompts if not self.smoke else 16
         io = {"input_len": 512 if not self.smoke else 64, "output_len": 128 if not self.smoke else 16}
-        tp2 = run_jobs([{"kind": "engine", "engine": self.engine(model, 2),
+        limits = {} if self.smoke else {"max_model_len": 4096}
+        tp2 = run_jobs([{"kind": "engine", "engine": self.engine(model, 2, **limits),
                          "tput": {"num_prompts": n, **io}}], 600)[0]
         replica_args = [{"device": "cuda:0"}, {"device": "cuda:1"}] if self.cuda else [{}, {}]
         halves = [n - n // 2, n // 2]
-        dp = run_jobs([{"kind": "engine", "engine": self.engine(model, 1, **dev),
+        dp = run_jobs([{"kind": "engine", "engine": self.engine(model, 1, **dev, **limits),
                         "tput": {"num_prompts": half, **io}} for dev, half in zip(replica_args, halves, strict=True)],
                       600)
         dp_tok_s = sum(r.get("output_tok_s", 0.0) for r in dp) if all("output_tok_s" in r for r in dp) else None
