@@ -153,6 +153,15 @@ def test_kvflow_generate_runs_with_tensor_parallel_size_2_on_cpu() -> None:
     assert "The capital of France is Paris." in done.stdout
 
 
+def test_worker_info_reports_the_parallel_layout(tiny_tp2: LLM) -> None:
+    from kvflow.worker.runtime import info_response
+    from protos.kvflow.v1 import kvflow_pb2 as pb
+
+    info = info_response(tiny_tp2.llm_engine, pb.WORKER_ROLE_DECODE, "decode-0")
+    assert (info.tensor_parallel_size, info.pipeline_parallel_size, list(info.rank_devices)) == (2, 1,
+                                                                                                 ["cpu", "cpu"])
+
+
 # ---- failures and refusals -------------------------------------------------------------------------------------
 def test_a_killed_rank_makes_the_engine_raise_not_hang(tiny_tp2: LLM) -> None:
     """Last user of `tiny_tp2`: kills its rank 1."""
