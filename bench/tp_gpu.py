@@ -54,6 +54,11 @@ def one(job: dict[str, Any]) -> dict[str, Any]:
 
     if job["kind"] == "allreduce":
         return allreduce_rank(job)
+    if job["kind"] == "symm":
+        try:
+            return symm_allreduce_rank(job)
+        except Exception as exc:  # noqa: BLE001 - an unavailable candidate is a result, not a crash
+            return {"rank": job["rank"], "error": f"{type(exc).__name__}: {exc}"}
     if job.get("cuda_device") is not None:
         torch.cuda.set_device(job["cuda_device"])
     started = time.perf_counter()
@@ -172,6 +177,57 @@ def allreduce_rank(job: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rank, "rows": rows}
 
 
+def symm_allreduce_rank(job: dict[str, Any]) -> dict[str, Any]:
+    """The candidate small-message all-reduce: torch symmetric memory's one-shot all-reduce over peer memory
+    (CUDA IPC; multicast disabled by TORCH_SYMM_MEM_DISABLE_MULTICAST=1), timed like NCCL. Measured only: the
+    engine keeps NCCL unless this wins."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    from engine.parallel.group import TPGroup
+
+    rank, size = job["rank"], job["size"]
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    group = TPGroup("127.0.0.1", job["port"], rank, size, device, 60.0)
+    name = "kvflow-tp-symm"
+    _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", group.store))
+    rows: list[dict[str, Any]] = []
+    for nbytes in job["sizes"]:
+        buf = symm_mem.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(buf, name)
+        buf.fill_(1.0)
+        out = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
+        torch.cuda.synchronize()
+        row: dict[str, Any] = {"bytes": nbytes, "result_ok": bool(torch.all(out == float(size)).item())}
+        for _ in range(20):
+            torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(job["iters"]):
+            torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
+            torch.cuda.synchronize()
+        row["eager_us"] = round((time.perf_counter() - t0) / job["iters"] * 1e6, 2)
+        graph, calls = torch.cuda.CUDAGraph(), 100
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        row["graph_us"] = round(start.elapsed_time(end) * 1000 / (10 * calls), 2)
+        rows.append(row)
+    group.close()
+    return {"rank": rank, "rows": rows}
+
+
 def run_jobs(jobs: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
     """Start each job as `tp_gpu.py --one JSON` side by side; their results, in order."""
     procs = []
@@ -253,10 +309,17 @@ class Bench:
         jobs = [{"kind": "allreduce", "rank": r, "size": 2, "port": port, "cuda": self.cuda, "sizes": sizes,
                  "iters": iters} for r in range(2)]
         results = run_jobs(jobs, 300)
-        self.write("allreduce", {"workload": "NCCL all-reduce, 2 ranks, bf16" if self.cuda else
-                                 "gloo all-reduce, 2 ranks, fp32 (smoke)", "backend": "nccl" if self.cuda else "gloo",
-                                 "rows": results[0].get("rows", results[0]), "rank1": results[1].get("rows",
-                                                                                                     results[1])})
+        record: dict[str, Any] = {
+            "workload": "NCCL all-reduce, 2 ranks, bf16" if self.cuda else "gloo all-reduce, 2 ranks, fp32 (smoke)",
+            "backend": "nccl" if self.cuda else "gloo", "rows": results[0].get("rows", results[0]),
+            "rank1": results[1].get("rows", results[1])}
+        if self.cuda:  # the one-shot peer-memory candidate, in its own processes (a failure cannot hang NCCL's)
+            port = free_port()
+            symm = run_jobs([{**job, "kind": "symm", "port": port} for job in jobs], 180)
+            record["symm_mem_one_shot"] = symm[0].get("rows", symm[0])
+            record["symm_mem_one_shot_rank1"] = symm[1].get("rows", symm[1])
+            record["engine_uses"] = "nccl"
+        self.write("allreduce", record)
 
     def decode8b(self) -> None:
         model = "tiny" if self.smoke else "llama-3.1-8b"
