@@ -183,11 +183,15 @@ class TPDriverRunner(ModelRunner):
             self._watchdog = threading.Thread(target=self._watch, args=(group,), name="tp-watchdog", daemon=True)
             self._watchdog.start()
             super().__init__(config, group)
-        except BaseException:
+        except BaseException as exc:
             self._stopped.set()
             if group is not None:
                 group.close(failed=True)
+            dead = [(rank, proc.poll()) for rank, proc in enumerate(self._procs, start=1) if proc.poll() is not None]
             self._finalizer()
+            if dead and isinstance(exc, Exception):  # say which rank failed rather than "store timed out"
+                raise TensorParallelError(f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]} during "
+                                          "start-up (see its log above)") from exc
             raise
         logger.info("tensor parallel: %d ranks (%s, %s)", size, group.backend, config.device.device)
 
