@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -139,6 +140,16 @@ def create_runner(config: EngineConfig) -> ModelRunner:
     return TPDriverRunner(config)
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel kills a rank whose rank 0 dies, even by SIGKILL, so no orphan keeps its GPU memory
+    until a collective times out (Linux; a no-op elsewhere). Rank 0's thread that starts the ranks must outlive
+    them: the engine is built on the main thread or a pool thread that lives as long as its event loop."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
 def _stop_children(procs: list[subprocess.Popen]) -> None:
     """Close each child's stdin (it exits), then make sure it is gone. Safe to call twice."""
     for proc in procs:
@@ -173,7 +184,7 @@ class TPDriverRunner(ModelRunner):
         try:
             for rank in range(1, size):
                 proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE,
-                                        env=env)
+                                        env=env, preexec_fn=_die_with_parent)
                 assert proc.stdin is not None
                 write_frame(proc.stdin, json.dumps({**doc, "rank": rank}).encode())
                 self._procs.append(proc)
