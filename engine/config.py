@@ -196,6 +196,8 @@ class EngineArgs:
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # accepted for vLLM parity; only 1 runs (refused otherwise)
+    enable_expert_parallel: bool = False  # likewise: refused when set
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
@@ -238,7 +240,12 @@ class EngineArgs:
                             "max_new_tokens caps every request's max_tokens")
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="GPUs (or CPU processes) per worker, one process per rank (Megatron-style splits)")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="only 1 is supported (refused otherwise)")
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="not supported (no MoE models): refused")
         g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture)
         g.add_argument("--disable-log-stats", action="store_true", default=not default_log_stats)
@@ -262,6 +269,9 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device)
         resolved = resolve_model(self.model, self.load_format)
         arch = resolved.arch
+        from engine.parallel.layout import validate_tp
+
+        validate_tp(arch, self.tensor_parallel_size)  # before any rank starts
         max_model_len = self.max_model_len or arch.max_position_embeddings
         if max_model_len > arch.max_position_embeddings:
             raise ValueError(
@@ -329,7 +339,6 @@ class EngineArgs:
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
              "num_gpu_blocks_override must be >= 2"),
             (self.swap_space >= 0, "swap_space must be >= 0"),
-            (self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet (one GPU per worker)"),
             (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
             (self.usage_context in USAGE_CONTEXTS,
              f"usage_context must be 'llm' or 'server', got {self.usage_context!r}"),
@@ -338,6 +347,18 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
         check_generation_config(self.generation_config)
+        self.validate_parallel()
+
+    def validate_parallel(self) -> None:
+        """The parallel layout alone (cheap: `kvflow serve` checks it before starting any worker)."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: kvflow has "
+                             "tensor parallelism only (--tensor-parallel-size); use --pipeline-parallel-size 1")
+        if self.enable_expert_parallel:
+            raise ValueError("enable_expert_parallel is not supported: kvflow serves dense models only "
+                             "(no MoE experts to distribute)")
 
 
 __all__ = [

@@ -18,8 +18,8 @@ from engine.errors import InvalidRequest
 from engine.generation_config import cap_max_tokens, resolve_generation_defaults
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_port import KVPort
-from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from engine.parallel.executor import create_runner
 from engine.request import Request, RequestStatus
 from engine.sampler import seeded_generator_state
 from engine.sampling_params import SamplingParams
@@ -87,7 +87,7 @@ class _RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = create_runner(config)  # tensor parallelism: rank 0's runner, the other ranks started
         num_blocks = self.runner.determine_num_blocks()
         capacity = (num_blocks - 1) * config.cache.block_size
         if config.model.max_model_len > capacity:
@@ -300,6 +300,14 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
+    def check_ranks(self) -> None:
+        """Raise if a tensor-parallel rank is gone (health probes)."""
+        self.runner.check_ranks()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        self.runner.shutdown()
+
     def expire_kv_leases(self) -> None:
         self.num_lease_expired_blocks += self.kv_manager.release_expired(time.monotonic())
 
@@ -323,6 +331,9 @@ class LLMEngine:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         params = params.with_defaults(self.generation_defaults)
         if params.structured_outputs is not None:  # compiled once per distinct constraint; a bad one is a 400
+            if self.config.device.tensor_parallel_size > 1:  # the other ranks' samplers hold no grammar matchers
+                raise InvalidRequest("structured outputs are not supported with tensor_parallel_size > 1 yet",
+                                     "structured_outputs")
             self.structured_output.compile(params.structured_outputs)
         capped = cap_max_tokens(self.generation_defaults, params.max_tokens)
         if capped != params.max_tokens:  # max_new_tokens caps what a request asks for (a copy: callers share)

@@ -42,6 +42,9 @@ from engine.outputs import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from engine.parallel.group import TPGroup
+from engine.parallel.layout import RankShard, shard_for
+from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
 from engine.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputManager
@@ -149,8 +152,14 @@ class AheadStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's runner; with `tp_group` (tensor parallelism, engine/parallel/) it holds and computes only this
+    rank's shard, and every rank runs the same steps (engine/parallel/executor.py)."""
+
+    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None) -> None:
         self.config = config
+        self.tp_group = tp_group
+        self.shard = shard_for(config.model.arch, tp_group.rank, tp_group.size) if tp_group is not None \
+            else RankShard.full(config.model.arch)
         self.device = torch.device(config.device.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -172,9 +181,14 @@ class ModelRunner:
         build_dtype = self.dtype if self.on_cuda else torch.get_default_dtype()
         with torch.device(self.device), default_dtype(build_dtype):
             model = CausalLM(arch, config.model.hf_config, self.attn_backend, config.model.max_model_len,
-                             fused_ops=fused)
-        if config.model.load_format == "dummy":
+                             fused_ops=fused, shard=self.shard, group=tp_group)
+        if config.model.load_format == "dummy" and tp_group is not None:
+            init_dummy_sharded(model, config.model.seed, arch, self.shard)
+        elif config.model.load_format == "dummy":
             model.init_dummy_weights(config.model.seed)
+        elif tp_group is not None:
+            assert config.model.model_path is not None
+            model.load_hf_state_dict(load_sharded_state(config.model.model_path, arch, self.shard))
         else:
             assert config.model.model_path is not None
             model.load_hf_state_dict(hf_state_dict(config.model.model_path))
@@ -205,11 +219,18 @@ class ModelRunner:
         self.ahead_hits = 0
         self.ahead_misses = 0
 
+    def check_ranks(self) -> None:
+        """Raise if a tensor-parallel rank is gone (a single rank has none to lose)."""
+
+    def shutdown(self) -> None:
+        """Stop what the runner started (tensor-parallel ranks); nothing for a single rank."""
+
     # ---- KV cache ----------------------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
+        """Bytes of one KV block on this rank (its KV heads only)."""
         arch = self.config.model.arch
-        return self.block_size * arch.kv_bytes_per_token(self.dtype.itemsize)
+        return self.block_size * 2 * arch.num_layers * self.shard.num_kv_heads * arch.head_dim * self.dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the memory budget (or the override); a value, never written back into config."""
@@ -301,7 +322,7 @@ class ModelRunner:
         """Allocate the KV cache (and CPU swap space), then capture the decode graphs, which bake in its address."""
         self._allocate_kv(num_blocks)
         arch = self.config.model.arch
-        swap_shape = (num_swap_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        swap_shape = (num_swap_blocks, self.block_size, self.shard.num_kv_heads, arch.head_dim)
         pin = self.on_cuda
         self.swap_caches = [
             (torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin),
@@ -315,7 +336,7 @@ class ModelRunner:
 
     def _allocate_kv(self, num_blocks: int) -> None:
         arch = self.config.model.arch
-        shape = (num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (num_blocks, self.block_size, self.shard.num_kv_heads, arch.head_dim)
         self.kv_caches = []  # drop the old cache before allocating the new one
         # Zeroed: padding slots are read (then masked), and 0 * garbage could be NaN.
         self.kv_caches = [

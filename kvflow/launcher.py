@@ -146,8 +146,13 @@ class RestartBackoff:
 @dataclass(frozen=True)
 class Placement:
     role: str
-    gpu: int | None  # index among the launcher's visible GPUs; None: CPU
+    gpu: int | None  # index among the launcher's visible GPUs (rank 0's with tensor parallelism); None: CPU
     gpu_memory_utilization: float | None  # None: not a GPU worker
+    tensor_parallel_size: int = 1  # ranks on consecutive GPUs gpu, gpu + 1, ...
+
+    @property
+    def gpus(self) -> set[int]:
+        return set() if self.gpu is None else set(range(self.gpu, self.gpu + self.tensor_parallel_size))
 
 
 def visible_gpus() -> list[str]:
@@ -173,6 +178,10 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
         if spec.prefill_gpus or spec.decode_gpus:
             raise ValueError("--prefill-gpus/--decode-gpus need visible GPUs and --device auto or cuda")
         return [Placement(role, None, None) for role in roles]
+    # Tensor parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on.
+    tp = spec.engine_args.tensor_parallel_size
+    if tp > num_gpus:
+        raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs per worker, but {num_gpus} are visible")
     gpus: list[int] = []
     for role, listed, count in (("prefill", spec.prefill_gpus, spec.prefill_workers),
                                 ("decode", spec.decode_gpus, spec.decode_workers)):
@@ -180,19 +189,25 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
             continue
         if len(listed) != count:
             raise ValueError(f"--{role}-gpus lists {len(listed)} GPUs for {count} {role} workers")
-        if any(g < 0 or g >= num_gpus for g in listed):
-            raise ValueError(f"--{role}-gpus {list(listed)}: only GPUs 0..{num_gpus - 1} are visible")
+        if any(g < 0 or g + tp > num_gpus for g in listed):
+            raise ValueError(f"--{role}-gpus {list(listed)}: only GPUs 0..{num_gpus - 1} are visible"
+                             + (f" (each worker takes {tp} consecutive GPUs from its own)" if tp > 1 else ""))
     default = iter(range(len(roles)))
+    usable = num_gpus - num_gpus % tp
     for role, listed in (("prefill", spec.prefill_gpus), ("decode", spec.decode_gpus)):
         for i in range(roles.count(role)):
-            gpus.append(listed[i] if listed is not None else next(default) % num_gpus)
-    sharing = {g: gpus.count(g) for g in gpus}
+            gpus.append(listed[i] if listed is not None else next(default) * tp % usable)
+    sharing = {g: 0 for g in range(num_gpus)}
+    for gpu in gpus:
+        for g in range(gpu, gpu + tp):
+            sharing[g] += 1
     placements = []
     for role, gpu in zip(roles, gpus, strict=True):
         share = spec.gpu_memory_utilization
         if share is None:
-            share = math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / sharing[gpu] * 100) / 100
-        placements.append(Placement(role, gpu, share))
+            most = max(sharing[g] for g in range(gpu, gpu + tp))
+            share = math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / most * 100) / 100
+        placements.append(Placement(role, gpu, share, tp))
     return placements
 
 
@@ -225,15 +240,17 @@ class WorkerCluster:
         self._start_unblocked()
 
     def _start_unblocked(self) -> None:
-        starting = {w.placement.gpu for w in self.workers if w.placement.gpu is not None and not w.ready}
+        starting: set[int] = set()
+        for worker in self.workers:
+            if not worker.ready:
+                starting |= worker.placement.gpus
         for item in list(self._pending):
             index, placement = item
-            if placement.gpu is not None and placement.gpu in starting:
+            if placement.gpus & starting:
                 continue  # one start at a time per GPU: its memory profile must see only workers that are up
             self._pending.remove(item)
             self._spawn(index, placement)
-            if placement.gpu is not None:
-                starting.add(placement.gpu)
+            starting |= placement.gpus
 
     def _spawn(self, index: int, placement: Placement) -> None:
         port = self._ports[index]
@@ -241,7 +258,7 @@ class WorkerCluster:
         process = self._popen(placement, index, port, log_path, "wb")
         self.workers.append(WorkerProcess(placement.role, f"{self.spec.host}:{port}", process, log_path, placement,
                                           index=index))
-        where = f"GPU {self._gpu_ids[placement.gpu]}" if placement.gpu is not None else "CPU"
+        where = "CPU" if placement.gpu is None else "GPU " + ",".join(self._gpu_ids[g] for g in sorted(placement.gpus))
         logger.info("started %s worker %d on port %d, %s (log %s)", placement.role, index, port, where, log_path)
 
     def _popen(self, placement: Placement, index: int, port: int, log_path: Path, log_mode: str) -> subprocess.Popen:
@@ -342,9 +359,9 @@ class WorkerCluster:
 
     def _gpu_busy(self, worker: WorkerProcess) -> bool:
         """Another worker on its GPU is starting: its memory profile must not see two starting workers."""
-        gpu = worker.placement.gpu
-        return gpu is not None and any(w is not worker and w.placement.gpu == gpu and not w.ready
-                                       and w.process.poll() is None for w in self.workers)
+        gpus = worker.placement.gpus
+        return bool(gpus) and any(w is not worker and w.placement.gpus & gpus and not w.ready
+                                  and w.process.poll() is None for w in self.workers)
 
     def _restart(self, worker: WorkerProcess) -> None:
         port = int(worker.address.rsplit(":", 1)[1])

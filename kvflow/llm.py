@@ -27,6 +27,16 @@ class LLM:
         self._stat_logger = None if self.engine_args.disable_log_stats else \
             StatLogger(self.llm_engine.device.type)
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (also done at interpreter exit); idempotent."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

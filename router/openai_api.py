@@ -137,8 +137,9 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         info = router.pool.model_info
+        layout = router.pool.parallel_layout()  # kvflow's extra field: each worker's parallel layout
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvflow", "root": info.model if info
-                 else name, "max_model_len": info.max_model_len if info else None}
+                 else name, "max_model_len": info.max_model_len if info else None, "parallel": layout}
                 for name in router.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 

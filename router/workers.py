@@ -133,6 +133,23 @@ class WorkerPool:
         with self._lock:
             return list(self._workers.values())
 
+    def parallel_layout(self) -> dict[str, object]:
+        """Each worker's parallel layout as its `Info` reported it, and the data-parallel degree (serving decode
+        workers, each a replica): shown in the router's /v1/models."""
+        workers = sorted(self.all_workers(), key=lambda w: (w.role, w.address))
+        listing = []
+        for w in workers:
+            info = w.info
+            listing.append({
+                "address": w.address, "role": w.role, "worker_id": w.worker_id, "healthy": w.healthy,
+                "tensor_parallel_size": (info.tensor_parallel_size or 1) if info is not None else None,
+                "pipeline_parallel_size": (info.pipeline_parallel_size or 1) if info is not None else None,
+                "devices": list(info.rank_devices) if info is not None and info.rank_devices else
+                ([info.device] if info is not None else []),
+            })
+        return {"data_parallel_size": sum(1 for w in workers if w.role == "decode" and w.healthy),
+                "workers": listing}
+
     def stop(self) -> None:
         with self._lock:
             for worker in self._workers.values():

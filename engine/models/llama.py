@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +22,19 @@ from torch import nn
 
 from engine.attention import AttentionBackend, KVCache
 from engine.config import ModelArch
+from engine.parallel.layout import RankShard
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
 from kernels.silu_and_mul import silu_and_mul
 from kernels.small_gemm import GemvConfig, prefers_gemv_head, small_gemm
+
+
+class Collectives(Protocol):
+    """What a tensor-parallel model needs from its process group (engine/parallel/group.py)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather_last_dim(self, tensor: torch.Tensor, width: int) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -145,9 +154,14 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, fused: bool = False) -> None:
+    """Column-parallel q|k|v and row-parallel o under tensor parallelism: this rank's heads only (`shard`), and
+    o_proj's partial sums are all-reduced by the caller (`DecoderLayer`)."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, fused: bool = False,
+                 shard: RankShard | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        shard = shard or RankShard.full(arch)
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
@@ -192,11 +206,13 @@ SMALL_GEMM_ROWS = 1
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, fused: bool = False) -> None:
+    """Column-parallel gate|up and row-parallel down under tensor parallelism (this rank's intermediate rows)."""
+
+    def __init__(self, arch: ModelArch, fused: bool = False, shard: RankShard | None = None) -> None:
         super().__init__()
-        self.intermediate = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.intermediate = (shard or RankShard.full(arch)).intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=False)
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,12 +233,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, fused: bool = False) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, fused: bool = False,
+                 shard: RankShard | None = None, group: Collectives | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
-        self.self_attn = Attention(arch, backend, fused)
+        self.self_attn = Attention(arch, backend, fused, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
-        self.mlp = MLP(arch, fused)
+        self.mlp = MLP(arch, fused, shard)
+        self.group = group  # tensor parallelism: one all-reduce after o_proj, one after down_proj
         self.small_gemm_mode = SmallGemmMode.from_env()
         self.small_gemm = fused and self.small_gemm_mode.enabled
 
@@ -232,9 +250,12 @@ class DecoderLayer(nn.Module):
         if self.small_gemm and uses_small_gemm(x):
             return self._forward_small_batch(positions, x, residual, rotary, kv_cache, meta)
         h, residual = self.input_layernorm.add_norm(x, residual)
-        h = self.self_attn(positions, h, rotary, kv_cache, meta)
+        h = self._reduce(self.self_attn(positions, h, rotary, kv_cache, meta))
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
-        return self.mlp(h), residual
+        return self._reduce(self.mlp(h)), residual
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.group is None else self.group.all_reduce(x)
 
     def _forward_small_batch(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                              rotary: RotaryEmbedding, kv_cache: KVCache, meta: object
@@ -248,15 +269,15 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_norm(x, residual)
             qkv = mode.linear(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias)[0]
-        h = mode.linear(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight)[0]
+        h = self._reduce(mode.linear(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight)[0])
         if h.shape[-1] <= mode.norm_max_hidden:
             gate_up, residual = _norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, mode)
         else:
             h, residual = self.post_attention_layernorm.add_norm(h, residual)
             gate_up = mode.linear(h, mlp.gate_up_proj.weight)[0]
         if mode.fuse_silu:
-            return mode.linear(gate_up, mlp.down_proj.weight, prologue="silu")[0], residual
-        return mode.linear(silu_and_mul(gate_up), mlp.down_proj.weight)[0], residual
+            return self._reduce(mode.linear(gate_up, mlp.down_proj.weight, prologue="silu")[0]), residual
+        return self._reduce(mode.linear(silu_and_mul(gate_up), mlp.down_proj.weight)[0]), residual
 
 
 def uses_small_gemm(x: torch.Tensor) -> bool:
@@ -276,36 +297,62 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, 
 
 
 class CausalLM(nn.Module):
+    """With `shard` and `group` (tensor parallelism, engine/parallel/): this rank's slice of every split weight,
+    a vocab-parallel embedding (each rank embeds the ids in its rows, then one all-reduce) and lm_head (local
+    logits all-gathered, so every rank, and the sampler, sees the full vocabulary)."""
+
     def __init__(self, arch: ModelArch, hf_config: Any, backend: AttentionBackend, max_positions: int,
-                 fused_ops: bool = False) -> None:
+                 fused_ops: bool = False, shard: RankShard | None = None, group: Collectives | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, fused_ops) for _ in range(arch.num_layers))
+        self.shard = shard or RankShard.full(arch)
+        self.group = group if self.shard.size > 1 else None
+        if self.shard.size > 1 and group is None:
+            raise ValueError("a tensor-parallel shard needs its process group")
+        vocab_rows = self.shard.vocab_rows
+        self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, fused_ops, self.shard, self.group)
+                                    for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_ops)
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, fused_ops)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         self.cpu_logits_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.small_gemm_mode = SmallGemmMode.from_env()
         self.small_gemm = fused_ops and self.small_gemm_mode.enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: object) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)
         return self.norm.add_norm(x, residual)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.embed_tokens(input_ids)
+        start, end = self.shard.vocab
+        inside = (input_ids >= start) & (input_ids < end)
+        x = self.embed_tokens((input_ids - start).clamp_(0, end - start - 1))
+        return self.group.all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; `out` (float32 [rows, vocab]) receives them instead of a new tensor (the decode
         graphs share one buffer across batch sizes)."""
+        if self.group is not None:  # this rank's vocabulary rows, then all ranks' joined
+            local = self._local_logits(hidden)
+            full = self.group.all_gather_last_dim(local, self.shard.vocab_padded)[:, : self.arch.vocab_size]
+            return full if out is None else out.copy_(full)
+        return self._local_logits(hidden, out)
+
+    def _local_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = self.shard.vocab_rows
         if self.cpu_logits_head is not None:  # oneDNN-packed copy on the CPU path (engine/cpu_linear.py)
             logits = self.cpu_logits_head(hidden)
         elif self.small_gemm and uses_small_gemm(hidden):  # float32 straight from the GEMM's accumulator
             return small_gemm(hidden, self._head_weight(), impl=self._head_impl(), gemv=self.small_gemm_mode.gemv,
                               out=out if out is not None else torch.empty(
-                                  hidden.shape[0], self.arch.vocab_size, dtype=torch.float32, device=hidden.device))[0]
+                                  hidden.shape[0], rows, dtype=torch.float32, device=hidden.device))[0]
         else:
             logits = F.linear(hidden, self._head_weight())
         return logits.float() if out is None else out.copy_(logits)
@@ -313,7 +360,7 @@ class CausalLM(nn.Module):
     def compute_logits_argmax(self, hidden: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`compute_logits` into `out` and the greedy ids (the first index of each row's max) of those logits;
         on the small-batch path the argmax is reduced inside the GEMM and never re-reads the logits."""
-        if self.small_gemm and self.cpu_logits_head is None and uses_small_gemm(hidden):
+        if self.small_gemm and self.cpu_logits_head is None and uses_small_gemm(hidden) and self.group is None:
             logits, _, tokens = small_gemm(hidden, self._head_weight(), out=out, argmax=True,
                                            impl=self._head_impl(), gemv=self.small_gemm_mode.gemv)
             return logits, tokens  # type: ignore[return-value]

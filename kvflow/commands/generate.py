@@ -28,9 +28,10 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**vars(engine_args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed)
-    if args.chat:
-        output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
-    else:
-        output = llm.generate(args.prompt, params)[0]
+    with llm:  # stops the other tensor-parallel ranks, if any
+        if args.chat:
+            output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        else:
+            output = llm.generate(args.prompt, params)[0]
     print(output.outputs[0].text)
     return 0

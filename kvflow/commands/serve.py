@@ -45,8 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser("serve", help="run router + prefill/decode workers on this machine")
     g = parser.add_argument_group("cluster")
-    g.add_argument("--prefill-workers", type=int, default=1)
-    g.add_argument("--decode-workers", type=int, default=1)
+    g.add_argument("--prefill-workers", type=int, default=None,
+                   help="default 1; 0 with --tensor-parallel-size > 1 or --data-parallel-size (local prefill)")
+    g.add_argument("--decode-workers", type=int, default=None, help="default 1 (--data-parallel-size sets it)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="N unified replicas (decode workers that prefill locally, no prefill workers), each on "
+                        "its own GPU(s), behind the router")
     g.add_argument("--index", default="memory", help="'memory' or redis://host:port/db")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -86,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     share = args.gpu_memory_utilization
     args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
     engine_args = server_engine_args(args)
+    engine_args.validate_parallel()  # refused here, before any worker starts
+    args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
+                                                              args.data_parallel_size,
+                                                              engine_args.tensor_parallel_size)
     if args.metrics_require_api_key and not args.api_key:
         raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any worker starts
@@ -122,6 +130,28 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         cluster.stop(args.drain_timeout + WORKER_STOP_MARGIN_S)
     return 0
+
+
+def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None,
+                  tensor_parallel: int) -> tuple[int, int]:
+    """(prefill workers, decode workers) from the flags. Data parallelism is N decode workers with local prefill;
+    tensor-parallel workers prefill locally too (KV transfer moves one rank's cache), so neither has prefill
+    workers."""
+    if data_parallel is not None:
+        if data_parallel < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel}")
+        if decode is not None and decode != data_parallel:
+            raise ValueError(f"--data-parallel-size {data_parallel} runs {data_parallel} decode workers; drop "
+                             f"--decode-workers {decode}")
+        if prefill:
+            raise ValueError("--data-parallel-size runs replicas that prefill locally; drop --prefill-workers")
+        return 0, data_parallel
+    if tensor_parallel > 1 and prefill:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel} with --prefill-workers {prefill}: KV transfer "
+                         "moves one rank's cache only, so tensor-parallel workers prefill locally; use "
+                         "--prefill-workers 0 (the default with tensor parallelism)")
+    default_prefill = 0 if tensor_parallel > 1 else 1
+    return (default_prefill if prefill is None else prefill), (1 if decode is None else decode)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

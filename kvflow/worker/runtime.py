@@ -36,6 +36,7 @@ from engine.config import EngineArgs
 from engine.kv_port import KVPort
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
+from engine.parallel.executor import rank_device
 from engine.stat_logger import StatLogger
 from engine.stats import EngineStats, FinishedRequestTiming
 from kvflow.auth import ClusterAuth, add_cluster_auth_args, public_info
@@ -107,6 +108,7 @@ class DeviceHealth(health_pb2_grpc.HealthServicer):
 
 
 def _touch_device(engine: LLMEngine) -> bool:
+    engine.check_ranks()  # tensor parallelism: a dead rank makes the worker NOT_SERVING
     probe = torch.ones(2, device=engine.device) * 2
     return float(probe.sum().item()) == 4.0
 
@@ -122,6 +124,8 @@ def info_response(engine: LLMEngine, role: int, worker_id: str, disagg_min_promp
         vocab_size=config.model.arch.vocab_size, device=str(engine.device), worker_id=worker_id,
         version=VERSION, num_free_kv_blocks=load.num_free_blocks,
         disagg_min_prompt_tokens=disagg_min_prompt_tokens,
+        tensor_parallel_size=config.device.tensor_parallel_size, pipeline_parallel_size=1,
+        rank_devices=[rank_device(str(engine.device), r) for r in range(config.device.tensor_parallel_size)],
     )
 
 
@@ -253,6 +257,10 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     faults = FaultInjector(args.kv_transfer_fault_rate)
+    if role_name == "prefill" and engine_args.tensor_parallel_size > 1:  # before any rank starts
+        raise ValueError(f"--tensor-parallel-size {engine_args.tensor_parallel_size} is not supported on prefill "
+                         "workers: KV transfer moves one rank's cache only; run tensor-parallel decode workers, "
+                         "which prefill locally (kvflow serve --tensor-parallel-size N --prefill-workers 0)")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
     llm_engine = await asyncio.to_thread(LLMEngine.from_engine_args, engine_args, True)
     model_name = engine_args.model
@@ -302,7 +310,12 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    rank_failure: list[BaseException] = []
+    watch = asyncio.create_task(_watch_ranks(llm_engine, health, stop, rank_failure)) \
+        if engine_args.tensor_parallel_size > 1 else None
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     await _drain(context, health, registration, args.drain_timeout, cut_short)
     await server.stop(ABORT_FLUSH_S)
     for close in context.on_shutdown:
@@ -310,7 +323,26 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     links.close()
     await channels.close()
     await engine.stop()
+    llm_engine.shutdown()  # the other tensor-parallel ranks, if any
     logger.info("%s worker %s stopped", role_name, worker_id)
+    if rank_failure:  # a non-zero exit: a supervisor (kvflow serve, Kubernetes) starts a whole new worker
+        raise RuntimeError(f"stopped after a tensor-parallel failure: {rank_failure[0]}")
+
+
+async def _watch_ranks(llm_engine: LLMEngine, health: DeviceHealth, stop: asyncio.Event,
+                       failure: list[BaseException]) -> None:
+    """Tensor parallelism: once a rank is gone the engine cannot run a step again, so turn NOT_SERVING at once
+    and stop the worker (no new work is routed here; its supervisor restarts it with all its ranks)."""
+    while not stop.is_set():
+        try:
+            llm_engine.check_ranks()  # reads process states and a flag only: safe beside the engine thread
+        except Exception as exc:  # noqa: BLE001 - any rank failure ends this worker
+            logger.error("%s: this worker turns NOT_SERVING and stops", exc)
+            health.draining = True
+            failure.append(exc)
+            stop.set()
+            return
+        await asyncio.sleep(0.5)
 
 
 async def _drain(context: WorkerContext, health: DeviceHealth, registration: WorkerRegistration | None,

@@ -1,0 +1,281 @@
+"""Tensor-parallel execution: one process per rank, the scheduler on rank 0 only.
+
+Rank 0 is the engine's own process: `create_runner` starts ranks 1..N-1 as child processes (`python -m
+engine.parallel.worker`), joins them in a process group of their own (NCCL between GPUs, gloo on CPUs; rendezvous
+through a c10d TCPStore on a free local port) and returns a `TPDriverRunner`. Before each step the driver writes
+the step's `SchedulerOutput` to every child's stdin (engine/parallel/codec.py: explicit JSON, length-prefixed
+frames, no pickle); then every rank runs the same `ModelRunner.execute_model`, whose collectives (two all-reduces
+per layer, the embedding's all-reduce and the logits' all-gather) keep them in lockstep. All ranks see the full
+logits, so every rank samples identically (same seeds, same generators); only rank 0's result is used.
+
+Failure: a child that exits, a closed pipe or a collective that fails or times out (KVFLOW_TP_TIMEOUT_S) makes the
+driver raise `TensorParallelError` on this and every later step and the health probe (`check_ranks`), and the
+worker's health turns NOT_SERVING; a watchdog thread aborts the communicators as soon as a child dies, so ranks
+blocked in a collective fail at once instead of at the timeout. Children exit when their stdin closes (the
+driver stopped or died). `shutdown` (or interpreter exit) stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from typing import IO, Any
+
+import torch
+
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.parallel import codec
+from engine.parallel.group import TPGroup, tp_timeout_s
+from engine.parallel.layout import validate_tp
+
+logger = logging.getLogger(__name__)
+
+FRAME_HEADER = struct.Struct("<Q")
+MSG_INIT_KV = b"I"
+MSG_STEP = b"S"
+MSG_QUIT = b"Q"
+WATCH_INTERVAL_S = 0.2
+STOP_GRACE_S = 5.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: this engine cannot run another step."""
+
+
+# ---- framing and config (both sides) --------------------------------------------------------------------------
+def write_frame(stream: IO[bytes], payload: bytes) -> None:
+    stream.write(FRAME_HEADER.pack(len(payload)))
+    stream.write(payload)
+    stream.flush()
+
+
+def read_frame(stream: IO[bytes]) -> bytes | None:
+    """One frame, or None at end of stream."""
+    header = stream.read(FRAME_HEADER.size)
+    if len(header) < FRAME_HEADER.size:
+        return None
+    (length,) = FRAME_HEADER.unpack(header)
+    payload = stream.read(length)
+    if len(payload) < length:
+        return None
+    return payload
+
+
+def encode_config(config: EngineConfig) -> dict[str, Any]:
+    """What another rank needs to rebuild this config (the architecture is re-read from the model itself)."""
+    model = config.model
+    return {
+        "model": {"model": model.model, "model_id": model.model_id, "model_path": model.model_path,
+                  "tokenizer_path": model.tokenizer_path, "dtype": model.dtype, "max_model_len": model.max_model_len,
+                  "load_format": model.load_format, "generation_config": model.generation_config,
+                  "seed": model.seed},
+        "cache": dataclasses.asdict(config.cache),
+        "scheduler": dataclasses.asdict(config.scheduler),
+        "device": dataclasses.asdict(config.device),
+        "observability": dataclasses.asdict(config.observability),
+    }
+
+
+def decode_config(doc: dict[str, Any]) -> EngineConfig:
+    from engine.config import ModelConfig
+    from engine.models.loader import resolve_model
+
+    m = doc["model"]
+    resolved = resolve_model(m["model"], "dummy" if m["load_format"] == "dummy" else "auto")
+    model = ModelConfig(m["model"], m["model_id"], m["model_path"], m["tokenizer_path"], resolved.arch,
+                        resolved.hf_config, m["dtype"], m["max_model_len"], m["load_format"],
+                        m["generation_config"], m["seed"])
+    device = dict(doc["device"])
+    if device["cudagraph_capture_sizes"] is not None:
+        device["cudagraph_capture_sizes"] = tuple(device["cudagraph_capture_sizes"])
+    return EngineConfig(model, CacheConfig(**doc["cache"]), SchedulerConfig(**doc["scheduler"]),
+                        DeviceConfig(**device), ObservabilityConfig(**doc["observability"]))
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: CPU for every rank, else the r-th GPU after rank 0's (consecutive GPUs)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return device
+    base = dev.index if dev.index is not None else torch.cuda.current_device()
+    return f"cuda:{base + rank}"
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ---- rank 0 ---------------------------------------------------------------------------------------------------
+def create_runner(config: EngineConfig) -> ModelRunner:
+    """The engine's runner: a plain `ModelRunner` for one rank, else a `TPDriverRunner` with its ranks started."""
+    size = config.device.tensor_parallel_size
+    if size == 1:
+        return ModelRunner(config)
+    validate_tp(config.model.arch, size)
+    device = rank_device(config.device.device, 0)
+    if device.startswith("cuda"):
+        last = rank_device(device, size - 1)
+        if torch.device(last).index >= torch.cuda.device_count():  # type: ignore[operator]
+            raise ValueError(f"tensor_parallel_size={size} on {device} needs GPUs up to {last}, but only "
+                             f"{torch.cuda.device_count()} are visible")
+    config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
+    return TPDriverRunner(config)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel kills a rank whose rank 0 dies, even by SIGKILL, so no orphan keeps its GPU memory
+    until a collective times out (Linux; a no-op elsewhere). Rank 0's thread that starts the ranks must outlive
+    them: the engine is built on the main thread or a pool thread that lives as long as its event loop."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+def _stop_children(procs: list[subprocess.Popen]) -> None:
+    """Close each child's stdin (it exits), then make sure it is gone. Safe to call twice."""
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            if proc.stdin is not None and not proc.stdin.closed:
+                write_frame(proc.stdin, MSG_QUIT)
+                proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class TPDriverRunner(ModelRunner):
+    """Rank 0's runner: starts and feeds the other ranks, then runs its own shard of every step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.device.tensor_parallel_size
+        timeout_s = tp_timeout_s()
+        port = free_port()
+        doc = {"config": encode_config(config), "size": size, "host": "127.0.0.1", "port": port,
+               "timeout_s": timeout_s}
+        env = dict(os.environ)
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        self._procs: list[subprocess.Popen] = []
+        self._failure: str | None = None
+        self._stopped = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop_children, self._procs)
+        group: TPGroup | None = None
+        try:
+            for rank in range(1, size):
+                proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE,
+                                        env=env, preexec_fn=_die_with_parent)
+                assert proc.stdin is not None
+                write_frame(proc.stdin, json.dumps({**doc, "rank": rank}).encode())
+                self._procs.append(proc)
+            if not config.device.device.startswith("cuda"):
+                torch.set_num_threads(cpu_threads_per_rank(size))
+            group = TPGroup("127.0.0.1", port, 0, size, torch.device(config.device.device), timeout_s)
+            self._watchdog = threading.Thread(target=self._watch, args=(group,), name="tp-watchdog", daemon=True)
+            self._watchdog.start()
+            super().__init__(config, group)
+        except BaseException as exc:
+            self._stopped.set()
+            if group is not None:
+                group.close(failed=True)
+            dead = [(rank, proc.poll()) for rank, proc in enumerate(self._procs, start=1) if proc.poll() is not None]
+            self._finalizer()
+            if dead and isinstance(exc, Exception):  # say which rank failed rather than "store timed out"
+                raise TensorParallelError(f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]} during "
+                                          "start-up (see its log above)") from exc
+            raise
+        logger.info("tensor parallel: %d ranks (%s, %s)", size, group.backend, config.device.device)
+
+    # -- the engine's calls ------------------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        return self._guard(lambda: self._tp_group.min_int(super(TPDriverRunner, self).determine_num_blocks()))
+
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
+        self._send(MSG_INIT_KV + json.dumps([num_blocks, num_swap_blocks]).encode())
+        self._guard(lambda: super(TPDriverRunner, self).initialize_kv_cache(num_blocks, num_swap_blocks))
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._send(MSG_STEP + codec.encode(so))
+        return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
+
+    def check_ranks(self) -> None:
+        """Raise if any rank is gone (the worker's health probe)."""
+        self._raise_if_failed()
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                self._fail(f"tensor-parallel rank {rank} exited with code {code}")
+        self._raise_if_failed()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._finalizer()
+        if self.tp_group is not None:
+            self.tp_group.close(failed=self._failure is not None)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    @property
+    def _tp_group(self) -> TPGroup:
+        assert self.tp_group is not None
+        return self.tp_group
+
+    def _send(self, payload: bytes) -> None:
+        self.check_ranks()
+        for rank, proc in enumerate(self._procs, start=1):
+            try:
+                assert proc.stdin is not None
+                write_frame(proc.stdin, payload)
+            except (OSError, ValueError) as exc:
+                self._fail(f"tensor-parallel rank {rank} is unreachable: {exc}")
+        self._raise_if_failed()
+
+    def _guard(self, fn: Any) -> Any:
+        self._raise_if_failed()
+        try:
+            return fn()
+        except TensorParallelError:
+            raise
+        except (RuntimeError, OSError) as exc:  # a collective failed: a peer died or timed out
+            self.check_ranks()
+            self._fail(f"a tensor-parallel collective failed: {exc}")
+            self._raise_if_failed()
+            raise
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            logger.error("%s; this engine stops serving", reason)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise TensorParallelError(self._failure)
+
+    def _watch(self, group: TPGroup) -> None:
+        """Abort the communicators as soon as a child dies, so a rank blocked in a collective fails now."""
+        while not self._stopped.wait(WATCH_INTERVAL_S):
+            for rank, proc in enumerate(self._procs, start=1):
+                code = proc.poll()
+                if code is not None:
+                    self._fail(f"tensor-parallel rank {rank} exited with code {code}")
+                    group.close(failed=True)
+                    return

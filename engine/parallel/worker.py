@@ -1,0 +1,80 @@
+"""A tensor-parallel rank > 0: `python -m engine.parallel.worker`, started by rank 0 (engine/parallel/executor.py).
+
+It reads its setup (config, rank, rendezvous) as the first frame on stdin, joins the group, builds its shard and
+then runs every step rank 0 sends, until stdin ends or says quit. It never schedules, samples for anyone or answers
+requests: rank 0 does. Any error ends the process (rank 0 notices and stops serving).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.parallel import codec
+from engine.parallel.executor import (
+    MSG_INIT_KV,
+    MSG_QUIT,
+    MSG_STEP,
+    cpu_threads_per_rank,
+    decode_config,
+    rank_device,
+    read_frame,
+)
+from engine.parallel.group import TPGroup
+
+logger = logging.getLogger("kvflow.tp_worker")
+
+
+def run(stdin: object) -> int:
+    setup = read_frame(stdin)  # type: ignore[arg-type]
+    if setup is None:
+        return 1
+    doc = json.loads(setup)
+    rank, size = int(doc["rank"]), int(doc["size"])
+    config = decode_config(doc["config"])
+    device = rank_device(config.device.device, rank)
+    config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    else:
+        torch.set_num_threads(cpu_threads_per_rank(size))
+    group = TPGroup(doc["host"], int(doc["port"]), rank, size, torch.device(device), float(doc["timeout_s"]))
+    failed = True
+    try:
+        runner = ModelRunner(config, group)
+        group.min_int(runner.determine_num_blocks())
+        while True:
+            frame = read_frame(stdin)  # type: ignore[arg-type]
+            if frame is None or frame[:1] == MSG_QUIT:
+                break
+            kind, body = frame[:1], frame[1:]
+            if kind == MSG_INIT_KV:
+                num_blocks, num_swap = json.loads(body)
+                runner.initialize_kv_cache(int(num_blocks), int(num_swap))
+            elif kind == MSG_STEP:
+                runner.execute_model(codec.decode(body))
+            else:
+                raise ValueError(f"unknown message {kind!r} from rank 0")
+        failed = False
+    finally:
+        group.close(failed=failed)
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tp-rank %(name)s: %(message)s")
+    try:
+        code = run(sys.stdin.buffer)
+    except Exception:
+        logger.exception("tensor-parallel rank failed")
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
