@@ -290,7 +290,7 @@ class Bench:
         for mode in modes:
             jobs.append({"kind": "engine", "engine": self.engine(model, 2, enforce_eager=mode == "eager", **fp32),
                          "ids": ids})
-        results = [r for job in jobs for r in run_jobs([job], 600)]
+        results = [r for job in jobs for r in run_jobs([job], 180)]
         base = results[0].get("ids")
         record: dict[str, Any] = {"workload": f"{model} fp32 greedy ids, TP2 vs TP1", "tp1_graphs":
                                   results[0].get("cuda_graphs")}

@@ -73,9 +73,12 @@ class TPGroup:
         return int(tensor.item())
 
     def close(self, failed: bool = False) -> None:
-        """Release the communicators: `abort` after a failure (pending operations end with an error)."""
+        """Release the communicators. NCCL's always `abort`s: its `shutdown` (ncclCommFinalize) waits for the other
+        ranks, which are stopped first, so it hung rank 0 at exit on the GPU. Gloo's: `abort` after a failure
+        (pending operations end with an error), else `shutdown`."""
         for pg in {id(self.pg): self.pg, id(self.cpu_pg): self.cpu_pg}.values():
-            for name in (("abort", "shutdown") if failed else ("shutdown", "abort")):
+            nccl = pg is self.pg and self.backend == "nccl"
+            for name in (("abort", "shutdown") if failed or nccl else ("shutdown", "abort")):
                 method = getattr(pg, name, None)
                 if method is not None:
                     with contextlib.suppress(Exception):
