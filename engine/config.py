@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from engine.errors import InvalidRequest
 
 GiB = 1 << 30
+QUANTIZATION_METHODS = ("gguf",)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 PreemptionMode = Literal["recompute", "swap"]
 UsageContext = Literal["llm", "server"]
@@ -66,6 +67,8 @@ class ModelConfig:
     load_format: str = "auto"
     generation_config: str = "auto"
     seed: int = 0
+    quantization: str | None = None  # QUANTIZATION_METHODS; None: the checkpoint's own dtype (GGUF dequantized)
+    gguf_file: str | None = None  # the source .gguf of a GGUF model (read directly by --quantization gguf)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,7 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
+    quantization: str | None = None
     # Who runs the engine: the offline LLM class / bench / generate ("llm") or an API server's worker
     # ("server"); picks the batch defaults as vLLM's UsageContext does. Set in code, not a CLI flag.
     usage_context: UsageContext = "llm"
@@ -223,6 +227,8 @@ class EngineArgs:
         g.add_argument("--generation-config", default=d.generation_config, help="'auto' or 'vllm'")
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                       help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture)
@@ -276,7 +282,11 @@ class EngineArgs:
             load_format=resolved.load_format,
             generation_config=self.generation_config,
             seed=self.seed,
+            quantization=self.quantization,
+            gguf_file=resolved.gguf_file,
         )
+        if self.quantization == "gguf" and resolved.gguf_file is None:
+            raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2'), got {self.model!r}")
         cache = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -315,6 +325,8 @@ class EngineArgs:
             (self.swap_space >= 0, "swap_space must be >= 0"),
             (self.generation_config in ("auto", "vllm"), "generation_config must be 'auto' or 'vllm'"),
             (self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet (one GPU per worker)"),
+            (self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+             f"unsupported quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)}"),
             (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
             (self.usage_context in USAGE_CONTEXTS,
              f"usage_context must be 'llm' or 'server', got {self.usage_context!r}"),

@@ -167,6 +167,10 @@ class ModelRunner:
                              fused_ops=fused)
         if config.model.load_format == "dummy":
             model.init_dummy_weights(config.model.seed)
+        elif config.model.quantization is not None:
+            from engine.quant.loading import load_quantized
+
+            load_quantized(model, config.model)
         else:
             assert config.model.model_path is not None
             model.load_hf_state_dict(hf_state_dict(config.model.model_path))
