@@ -128,10 +128,7 @@ def dequantize(w: QuantWeight, start: int = 0, end: int | None = None) -> torch.
     q = w.qweight[start:end]
     n = q.shape[0]
     d = w.scales[start:end].view(torch.float16).float().repeat_interleave(g, dim=1)
-    if w.bits == 4:
-        qf = unpack_int4(q).float()
-    else:
-        qf = q.float()
+    qf = unpack_int4(q).float() if w.bits == 4 else q.float()
     if w.kind == "min":
         assert w.mins is not None
         return d * qf + w.mins[start:end].view(torch.float16).float().repeat_interleave(g, dim=1)
