@@ -16,6 +16,7 @@ from engine.errors import InvalidRequest
 
 GiB = 1 << 30
 QUANTIZATION_METHODS = ("gguf",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 PreemptionMode = Literal["recompute", "swap"]
 UsageContext = Literal["llm", "server"]
@@ -79,7 +80,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 4 * GiB
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8_e4m3" (aliases resolved)
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,8 @@ class EngineArgs:
         g.add_argument("--load-format", choices=("auto", "safetensors", "gguf", "dummy"), default="auto")
         g.add_argument("--generation-config", default=d.generation_config, help="'auto' or 'vllm'")
         g.add_argument("--enforce-eager", action="store_true")
-        g.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="auto: the model dtype; fp8 (= fp8_e4m3): e4m3 with a per-tensor scale")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                        help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -294,7 +296,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=int(self.swap_space * GiB),
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype="fp8_e4m3" if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.kv_cache_dtype,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -327,7 +329,8 @@ class EngineArgs:
             (self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet (one GPU per worker)"),
             (self.quantization is None or self.quantization in QUANTIZATION_METHODS,
              f"unsupported quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)}"),
-            (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.usage_context in USAGE_CONTEXTS,
              f"usage_context must be 'llm' or 'server', got {self.usage_context!r}"),
         ]
