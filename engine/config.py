@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 from engine.errors import InvalidRequest
 
 GiB = 1 << 30
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 PreemptionMode = Literal["recompute", "swap"]
@@ -164,6 +164,32 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def checkpoint_quantization(requested: str | None, hf_config: Any, device: str) -> str | None:
+    """The quantization to run: the flag, or what the checkpoint's `quantization_config` declares (as vLLM
+    does). Checkpoint formats kvflow cannot run are refused here with the reason (never a missing-weight error
+    at load)."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    method = qc.get("quant_method")
+    if method in ("awq", "gptq"):
+        raise ValueError(f"this checkpoint is {method} (bits={qc.get('bits', qc.get('w_bit'))}, "
+                         f"group_size={qc.get('group_size', qc.get('q_group_size'))}); kvflow does not run {method} "
+                         "layouts yet: use an unquantized checkpoint (optionally with --quantization fp8 on a GPU) "
+                         "or a GGUF file with --quantization gguf")
+    if method is not None and method != "fp8":
+        raise ValueError(f"unsupported checkpoint quantization {method!r} (quantization_config.quant_method); "
+                         f"kvflow runs: {', '.join(QUANTIZATION_METHODS)}")
+    if method == "fp8":
+        if requested not in (None, "fp8"):
+            raise ValueError(f"the checkpoint is fp8-quantized; quantization={requested!r} does not apply to it")
+        requested = "fp8"
+    if requested == "fp8" and not device.startswith("cuda"):
+        raise ValueError("quantization='fp8' (W8A8 with torch._scaled_mm) needs a CUDA GPU (Hopper or newer); "
+                         "on CPU use quantization='gguf' with a GGUF model")
+    return requested
+
+
 @dataclass
 class EngineArgs:
     """vLLM-named engine arguments, shared by `LLM(...)` and every CLI command."""
@@ -230,7 +256,8 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="auto: the model dtype; fp8 (= fp8_e4m3): e4m3 with a per-tensor scale")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
-                       help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized)")
+                       help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized); "
+                            "fp8: W8A8 on CUDA (online from bf16/fp16, or an fp8 checkpoint)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture)
@@ -284,7 +311,7 @@ class EngineArgs:
             load_format=resolved.load_format,
             generation_config=self.generation_config,
             seed=self.seed,
-            quantization=self.quantization,
+            quantization=checkpoint_quantization(self.quantization, resolved.hf_config, device),
             gguf_file=resolved.gguf_file,
         )
         if self.quantization == "gguf" and resolved.gguf_file is None:

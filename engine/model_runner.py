@@ -172,12 +172,12 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(build_dtype):
             model = CausalLM(arch, config.model.hf_config, self.attn_backend, config.model.max_model_len,
                              fused_ops=fused)
-        if config.model.load_format == "dummy":
-            model.init_dummy_weights(config.model.seed)
-        elif config.model.quantization is not None:
+        if config.model.quantization is not None:
             from engine.quant.loading import load_quantized
 
             load_quantized(model, config.model)
+        elif config.model.load_format == "dummy":
+            model.init_dummy_weights(config.model.seed)
         else:
             assert config.model.model_path is not None
             model.load_hf_state_dict(hf_state_dict(config.model.model_path))

@@ -120,7 +120,7 @@ def test_decode_attention_fp8(dtype: torch.dtype, splits: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_fp8(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
-    h, hkv, d, page, q_lens, lens = 4, 2, 32, 8, [5, 19], [21, 19]
+    h, hkv, d, page, lens = 4, 2, 32, 8, [21, 19]  # 5 and 19 new tokens (cu below)
     ks, vs = 0.1, 0.02
     kc, vc, bt = _paged(lens, page, hkv, d, g, ks, vs)
     cu = torch.tensor([0, 5, 24], dtype=torch.int32)

@@ -15,4 +15,22 @@ def load_quantized(model: nn.Module, config: ModelConfig) -> None:
             raise ValueError(f"quantization='gguf' needs a GGUF model, got {config.model!r}")
         load_gguf_quantized(model, config.gguf_file)
         return
+    if config.quantization == "fp8":
+        from engine.models.loader import hf_state_dict
+        from engine.quant.fp8_linear import load_fp8_checkpoint, quantize_model_fp8
+
+        if config.load_format == "dummy":
+            model.init_dummy_weights(config.seed)  # type: ignore[operator]
+            quantize_model_fp8(model)
+            return
+        if config.model_path is None:
+            raise ValueError(f"model {config.model!r} has no weights to load")
+        state = hf_state_dict(config.model_path)
+        if any(k.endswith(".weight_scale") for k in state):  # a pre-quantized fp8 checkpoint
+            load_fp8_checkpoint(model, state)
+        else:  # bf16 / fp16 weights, quantized per output channel now
+            model.load_hf_state_dict(state)  # type: ignore[operator]
+            del state
+            quantize_model_fp8(model)
+        return
     raise ValueError(f"unsupported quantization {config.quantization!r}")
