@@ -154,7 +154,8 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W kept quantized. CPU fp32: the compiled kernel (kernels/cpu_quant_gemm.py) for small
-    batches and its dequantized tiles for larger ones; elsewhere (or without a compiler) the torch reference."""
+    batches and its dequantized tiles for larger ones; CUDA: the Triton dequant GEMM/GEMV (kernels/quant_gemm.py);
+    elsewhere (or without a compiler / Triton) the torch reference."""
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -202,6 +203,14 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, use_kernel: bool = True) -> to
                                      KINDS.index(w.kind), w.group_size)
                 out[:, start:end] = x @ deq.t()
             return out
+    if use_kernel and x.is_cuda:
+        from kernels._triton import HAS_TRITON
+
+        if HAS_TRITON:
+            from kernels.quant_gemm import quant_gemm
+
+            return quant_gemm(x.contiguous(), w.qweight, w.scales, _offsets(w), w.bits, KINDS.index(w.kind),
+                              w.group_size, w.out_features)
     return F.linear(x, dequantize(w).to(x.dtype)) if w.out_features <= _tile_rows(w) else quant_matmul_ref(x, w)
 
 
