@@ -176,10 +176,20 @@ def _q4_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight:
                        mins=fp16_bits(-torch.rand(n, k // 32, generator=g) * 0.01).to(dev))
 
 
-def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor]) -> None:
+def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The Triton kernel itself (what `quant_matmul` picks on CUDA), for the CPU smoke run under the interpreter."""
+    from engine.quant.group_quant import KINDS
+    from kernels.quant_gemm import quant_gemm
+
+    return quant_gemm(x, w.qweight, w.scales, w.mins if w.mins is not None else w.zeros, w.bits,
+                      KINDS.index(w.kind), w.group_size, w.out_features)
+
+
+def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool) -> None:
+    matmul = _triton_matmul if smoke else quant_matmul
     for ws in weights:
         for w in ws:
-            quant_matmul(xs[w.in_features], w)
+            matmul(xs[w.in_features], w)
 
 
 def _step_bf16(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
@@ -198,7 +208,7 @@ def part_int4(smoke: bool) -> dict[str, Any]:
     bf16 = [[(torch.randn(n, k, generator=g) * 0.02).to(dev, torch.bfloat16) for n, k in shapes]
             for _ in range(layers)]
     x = torch.randn(8, hidden, generator=g).to(dev, torch.bfloat16)
-    check = quant_matmul(x, int4[0][2])
+    check = (_triton_matmul if smoke else quant_matmul)(x, int4[0][2])
     out: dict[str, Any] = {
         "workload": f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), "
                     "int4 Q4_1-style group 32 vs bf16",
@@ -212,7 +222,7 @@ def part_int4(smoke: bool) -> dict[str, Any]:
 
         row: dict[str, Any] = {"batch": batch}
         for name, fn in (("bf16", functools.partial(_step_bf16, bf16, xs)),
-                         ("int4", functools.partial(_step_int4, int4, xs))):
+                         ("int4", functools.partial(_step_int4, int4, xs, smoke))):
             run = fn
             if dev == "cuda":  # one graph per step: launch overhead out of the comparison
                 fn()

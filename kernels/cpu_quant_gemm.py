@@ -24,7 +24,9 @@ def load_quant_extension() -> Any | None:
         from torch.utils.cpp_extension import load
 
         # No -ffast-math: the dequantization must equal the reference bit for bit (no fused multiply-adds).
-        return load(name="kvflow_cpu_quant_gemm", sources=[str(SOURCE)], build_directory=str(_build_dir()),
+        build = _build_dir() / "quant_gemm"  # its own directory: one build.ninja per extension
+        build.mkdir(exist_ok=True)
+        return load(name="kvflow_cpu_quant_gemm", sources=[str(SOURCE)], build_directory=str(build),
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler / headers
