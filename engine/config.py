@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 from engine.errors import InvalidRequest
 
 GiB = 1 << 30
-QUANTIZATION_METHODS = ("gguf", "fp8")
+QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 PreemptionMode = Literal["recompute", "swap"]
@@ -173,10 +173,15 @@ def checkpoint_quantization(requested: str | None, hf_config: Any, device: str) 
         qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
     method = qc.get("quant_method")
     if method in ("awq", "gptq"):
-        raise ValueError(f"this checkpoint is {method} (bits={qc.get('bits', qc.get('w_bit'))}, "
-                         f"group_size={qc.get('group_size', qc.get('q_group_size'))}); kvflow does not run {method} "
-                         "layouts yet: use an unquantized checkpoint (optionally with --quantization fp8 on a GPU) "
-                         "or a GGUF file with --quantization gguf")
+        from engine.quant.awq_gptq import check_config
+
+        check_config(method, qc)
+        if requested not in (None, method):
+            raise ValueError(f"the checkpoint is {method}-quantized; quantization={requested!r} does not apply to it")
+        return method
+    if requested in ("awq", "gptq"):
+        raise ValueError(f"quantization={requested!r} needs a {requested} checkpoint (config.json "
+                         "quantization_config.quant_method)")
     if method is not None and method != "fp8":
         raise ValueError(f"unsupported checkpoint quantization {method!r} (quantization_config.quant_method); "
                          f"kvflow runs: {', '.join(QUANTIZATION_METHODS)}")
@@ -257,7 +262,8 @@ class EngineArgs:
                        help="auto: the model dtype; fp8 (= fp8_e4m3): e4m3 with a per-tensor scale")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                        help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized); "
-                            "fp8: W8A8 on CUDA (online from bf16/fp16, or an fp8 checkpoint)")
+                            "fp8: W8A8 on CUDA (online from bf16/fp16, or an fp8 checkpoint); awq / gptq: 4-bit "
+                            "checkpoints (selected from their config anyway)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture)

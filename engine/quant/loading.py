@@ -33,4 +33,14 @@ def load_quantized(model: nn.Module, config: ModelConfig) -> None:
             del state
             quantize_model_fp8(model)
         return
+    if config.quantization in ("awq", "gptq"):
+        from engine.models.loader import hf_state_dict
+        from engine.quant.awq_gptq import load_awq_gptq
+
+        if config.model_path is None:
+            raise ValueError(f"model {config.model!r} has no {config.quantization} weights to load")
+        qc = getattr(config.hf_config, "quantization_config", None) or {}
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        load_awq_gptq(model, hf_state_dict(config.model_path), config.quantization, qc)
+        return
     raise ValueError(f"unsupported quantization {config.quantization!r}")
