@@ -154,7 +154,7 @@ def part_kv(smoke: bool) -> dict[str, Any]:
                                         max_seq_len=ctx, single_pass=False)
                 row[f"{name}_us"] = round(timed(run, 3 if smoke else 50, dev == "cuda") * 1e6, 1)
                 if batch == batches[0] and ctx == contexts[0]:
-                    ref = paged_decode_attention_ref(q.float(), kk, vv, tables, seq_lens, scale)
+                    ref = paged_decode_attention_ref(q, kk, vv, tables, seq_lens, scale)
                     row[f"{name}_rel_err"] = rel_err(run(), ref)
                 kv_bytes = 2 * batch * ctx * kv_heads * d * kk.element_size()
                 row[f"{name}_GBps"] = round(kv_bytes / row[f"{name}_us"] / 1e3, 1)
