@@ -2,8 +2,8 @@
 // 4-bit weights (two per byte, GGUF's 32-element sub-block order) or 8-bit, float16 scales per group, and per
 // group either a float16 min (w = d*q + m), a uint8 zero (w = (q - z)*d) or nothing (w = q*d).
 //
-// quant_gemv: y[M, N] = x[M, K] W^T for a few rows, straight from the packed weights. Per group it needs one
-// integer-weight dot product and the group's sum of x: d*dot(q, x) + m*sum(x), or d*(dot(q, x) - z*sum(x)).
+// quant_gemv: y[M, N] = x[M, K] W^T for a few rows: each weight row is dequantized once into a cache-resident
+// buffer (the exact reference values) and dotted with every input row; the weights stream from memory at 4 bits.
 // dequantize: rows of W as float32 (larger batches multiply dequantized tiles).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,22 +30,39 @@ void check(const torch::Tensor& qweight, const torch::Tensor& scales, const torc
   if (kind == 1) TORCH_CHECK(offsets.scalar_type() == torch::kUInt8 && offsets.sizes() == scales.sizes(), "zeros");
 }
 
-// Integer dot product of one 32-element sub-block with x (x already offset to the sub-block).
-inline float sub_dot4(const uint8_t* q, const float* x) {
-  float lo = 0.f, hi = 0.f;
-#pragma omp simd reduction(+ : lo, hi)
-  for (int j = 0; j < 16; ++j) {
-    lo += static_cast<float>(q[j] & 0x0F) * x[j];
-    hi += static_cast<float>(q[j] >> 4) * x[j + 16];
+// Row n of W as float32 into `dst` (exactly the reference's arithmetic; vectorizes: no fused multiply-adds).
+inline void dequant_row(const uint8_t* q4, const int8_t* q8, const int16_t* sc, const int16_t* mins,
+                        const uint8_t* zeros, int64_t bits, int64_t kind, int64_t K, int64_t group_size, int64_t n,
+                        float* dst) {
+  const int64_t G = K / group_size;
+  for (int64_t g = 0; g < G; ++g) {
+    const float d = half_bits(sc[n * G + g]);
+    const float off = kind == 0 ? half_bits(mins[n * G + g]) : kind == 1 ? static_cast<float>(zeros[n * G + g]) : 0.f;
+    for (int64_t s = 0; s < group_size / kSub; ++s) {
+      const int64_t k0 = g * group_size + s * kSub;
+      float* out = dst + k0;
+      if (bits == 4) {
+        const uint8_t* q = q4 + n * (K / 2) + k0 / 2;
+        if (kind == 0) {
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) {
+            out[j] = d * static_cast<float>(q[j] & 0x0F) + off;
+            out[j + 16] = d * static_cast<float>(q[j] >> 4) + off;
+          }
+        } else {
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) {
+            out[j] = (static_cast<float>(q[j] & 0x0F) - off) * d;
+            out[j + 16] = (static_cast<float>(q[j] >> 4) - off) * d;
+          }
+        }
+      } else {
+        const int8_t* q = q8 + n * K + k0;
+#pragma omp simd
+        for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(q[j]) * d;
+      }
+    }
   }
-  return lo + hi;
-}
-
-inline float sub_dot8(const int8_t* q, const float* x) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int j = 0; j < 32; ++j) acc += static_cast<float>(q[j]) * x[j];
-  return acc;
 }
 
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
@@ -56,40 +73,24 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
   TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K) && scales.size(1) == G, "weight shape vs K");
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  // Per row of x, the sum of each group (the min / zero term).
-  std::vector<float> gsum(M * G, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < group_size; ++i) s += xp[m * K + g * group_size + i];
-      gsum[m * G + g] = s;
-    }
   const uint8_t* q4 = bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* q8 = bits == 8 ? qweight.data_ptr<int8_t>() : nullptr;
   const int16_t* sc = scales.data_ptr<int16_t>();
   const int16_t* mins = kind == 0 ? offsets.data_ptr<int16_t>() : nullptr;
   const uint8_t* zeros = kind == 1 ? offsets.data_ptr<uint8_t>() : nullptr;
   float* o = out.data_ptr<float>();
-  const int64_t subs = group_size / kSub;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M);
+  // Per output row: dequantize it once into an L1-resident buffer, then one dot product per input row.
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
     for (int64_t n = begin; n < end; ++n) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        const float d = half_bits(sc[n * G + g]);
-        const float off = kind == 0 ? half_bits(mins[n * G + g]) : kind == 1 ? static_cast<float>(zeros[n * G + g]) : 0.f;
-        for (int64_t m = 0; m < M; ++m) {
-          const float* xg = xp + m * K + g * group_size;
-          float dot = 0.f;
-          for (int64_t s = 0; s < subs; ++s) {
-            dot += bits == 4 ? sub_dot4(q4 + n * (K / 2) + (g * group_size + s * kSub) / 2, xg + s * kSub)
-                             : sub_dot8(q8 + n * K + g * group_size + s * kSub, xg + s * kSub);
-          }
-          const float gs = gsum[m * G + g];
-          acc[m] += kind == 0 ? d * dot + off * gs : kind == 1 ? d * (dot - off * gs) : d * dot;
-        }
+      dequant_row(q4, q8, sc, mins, zeros, bits, kind, K, group_size, n, row.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = xp + m * K;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; ++k) acc += row[k] * xm[k];
+        o[m * N + n] = acc;
       }
-      for (int64_t m = 0; m < M; ++m) o[m * N + n] = acc[m];
     }
   });
   return out;
@@ -107,28 +108,8 @@ torch::Tensor dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Ten
   const int16_t* mins = kind == 0 ? offsets.data_ptr<int16_t>() : nullptr;
   const uint8_t* zeros = kind == 1 ? offsets.data_ptr<uint8_t>() : nullptr;
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float d = half_bits(sc[n * G + g]);
-        const float off = kind == 0 ? half_bits(mins[n * G + g]) : kind == 1 ? static_cast<float>(zeros[n * G + g]) : 0.f;
-        for (int64_t s = 0; s < group_size / kSub; ++s) {
-          const int64_t k0 = g * group_size + s * kSub;
-          float* dst = o + n * K + k0;
-          if (bits == 4) {
-            const uint8_t* q = q4 + n * (K / 2) + k0 / 2;
-            for (int j = 0; j < 16; ++j) {
-              const float lo = static_cast<float>(q[j] & 0x0F), hi = static_cast<float>(q[j] >> 4);
-              dst[j] = kind == 0 ? d * lo + off : (lo - off) * d;
-              dst[j + 16] = kind == 0 ? d * hi + off : (hi - off) * d;
-            }
-          } else {
-            const int8_t* q = q8 + n * K + k0;
-            for (int j = 0; j < 32; ++j) dst[j] = static_cast<float>(q[j]) * d;
-          }
-        }
-      }
-    }
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) dequant_row(q4, q8, sc, mins, zeros, bits, kind, K, group_size, n, o + n * K);
   });
   return out;
 }
