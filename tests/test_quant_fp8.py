@@ -1,6 +1,6 @@
 """--quantization fp8 on CPU: the quantize/dequantize math, the W8A8 layer (torch._scaled_mm, which also runs
 on CPU) against its float32 reference, refusal on CPU, pre-quantized fp8 checkpoint recognition and loading, and
-AWQ / GPTQ checkpoints refused with the reason."""
+checkpoint quantizations kvflow cannot run refused with the reason."""
 
 from __future__ import annotations
 
@@ -110,9 +110,9 @@ def test_fp8_checkpoint_recognized_refused_on_cpu_and_loads(tmp_path: Path) -> N
     assert torch.equal(model.embed_tokens.weight, dense["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("config", [
-    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
+@pytest.mark.parametrize("config", [  # runnable AWQ / GPTQ layouts: tests/test_quant_awq_gptq.py
+    {"quant_method": "awq", "bits": 3, "group_size": 128, "zero_point": True, "version": "gemm"},
+    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
     {"quant_method": "bitsandbytes"},
 ])
 def test_other_checkpoint_quantizations_refused_with_reason(tmp_path: Path, config: dict) -> None:
