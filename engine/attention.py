@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_decode_attention import load_extension
+from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -74,6 +75,7 @@ class TorchPagedAttention:
         self.block_size = block_size
         # Decode rows on CPU in fp32 go through a compiled kernel that reads each block once (None: torch only).
         self.cpu_decode_kernel = load_extension()
+        self.k_scale = self.v_scale = 1.0  # fp8 KV cache: per-tensor scales (engine/kv_fp8.py)
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
         starts = [0]
@@ -119,8 +121,14 @@ class TorchPagedAttention:
                 meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if key_cache.dtype == FP8_DTYPE:  # stored as value / scale in e4m3, written as bytes (no fp8 index_copy_)
+            key_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+                0, meta.slot_mapping, quantize_fp8(k, self.k_scale).view(torch.uint8))
+            value_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+                0, meta.slot_mapping, quantize_fp8(v, self.v_scale).view(torch.uint8))
+        else:
+            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         decode = meta.decode
         if decode is not None and self._kernel_fits(key_cache):
@@ -129,7 +137,7 @@ class TorchPagedAttention:
             decode = None
         for group in (decode, meta.prefill):
             if group is not None:
-                self._attend(q, key_cache, value_cache, group, scale, out)
+                self._attend(q, key_cache, value_cache, group, scale, out, self.k_scale, self.v_scale)
         return out
 
     def _kernel_fits(self, key_cache: torch.Tensor) -> bool:
@@ -138,13 +146,15 @@ class TorchPagedAttention:
 
     @staticmethod
     def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: _Group,
-                scale: float, out: torch.Tensor) -> None:
+                scale: float, out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         num_seqs, max_q = group.rows.shape
         _, block_size, num_kv_heads, head_dim = key_cache.shape
         key_len = group.block_tables.shape[1] * block_size
         # Gather each sequence's blocks into a padded [B, Hkv, L, D] view (strided, no second copy).
         keys = key_cache[group.block_tables].view(num_seqs, key_len, num_kv_heads, head_dim).transpose(1, 2)
         values = value_cache[group.block_tables].view(num_seqs, key_len, num_kv_heads, head_dim).transpose(1, 2)
+        if key_cache.dtype == FP8_DTYPE:  # dequantize the gathered blocks: stored value x scale
+            keys, values = keys.to(q.dtype) * k_scale, values.to(q.dtype) * v_scale
         queries = q[group.rows].transpose(1, 2)  # [B, H, Lq, D]
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
                                               enable_gqa=True)

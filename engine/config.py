@@ -16,6 +16,8 @@ from engine.errors import InvalidRequest
 from engine.generation_config import check_generation_config, parse_override
 
 GiB = 1 << 30
+QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 PreemptionMode = Literal["recompute", "swap"]
 UsageContext = Literal["llm", "server"]
@@ -68,6 +70,8 @@ class ModelConfig:
     generation_config: str = "auto"
     seed: int = 0
     override_generation_config: dict[str, Any] | None = field(default=None, compare=False)
+    quantization: str | None = None  # QUANTIZATION_METHODS; None: the checkpoint's own dtype (GGUF dequantized)
+    gguf_file: str | None = None  # the source .gguf of a GGUF model (read directly by --quantization gguf)
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 4 * GiB
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8_e4m3" (aliases resolved)
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,37 @@ def _override_arg(text: str) -> dict[str, Any] | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def checkpoint_quantization(requested: str | None, hf_config: Any, device: str) -> str | None:
+    """The quantization to run: the flag, or what the checkpoint's `quantization_config` declares (as vLLM
+    does). Checkpoint formats kvflow cannot run are refused here with the reason (never a missing-weight error
+    at load)."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    method = qc.get("quant_method")
+    if method in ("awq", "gptq"):
+        from engine.quant.awq_gptq import check_config
+
+        check_config(method, qc)
+        if requested not in (None, method):
+            raise ValueError(f"the checkpoint is {method}-quantized; quantization={requested!r} does not apply to it")
+        return method
+    if requested in ("awq", "gptq"):
+        raise ValueError(f"quantization={requested!r} needs a {requested} checkpoint (config.json "
+                         "quantization_config.quant_method)")
+    if method is not None and method != "fp8":
+        raise ValueError(f"unsupported checkpoint quantization {method!r} (quantization_config.quant_method); "
+                         f"kvflow runs: {', '.join(QUANTIZATION_METHODS)}")
+    if method == "fp8":
+        if requested not in (None, "fp8"):
+            raise ValueError(f"the checkpoint is fp8-quantized; quantization={requested!r} does not apply to it")
+        requested = "fp8"
+    if requested == "fp8" and not device.startswith("cuda"):
+        raise ValueError("quantization='fp8' (W8A8 with torch._scaled_mm) needs a CUDA GPU (Hopper or newer); "
+                         "on CPU use quantization='gguf' with a GGUF model")
+    return requested
+
+
 @dataclass
 class EngineArgs:
     """vLLM-named engine arguments, shared by `LLM(...)` and every CLI command."""
@@ -201,6 +236,7 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
+    quantization: str | None = None
     # Who runs the engine: the offline LLM class / bench / generate ("llm") or an API server's worker
     # ("server"); picks the batch defaults as vLLM's UsageContext does. Set in code, not a CLI flag.
     usage_context: UsageContext = "llm"
@@ -239,7 +275,12 @@ class EngineArgs:
                        help="JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'; "
                             "max_new_tokens caps every request's max_tokens")
         g.add_argument("--enforce-eager", action="store_true")
-        g.add_argument("--kv-cache-dtype", default="auto", choices=("auto",))
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="auto: the model dtype; fp8 (= fp8_e4m3): e4m3 with a per-tensor scale")
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                       help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized); "
+                            "fp8: W8A8 on CUDA (online from bf16/fp16, or an fp8 checkpoint); awq / gptq: 4-bit "
+                            "checkpoints (selected from their config anyway)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="GPUs (or CPU processes) per worker, one process per rank (Megatron-style splits)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -302,7 +343,11 @@ class EngineArgs:
             generation_config=self.generation_config,
             seed=self.seed,
             override_generation_config=parse_override(self.override_generation_config),
+            quantization=checkpoint_quantization(self.quantization, resolved.hf_config, device),
+            gguf_file=resolved.gguf_file,
         )
+        if self.quantization == "gguf" and resolved.gguf_file is None:
+            raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2'), got {self.model!r}")
         cache = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -310,7 +355,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=int(self.swap_space * GiB),
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype="fp8_e4m3" if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.kv_cache_dtype,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -339,7 +384,12 @@ class EngineArgs:
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
              "num_gpu_blocks_override must be >= 2"),
             (self.swap_space >= 0, "swap_space must be >= 0"),
-            (self.kv_cache_dtype == "auto", "only kv_cache_dtype='auto' (the model dtype) is supported"),
+            (self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+             f"unsupported quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)}"),
+            (self.quantization is None or self.tensor_parallel_size == 1,
+             "quantization with tensor_parallel_size > 1 is not supported yet (the quantized layers are not sharded)"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.usage_context in USAGE_CONTEXTS,
              f"usage_context must be 'llm' or 'server', got {self.usage_context!r}"),
         ]

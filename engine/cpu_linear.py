@@ -58,6 +58,8 @@ def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> bool:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
                 setattr(parent, name, PackedLinear(child, batch_hint))
+    if getattr(model, "cpu_logits_head", None) is not None:  # a quantized head (engine/quant) keeps its own
+        return True
     head = getattr(model, "lm_head", None)
     weight = head.weight if head is not None else model.embed_tokens.weight  # type: ignore[union-attr]
     model.cpu_logits_head = PackedHead(weight, batch_hint)  # type: ignore[assignment]

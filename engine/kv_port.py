@@ -64,7 +64,9 @@ class KVPort:
         _, block_size, heads, head_dim = key.shape
         self.layout = KVLayout(dtype, len(kv_caches), block_size, heads, head_dim)
         self.device = key.device
-        self._caches = kv_caches
+        # fp8 caches are moved as bytes: CPU index_copy_ has no float8 kernel.
+        self._caches = [(k.view(torch.uint8), v.view(torch.uint8)) if k.dtype == torch.float8_e4m3fn else (k, v)
+                        for k, v in kv_caches]
         self._num_blocks = key.shape[0]
 
     @property
@@ -86,9 +88,10 @@ class KVPort:
         index = self._index(block_ids, part)
         layers = self._caches[part.first_layer : part.first_layer + part.num_layers]
         out = torch.empty(self.layout.wire_shape(part), dtype=self.layout.torch_dtype, device=self.device)
+        raw = out.view(layers[0][0].dtype)
         for layer, (k, v) in enumerate(layers):
-            torch.index_select(k, 0, index, out=out[layer, 0])
-            torch.index_select(v, 0, index, out=out[layer, 1])
+            torch.index_select(k, 0, index, out=raw[layer, 0])
+            torch.index_select(v, 0, index, out=raw[layer, 1])
         ready = None
         if self.on_cuda:
             ready = torch.cuda.Event()
@@ -129,7 +132,7 @@ class KVPort:
             raise KVTransferError("bad_payload", f"KV slice tensor {tuple(wire.shape)} {wire.dtype} does not match "
                                                  f"{self.layout.wire_shape(part)} {self.layout.dtype}")
         index = self._index(block_ids, part)
-        src = wire.to(self.device, non_blocking=True)
+        src = wire.to(self.device, non_blocking=True).view(self._caches[0][0].dtype)
         for offset in range(part.num_layers):
             k, v = self._caches[part.first_layer + offset]
             k.index_copy_(0, index, src[offset, 0])

@@ -17,7 +17,10 @@ from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 
 KV_ORDER = "layer,kv,block,token,head,dim"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache's dtype as the layout header names it: the model dtype, or fp8 e4m3 (--kv-cache-dtype fp8), whose
+# blocks travel as they are stored (per-tensor scales are the same on both sides: workers of one model and config).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 DEFAULT_LEASE_S = 10.0  # the prefill side frees a finished request's blocks if no transfer takes them by then
 GRPC_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)  # under gRPC's 4 MiB default message limit
 LINK_MAX_CHUNK_BYTES = 512 << 20  # one torch.distributed message: a 4k-token Llama-8B prompt goes in one

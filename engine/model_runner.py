@@ -164,6 +164,9 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = DTYPES[config.model.dtype]
+        # KV cache dtype: the model's, or fp8 e4m3 (per-tensor scales on the attention backend, engine/kv_fp8.py)
+        self.kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
         self.block_size = config.cache.block_size
         arch = config.model.arch
         self.on_cuda = self.device.type == "cuda"
@@ -174,6 +177,10 @@ class ModelRunner:
             if config.cache.kv_cache_memory_bytes is None and config.cache.num_gpu_blocks_override is None:
                 self.memory_at_start.check_share(config.cache.gpu_memory_utilization, self.device)
         self.attn_backend = select_attention_backend(self.device, self.block_size)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            from engine.kv_fp8 import DEFAULT_KV_SCALES
+
+            self.attn_backend.k_scale, self.attn_backend.v_scale = DEFAULT_KV_SCALES
         fused = self.on_cuda and HAS_TRITON
         started = time.perf_counter()
         torch.manual_seed(config.model.seed)
@@ -182,7 +189,11 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(build_dtype):
             model = CausalLM(arch, config.model.hf_config, self.attn_backend, config.model.max_model_len,
                              fused_ops=fused, shard=self.shard, group=tp_group)
-        if config.model.load_format == "dummy" and tp_group is not None:
+        if config.model.quantization is not None:
+            from engine.quant.loading import load_quantized
+
+            load_quantized(model, config.model)
+        elif config.model.load_format == "dummy" and tp_group is not None:
             init_dummy_sharded(model, config.model.seed, arch, self.shard)
         elif config.model.load_format == "dummy":
             model.init_dummy_weights(config.model.seed)
@@ -230,7 +241,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank (its KV heads only)."""
         arch = self.config.model.arch
-        return self.block_size * 2 * arch.num_layers * self.shard.num_kv_heads * arch.head_dim * self.dtype.itemsize
+        return self.block_size * 2 * arch.num_layers * self.shard.num_kv_heads * arch.head_dim * self.kv_dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the memory budget (or the override); a value, never written back into config."""
@@ -325,8 +336,8 @@ class ModelRunner:
         swap_shape = (num_swap_blocks, self.block_size, self.shard.num_kv_heads, arch.head_dim)
         pin = self.on_cuda
         self.swap_caches = [
-            (torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin),
-             torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin))
+            (torch.zeros(swap_shape, dtype=self.kv_dtype, pin_memory=pin),
+             torch.zeros(swap_shape, dtype=self.kv_dtype, pin_memory=pin))
             for _ in range(arch.num_layers)
         ] if num_swap_blocks else []
         if self.graph_sizes:
@@ -340,8 +351,8 @@ class ModelRunner:
         self.kv_caches = []  # drop the old cache before allocating the new one
         # Zeroed: padding slots are read (then masked), and 0 * garbage could be NaN.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(arch.num_layers)
         ]
 
@@ -351,6 +362,8 @@ class ModelRunner:
         src_ids = torch.as_tensor([p[0] for p in pairs], dtype=torch.int64)
         dst_ids = torch.as_tensor([p[1] for p in pairs], dtype=torch.int64)
         for (dev_k, dev_v), (cpu_k, cpu_v) in zip(self.kv_caches, self.swap_caches, strict=True):
+            if self.kv_dtype == torch.float8_e4m3fn:  # moved as bytes (no float8 index_put on CPU)
+                dev_k, dev_v, cpu_k, cpu_v = (t.view(torch.uint8) for t in (dev_k, dev_v, cpu_k, cpu_v))
             if to_cpu:
                 cpu_k[dst_ids] = dev_k[src_ids.to(self.device)].cpu()
                 cpu_v[dst_ids] = dev_v[src_ids.to(self.device)].cpu()

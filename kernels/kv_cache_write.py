@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON, check_cache_layout, next_pow2, require_triton, tl, triton
+from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
 
 __all__ = ["write_kv_cache", "write_kv_cache_ref"]
 
 if HAS_TRITON:
+    from kernels.fp8_kv import round_to_e4m3
 
     @triton.jit
     def _write_kv_kernel(
@@ -36,6 +38,9 @@ if HAS_TRITON:
         HD_PAD: tl.constexpr,
         PAGE: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        k_scale=1.0,
+        v_scale=1.0,
+        FP8: tl.constexpr = False,
     ):
         # BLOCK_T tokens per program, each token's Hkv*D elements flattened on one axis, so
         # small-head models still move a few KB per program instead of a few hundred bytes.
@@ -53,6 +58,9 @@ if HAS_TRITON:
         k = tl.load(Key + t64 * stride_kt + (head * stride_kh + dim)[None, :], mask=mask)
         v = tl.load(Value + t64 * stride_vt + (head * stride_vh + dim)[None, :], mask=mask)
         dst = (blk * stride_cblk + off * stride_ctok)[:, None] + (head * stride_ch + dim)[None, :]
+        if FP8:  # e4m3 cache: value / scale, rounded onto the e4m3 grid (kernels/fp8_kv.py)
+            k = round_to_e4m3(k.to(tl.float32) / k_scale)
+            v = round_to_e4m3(v.to(tl.float32) / v_scale)
         tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
         tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
 
@@ -69,7 +77,7 @@ def _check_inputs(
         raise ValueError(f"key/value must both be [T, Hkv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
     if key.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"key heads/dim {tuple(key.shape[1:])} != cache {(num_kv_heads, head_dim)}")
-    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+    if key.dtype != value.dtype or (key.dtype != key_cache.dtype and key_cache.dtype != FP8_DTYPE):
         raise ValueError(f"key/value dtype {key.dtype}/{value.dtype} != cache dtype {key_cache.dtype}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be int64 [T={key.shape[0]}], got {slot_mapping.dtype} "
@@ -85,8 +93,11 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """key/value [T, Hkv, D] (last dim contiguous; views of a fused qkv are fine) into the caches.
+    """key/value [T, Hkv, D] (last dim contiguous; views of a fused qkv are fine) into the caches. An fp8 (e4m3)
+    cache stores value / scale (per-tensor `k_scale`, `v_scale`).
 
     Slots must lie in ``[0, num_blocks * block_size)`` or be negative (skipped); they are not
     bounds-checked on the device (that would need a sync).
@@ -121,6 +132,9 @@ def write_kv_cache(
         HD_PAD=hd_pad,
         PAGE=key_cache.shape[1],
         BLOCK_T=block_t,
+        k_scale=float(k_scale),
+        v_scale=float(v_scale),
+        FP8=key_cache.dtype == FP8_DTYPE,
         num_warps=4 if block_t * hd_pad >= 1024 else 1,
     )
 
@@ -131,11 +145,15 @@ def write_kv_cache_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain torch reference (in place): index_copy into the flattened token dimension."""
     _check_inputs(key, value, key_cache, value_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_blocks, page, num_kv_heads, head_dim = key_cache.shape
+    if key_cache.dtype == FP8_DTYPE:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     key_cache.view(num_blocks * page, num_kv_heads, head_dim)[slots] = key[keep]
     value_cache.view(num_blocks * page, num_kv_heads, head_dim)[slots] = value[keep]

@@ -36,6 +36,7 @@ from kernels._triton import (
     tl,
     triton,
 )
+from kernels.fp8_kv import FP8_DTYPE
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
 
@@ -79,6 +80,8 @@ if HAS_TRITON:
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
         PDL: tl.constexpr,
+        v_scale,  # fp8 cache: V's per-tensor scale, applied to the output (K's is folded into qk_scale)
+        FP8: tl.constexpr,
     ):
         pdl_wait(PDL)
         b = tl.program_id(0)
@@ -119,6 +122,8 @@ if HAS_TRITON:
             row = page * stride_kblk + (tok % PAGE) * stride_ktok + kv_head_off
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(K + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if FP8:  # e4m3 -> the query's dtype (exact); the scale is applied outside the dot
+                k = k.to(q.dtype)
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N]
@@ -129,6 +134,8 @@ if HAS_TRITON:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if FP8:
+                v = v.to(q.dtype)
             if UPCAST:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -136,6 +143,8 @@ if HAS_TRITON:
 
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
+        if FP8:
+            out = out * v_scale
         out_mask = g_mask[:, None] & d_mask[None, :]
         if not SPLIT:
             tl.store(
@@ -257,7 +266,7 @@ def _check_inputs(
         raise ValueError(f"query head_dim {qd} != cache head_dim {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype != key_cache.dtype:
+    if query.dtype != key_cache.dtype and key_cache.dtype != FP8_DTYPE:
         raise ValueError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be int32 [batch={batch}, max_blocks], got "
@@ -285,6 +294,8 @@ def paged_decode_attention(
     num_warps: int | None = None,
     tickets: torch.Tensor | None = None,
     single_pass: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -296,6 +307,7 @@ def paged_decode_attention(
     ``tickets`` (int32, >= B * Hkv elements, all zero; they are zero again after the launch) lets a
     caller keep one persistent buffer, e.g. across CUDA graph replays; without it a zeroed one is
     allocated per call. ``single_pass=False`` combines the splits in a second kernel instead.
+    An fp8 (e4m3) cache is read as stored value x ``k_scale`` / ``v_scale`` (per tensor).
     """
     require_triton("paged_decode_attention")
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
@@ -364,7 +376,7 @@ def paged_decode_attention(
         mid_o,
         mid_l,
         tickets,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E * float(k_scale),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -374,6 +386,8 @@ def paged_decode_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         num_splits,
+        v_scale=float(v_scale),
+        FP8=key_cache.dtype == FP8_DTYPE,
         num_warps=num_warps,
         **common,
         **pdl_launch(query.device),
@@ -403,8 +417,11 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain torch reference: gathers each sequence's pages and runs softmax attention.
+    """Plain torch reference: gathers each sequence's pages and runs softmax attention (an fp8 cache
+    dequantized as value x scale).
 
     Computes in float32 (or float64 when given float64 inputs); returns the query dtype.
     """
@@ -420,8 +437,8 @@ def paged_decode_attention_ref(
         if n == 0:
             continue
         pages = block_tables[b, : (n + page - 1) // page].long()
-        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)  # [n, Hkv, D]
-        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)
+        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt) * k_scale  # [n, Hkv, D]
+        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt) * v_scale
         k = k.repeat_interleave(group, dim=1)  # [n, H, D]: query head h uses kv head h // group
         v = v.repeat_interleave(group, dim=1)
         q = query[b].to(cdt)  # [H, D]

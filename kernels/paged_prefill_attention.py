@@ -27,6 +27,7 @@ from kernels._triton import (
     tl,
     triton,
 )
+from kernels.fp8_kv import FP8_DTYPE
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 
@@ -43,6 +44,7 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
         EVEN_D: tl.constexpr,
         MASKED: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """One BLOCK_N tile of keys: online-softmax update of (acc, m_i, l_i)."""
         tok = n0 + offs_n
@@ -61,6 +63,9 @@ if HAS_TRITON:
         else:
             k = tl.load(K + ptr)
             v = tl.load(V + ptr)
+        if FP8:  # e4m3 -> the query's dtype (exact); scales applied outside the dots
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -102,6 +107,8 @@ if HAS_TRITON:
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
         EVEN_D: tl.constexpr,
+        v_scale,  # fp8 cache: V's per-tensor scale, applied to the output (K's is folded into qk_scale)
+        FP8: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -144,17 +151,19 @@ if HAS_TRITON:
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, K, V, bt_row, n0, end, pos_m, offs_n, offs_d, d_mask, qk_scale,
-                kv_head_off, stride_kblk, stride_ktok, PAGE, PRECISION, UPCAST, EVEN_D, False,
+                kv_head_off, stride_kblk, stride_ktok, PAGE, PRECISION, UPCAST, EVEN_D, False, FP8,
             )
         # The first masked tile holds key full_end <= every row's position, so m_i is finite
         # after it and fully masked rows in later tiles give p == 0, never NaN.
         for n0 in range(full_end, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, K, V, bt_row, n0, end, pos_m, offs_n, offs_d, d_mask, qk_scale,
-                kv_head_off, stride_kblk, stride_ktok, PAGE, PRECISION, UPCAST, EVEN_D, True,
+                kv_head_off, stride_kblk, stride_ktok, PAGE, PRECISION, UPCAST, EVEN_D, True, FP8,
             )
 
         out = acc / l_i[:, None]
+        if FP8:
+            out = out * v_scale
         tl.store(
             Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
             out.to(Out.dtype.element_ty),
@@ -178,7 +187,7 @@ def _check_inputs(
         raise ValueError(f"query head_dim {qd} != cache head_dim {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype != key_cache.dtype:
+    if query.dtype != key_cache.dtype and key_cache.dtype != FP8_DTYPE:
         raise ValueError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError(f"block_tables must be int32 [batch, max_blocks], got {block_tables.dtype} "
@@ -211,8 +220,11 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over their sequences' paged caches.
+    """Causal attention of packed new tokens over their sequences' paged caches (an fp8 cache read as stored
+    value x ``k_scale`` / ``v_scale``).
 
     query [T, H, D] packed by ``cu_seqlens_q`` (int32 [B+1], cu[0] == 0, cu[B] == T);
     ``seq_lens`` int32 [B] counts cached tokens including the new ones (so seq_lens[b] >=
@@ -258,7 +270,7 @@ def paged_prefill_attention(
         cu_seqlens_q,
         seq_lens,
         out,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E * float(k_scale),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -276,6 +288,8 @@ def paged_prefill_attention(
         PRECISION="ieee" if is_fp32 else "tf32",
         UPCAST=dot_needs_upcast(query.dtype),
         EVEN_D=next_pow2(head_dim) == head_dim,
+        v_scale=float(v_scale),
+        FP8=key_cache.dtype == FP8_DTYPE,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -290,8 +304,11 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain torch reference: per sequence, gather the cache and run masked softmax attention.
+    """Plain torch reference: per sequence, gather the cache and run masked softmax attention (an fp8 cache
+    dequantized as value x scale).
 
     Computes in float32 (float64 for float64 inputs); returns the query dtype.
     """
@@ -310,8 +327,8 @@ def paged_prefill_attention_ref(
         if q_len > n:
             raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {n}")
         pages = block_tables[b, : (n + page - 1) // page].long()
-        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)  # [n, Hkv, D]
-        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt)
+        k = key_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt) * k_scale  # [n, Hkv, D]
+        v = value_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n].to(cdt) * v_scale
         q = query[q0:q1].to(cdt)  # [q_len, H, D]
         q_pos = torch.arange(n - q_len, n, device=query.device)
         k_pos = torch.arange(n, device=query.device)

@@ -20,12 +20,14 @@ from kernels._triton import (
     tl,
     triton,
 )
+from kernels.fp8_kv import FP8_DTYPE
 from kernels.kv_cache_write import write_kv_cache_ref
 from kernels.rotary import rotary_embedding_ref
 
 __all__ = ["rotary_and_write_kv", "rotary_and_write_kv_ref"]
 
 if HAS_TRITON:
+    from kernels.fp8_kv import round_to_e4m3
     from kernels.rotary import _rotate_heads
 
     @triton.jit
@@ -56,6 +58,9 @@ if HAS_TRITON:
         HALF_PAD: tl.constexpr,
         PAGE: tl.constexpr,
         PDL: tl.constexpr,
+        k_scale=1.0,
+        v_scale=1.0,
+        FP8: tl.constexpr = False,
     ):
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -83,6 +88,11 @@ if HAS_TRITON:
             v2 = tl.load(pv + HALF, mask=mask, other=0.0)
             dst = (slot // PAGE) * stride_cblk + (slot % PAGE) * stride_ctok + offs_h[:, None] * stride_ch
             dst = dst + offs_half[None, :]
+            if FP8:  # e4m3 cache: value / scale on the e4m3 grid (kernels/fp8_kv.py)
+                r1 = round_to_e4m3(r1.to(tl.float32) / k_scale)
+                r2 = round_to_e4m3(r2.to(tl.float32) / k_scale)
+                v1 = round_to_e4m3(v1.to(tl.float32) / v_scale)
+                v2 = round_to_e4m3(v2.to(tl.float32) / v_scale)
             tl.store(KC + dst, r1.to(KC.dtype.element_ty), mask=mask)
             tl.store(KC + dst + HALF, r2.to(KC.dtype.element_ty), mask=mask)
             tl.store(VC + dst, v1.to(VC.dtype.element_ty), mask=mask)
@@ -106,7 +116,7 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
         if idx.dtype != torch.int64 or idx.shape != (num_tokens,):
             raise ValueError(f"{name} must be int64 [T={num_tokens}], got {idx.dtype} {tuple(idx.shape)}")
-    if not (q.dtype == k.dtype == v.dtype == key_cache.dtype):
+    if not (q.dtype == k.dtype == v.dtype) or (key_cache.dtype not in (q.dtype, FP8_DTYPE)):
         raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} != cache dtype {key_cache.dtype}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:
@@ -119,8 +129,9 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
-    """Rotate q [T, H, D] and k [T, Hkv, D] in place; store rotated k and v at their slots (negative: skip).
+                        slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place; store rotated k and v at their slots (negative: skip);
+    an fp8 cache stores them divided by `k_scale` / `v_scale`.
 
     Views into a fused qkv buffer are fine. Positions and slots are not bounds-checked on the device.
     """
@@ -141,13 +152,14 @@ def rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, QH_PAD=next_pow2(num_heads),
         KH_PAD=next_pow2(num_kv_heads), HALF=half, HALF_PAD=next_pow2(half), PAGE=key_cache.shape[1],
         num_warps=4 if elems >= 2048 else 1, **pdl_launch(q.device),
+        k_scale=float(k_scale), v_scale=float(v_scale), FP8=key_cache.dtype == FP8_DTYPE,
     )
 
 
 def rotary_and_write_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            slot_mapping: torch.Tensor) -> None:
+                            slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The two unfused references in sequence (same in-place contract)."""
     _check(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping)
     rotary_embedding_ref(positions, q, k, cos_sin_cache)
-    write_kv_cache_ref(k, v, key_cache, value_cache, slot_mapping)
+    write_kv_cache_ref(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)

@@ -39,6 +39,7 @@ class ResolvedModel:
     arch: ModelArch
     hf_config: Any
     load_format: str  # "safetensors" or "dummy"
+    gguf_file: str | None = None  # the source .gguf (GGUF models; --quantization gguf reads it directly)
 
 
 def cache_dir() -> Path:
@@ -92,7 +93,8 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
         cfg = preset_hf_config(model)
         return ResolvedModel(f"preset:{model}", None, None, arch_from_hf_config(cfg), cfg, "dummy")
     if model == SMOLLM2_NAME:
-        path = convert_gguf(smollm2_gguf_path(), name="smollm2-135m-instruct-q4_1")
+        gguf_file: Path | None = smollm2_gguf_path()
+        path = convert_gguf(gguf_file, name="smollm2-135m-instruct-q4_1")  # type: ignore[arg-type]
         model_id = "smollm2-135m-instruct-q4_1"
     elif model.endswith(".gguf"):
         gguf = Path(model)
@@ -100,7 +102,9 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
             raise ModelNotAvailable(f"GGUF file not found: {model}")
         path = convert_gguf(gguf, name=gguf.stem)
         model_id = gguf.stem
+        gguf_file = gguf
     else:
+        gguf_file = None
         path = Path(model)
         if not (path / "config.json").is_file():
             raise ModelNotAvailable(
@@ -111,7 +115,8 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
     cfg = AutoConfig.from_pretrained(str(path))
     fmt = "dummy" if load_format == "dummy" else "safetensors"
     has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
-    return ResolvedModel(model_id, str(path), str(path) if has_tokenizer else None, arch_from_hf_config(cfg), cfg, fmt)
+    return ResolvedModel(model_id, str(path), str(path) if has_tokenizer else None, arch_from_hf_config(cfg), cfg, fmt,
+                         str(gguf_file) if gguf_file is not None else None)
 
 
 def convert_gguf(gguf_path: Path, name: str) -> Path:

@@ -79,6 +79,11 @@ def link_backend_available(device: torch.device) -> bool:
     return dist.is_nccl_available() if device.type == "cuda" else dist.is_gloo_available()
 
 
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 KV blocks travel as their bytes (gloo has no float8 type); the same storage, so a receive fills them."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+
 class _Group:
     """A 2-rank process group of its own (never the global default group)."""
 
@@ -95,10 +100,10 @@ class _Group:
         self.peer = 1 - rank
 
     def send(self, tensor: torch.Tensor) -> Any:
-        return self.pg.send([tensor], self.peer, 0)
+        return self.pg.send([_raw(tensor)], self.peer, 0)
 
     def recv(self, tensor: torch.Tensor) -> Any:
-        return self.pg.recv([tensor], self.peer, 0)
+        return self.pg.recv([_raw(tensor)], self.peer, 0)
 
     def close(self, failed: bool) -> None:
         """Tear the communicator down: `abort` after a failure (pending operations end with an error), else a

@@ -1,0 +1,102 @@
+"""Quantization on CPU with SmolLM2-135M (issue 14): perplexity on a fixed text, resident weight bytes and batch-1
+decode tok/s for the default fp32 form (GGUF Q4_1 dequantized: the oracle), native int4 (`quantization="gguf"`),
+fp8 KV (`kv_cache_dtype="fp8"`) and both together. Also records each layer's K/V absolute maximum (fp32 run) to
+show the fp8 KV scale of 1.0 never saturates (e4m3 max 448).
+
+    python bench/quant_cpu.py            # writes bench/results/quant_cpu_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from engine.quant.group_quant import module_weight_bytes
+from kvflow import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "bench" / "data" / "quant_ppl_text.txt"
+OUT = ROOT / "bench" / "results" / "quant_cpu_smollm2.json"
+CONFIGS = {
+    "fp32": {},
+    "int4_gguf": {"quantization": "gguf"},
+    "fp8_kv": {"kv_cache_dtype": "fp8"},
+    "int4_gguf+fp8_kv": {"quantization": "gguf", "kv_cache_dtype": "fp8"},
+}
+
+
+def perplexity(llm: LLM, ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of tokens 1..N-1, each given its prefix, in one prefill."""
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    entries = out[0].prompt_logprobs
+    nll = [-entries[i][tok].logprob for i, tok in enumerate(ids) if i > 0]
+    return math.exp(sum(nll) / len(nll))
+
+
+def decode_tok_s(llm: LLM, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [1, 504, 3458, 282, 4649, 314]}]
+    llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompt, params)
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    text = TEXT.read_text()
+    results: dict[str, dict[str, float | int]] = {}
+    kv_absmax: dict[str, list[float]] = {}
+    ids: list[int] = []
+    for name in args.configs:
+        llm = LLM("smollm2", kv_cache_memory_bytes=256 << 20, max_model_len=2048, **CONFIGS[name])
+        if not ids:
+            ids = list(llm.get_tokenizer()(text).input_ids)
+        runner = llm.llm_engine.runner
+        ppl = perplexity(llm, ids)
+        if name == "fp32":  # the prefill above wrote the text's K/V; the rest of the cache is zeros
+            kv_absmax = {"k": [float(k.abs().max()) for k, _ in runner.kv_caches],
+                         "v": [float(v.abs().max()) for _, v in runner.kv_caches]}
+        results[name] = {
+            "perplexity": round(ppl, 4),
+            "weight_bytes": module_weight_bytes(runner.model),
+            "kv_block_bytes": runner.block_bytes,
+            "decode_tok_s_batch1": round(decode_tok_s(llm, args.decode_tokens), 1),
+        }
+        print(name, results[name], flush=True)
+        del llm, runner
+    base = results.get("fp32")
+    if base is not None:
+        for r in results.values():
+            r["weight_bytes_vs_fp32"] = round(r["weight_bytes"] / base["weight_bytes"], 4)
+            r["perplexity_vs_fp32"] = round(r["perplexity"] / base["perplexity"] - 1, 5)
+            r["decode_vs_fp32"] = round(r["decode_tok_s_batch1"] / base["decode_tok_s_batch1"], 3)
+    record = {
+        "workload": f"SmolLM2-135M-Instruct (GGUF Q4_1) on CPU: perplexity of bench/data/quant_ppl_text.txt "
+                    f"({len(ids)} tokens, one prefill), weight bytes, batch-1 decode of {args.decode_tokens} tokens",
+        "device": f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "load_average": os.getloadavg(),
+        "results": results,
+        "kv_absmax_per_layer_fp32": kv_absmax,
+        "fp8_kv_scale": 1.0,
+        "e4m3_max": 448.0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""Quantization on the GPU (issue 14), each quantized form beside bf16 in the same run, Llama-3.1-8B shapes with
+random weights (`--load-format dummy`):
+
+- w8a8:  `--quantization fp8` vs bf16, engine throughput on N prompts x 512 in / 128 out (default N=1000; the
+         lead may scale it down with --num-prompts), plus fp8 KV alone and fp8 weights + fp8 KV; the KV block
+         count of each engine; and the Fp8Linear layer against its float32 reference at a real shape.
+- kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
+         torch reference; and the block count of each KV dtype in one budget.
+- int4:  the decode step's weight GEMMs (32 layers x qkv / o / gate_up / down, distinct weights, one CUDA graph)
+         at batch 1, 8 and 64: Q4_1-style int4 (group 32, the Triton dequant GEMM/GEMV) vs bf16 (cuBLAS); tok/s =
+         batch / step time (weights only: no attention, no head).
+- e2e:   SmolLM2 (its GGUF Q4_1) on the GPU: greedy ids of native int4 (`quantization="gguf"`) and of fp8 KV
+         against the fp32-dequantized form with fp32 KV (exact matches; any divergence must be within top-5).
+
+Writes bench/results/quant_gpu_<device>.json (fields: workload, device, numbers). `--smoke` runs the same code
+paths on CPU at tiny shapes (Triton under its interpreter; fp8 W8A8 as the layer alone, since the engine refuses
+fp8 weights on CPU) and writes bench/results/quant_gpu_smoke.json.
+
+    python3 bench/quant_gpu.py                        # all parts on a GPU
+    python3 bench/quant_gpu.py --parts w8a8 --num-prompts 256
+    python3 bench/quant_gpu.py --smoke
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:  # must precede `import triton`
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine.quant.fp8_linear import Fp8Linear, fp8_matmul_ref  # noqa: E402
+from engine.quant.group_quant import QuantWeight, fp16_bits, pack_int4, quant_matmul, quant_matmul_ref  # noqa: E402
+from kernels.fp8_kv import quantize_fp8  # noqa: E402
+from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+
+# Llama-3.1-8B
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def timed(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
+    """Median seconds per call (after one warm-up)."""
+    fn()
+    samples = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+# ------------------------------------------------------------------------------------------------ fp8 W8A8
+def part_w8a8(smoke: bool, num_prompts: int) -> dict[str, Any]:
+    from kvflow import LLM, SamplingParams
+
+    dev = "cpu" if smoke else "cuda"
+    n, k = (32, 64) if smoke else (INTER, HIDDEN)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dense = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        dense.weight.copy_((torch.randn(n, k, generator=g) * 0.02).to(dev))
+    layer = Fp8Linear.from_dense(dense)
+    x = (torch.randn(64, k, generator=g)).to(dev, torch.bfloat16)
+    record: dict[str, Any] = {"layer_rel_err_vs_ref": rel_err(layer(x), fp8_matmul_ref(x, layer.weight,
+                                                                                        layer.weight_scale)),
+                              "layer_rel_err_vs_bf16": rel_err(layer(x), dense(x))}
+    model = "tiny" if smoke else "llama-3.1-8b"
+    in_len, out_len = (16, 8) if smoke else (512, 128)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 500 if smoke else 120000) for _ in range(in_len)]}
+               for _ in range(num_prompts)]
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    configs = {"bf16": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
+    if not smoke:  # the engine refuses fp8 weights on CPU (the layer above ran there)
+        configs |= {"fp8_w8a8": {"quantization": "fp8"},
+                    "fp8_w8a8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+    runs: dict[str, Any] = {}
+    for name, kw in configs.items():
+        llm = LLM(model, load_format="dummy", max_model_len=in_len + out_len + 16, **kw,
+                  **({"device": "cpu", "kv_cache_memory_bytes": 16 << 20} if smoke else {}))
+        blocks = llm.llm_engine.runner.kv_caches[0][0].shape[0]
+        llm.generate(prompts[: min(8, num_prompts)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        runs[name] = {"output_tok_s": round(num_prompts * out_len / seconds, 1), "seconds": round(seconds, 2),
+                      "kv_blocks": int(blocks)}
+        print("w8a8", name, runs[name], flush=True)
+        del llm
+        if not smoke:
+            torch.cuda.empty_cache()
+    for r in runs.values():
+        r["vs_bf16"] = round(r["output_tok_s"] / runs["bf16"]["output_tok_s"], 3)
+        r["kv_blocks_vs_bf16"] = round(r["kv_blocks"] / runs["bf16"]["kv_blocks"], 3)
+    record.update(workload=f"{model} dummy weights, {num_prompts} prompts x {in_len} in / {out_len} out, "
+                           "ignore_eos, engine defaults", runs=runs)
+    return record
+
+
+# ------------------------------------------------------------------------------------------------- fp8 KV
+def part_kv(smoke: bool) -> dict[str, Any]:
+    dev = "cpu" if smoke else "cuda"
+    heads, kv_heads, d, page = (4, 2, 32, 16) if smoke else (HEADS, KV_HEADS, HEAD_DIM, 16)
+    contexts, batches = ([64, 128], [1, 2]) if smoke else ([8192, 32768], [1, 16])
+    out: dict[str, Any] = {"workload": f"paged decode attention, H={heads}, Hkv={kv_heads}, D={d}, block {page}",
+                           "cases": []}
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for ctx in contexts:
+        for batch in batches:
+            blocks_per = ctx // page
+            num_blocks = batch * blocks_per + 1
+            tables = (torch.arange(batch * blocks_per, dtype=torch.int32) + 1).view(batch, blocks_per).to(dev)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+            q = torch.randn(batch, heads, d, generator=g).to(dev, torch.bfloat16)
+            shape = (num_blocks, page, kv_heads, d)
+            kc = torch.randn(shape, generator=g).to(dev, torch.bfloat16)
+            vc = torch.randn(shape, generator=g).to(dev, torch.bfloat16)
+            k8, v8 = quantize_fp8(kc, 1.0), quantize_fp8(vc, 1.0)
+            scale = d ** -0.5
+            row: dict[str, Any] = {"context": ctx, "batch": batch}
+            for name, (kk, vv) in {"bf16": (kc, vc), "fp8": (k8, v8)}.items():
+                run = functools.partial(paged_decode_attention, q, kk, vv, tables, seq_lens, scale,
+                                        max_seq_len=ctx, single_pass=False)
+                row[f"{name}_us"] = round(timed(run, 3 if smoke else 50, dev == "cuda") * 1e6, 1)
+                if batch == batches[0] and ctx == contexts[0]:
+                    ref = paged_decode_attention_ref(q, kk, vv, tables, seq_lens, scale)
+                    row[f"{name}_rel_err"] = rel_err(run(), ref)
+                kv_bytes = 2 * batch * ctx * kv_heads * d * kk.element_size()
+                row[f"{name}_GBps"] = round(kv_bytes / row[f"{name}_us"] / 1e3, 1)
+            row["fp8_speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
+            print("kv", row, flush=True)
+            out["cases"].append(row)
+            del kc, vc, k8, v8
+    budget = 8 << 30
+    block = lambda itemsize: 2 * LAYERS * page * KV_HEADS * HEAD_DIM * itemsize  # noqa: E731
+    out["blocks_in_8GiB_llama8b"] = {"bf16": budget // block(2), "fp8": budget // block(1)}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- int4
+def _q4_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight:
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    return QuantWeight(4, "min", 32, n, k, pack_int4(q).to(dev), fp16_bits(torch.rand(n, k // 32, generator=g)
+                                                                          * 0.002).to(dev),
+                       mins=fp16_bits(-torch.rand(n, k // 32, generator=g) * 0.01).to(dev))
+
+
+def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The Triton kernel itself (what `quant_matmul` picks on CUDA), for the CPU smoke run under the interpreter."""
+    from engine.quant.group_quant import KINDS
+    from kernels.quant_gemm import quant_gemm
+
+    return quant_gemm(x, w.qweight, w.scales, w.mins if w.mins is not None else w.zeros, w.bits,
+                      KINDS.index(w.kind), w.group_size, w.out_features)
+
+
+def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool) -> None:
+    matmul = _triton_matmul if smoke else quant_matmul
+    for ws in weights:
+        for w in ws:
+            matmul(xs[w.in_features], w)
+
+
+def _step_bf16(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
+    for ws in weights:
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+
+
+def part_int4(smoke: bool) -> dict[str, Any]:
+    dev = "cpu" if smoke else "cuda"
+    hidden, inter, layers = (64, 128, 2) if smoke else (HIDDEN, INTER, LAYERS)
+    q_out = hidden + 2 * (hidden // 4)  # Llama-8B: 4096 + 2 x 1024
+    shapes = [(q_out, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    g = torch.Generator(device="cpu").manual_seed(2)
+    int4 = [[_q4_weight(n, k, dev, g) for n, k in shapes] for _ in range(layers)]
+    bf16 = [[(torch.randn(n, k, generator=g) * 0.02).to(dev, torch.bfloat16) for n, k in shapes]
+            for _ in range(layers)]
+    x = torch.randn(8, hidden, generator=g).to(dev, torch.bfloat16)
+    check = (_triton_matmul if smoke else quant_matmul)(x, int4[0][2])
+    out: dict[str, Any] = {
+        "workload": f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), "
+                    "int4 Q4_1-style group 32 vs bf16",
+        "check_rel_err_vs_ref": rel_err(check.float(), quant_matmul_ref(x.float(), int4[0][2])),
+        "weight_bytes": {"int4": sum(w.nbytes for ws in int4 for w in ws),
+                         "bf16": sum(w.numel() * 2 for ws in bf16 for w in ws)},
+        "cases": [],
+    }
+    for batch in (1, 8, 64):
+        xs = {n: torch.randn(batch, n, generator=g).to(dev, torch.bfloat16) for n in {k for _, k in shapes}}
+
+        row: dict[str, Any] = {"batch": batch}
+        for name, fn in (("bf16", functools.partial(_step_bf16, bf16, xs)),
+                         ("int4", functools.partial(_step_int4, int4, xs, smoke))):
+            run = fn
+            if dev == "cuda":  # one graph per step: launch overhead out of the comparison
+                fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                run = graph.replay
+            seconds = timed(run, 2 if smoke else 20, dev == "cuda")
+            row[f"{name}_step_ms"] = round(seconds * 1e3, 3)
+            row[f"{name}_tok_s"] = round(batch / seconds, 1)
+        row["int4_vs_bf16"] = round(row["int4_tok_s"] / row["bf16_tok_s"], 3)
+        print("int4", row, flush=True)
+        out["cases"].append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- SmolLM2 e2e
+def part_e2e(smoke: bool) -> dict[str, Any]:
+    from kvflow import LLM, SamplingParams
+    from tests.engine_helpers import PROMPTS
+
+    kw: dict[str, Any] = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
+    if smoke:
+        kw["device"] = "cpu"
+    oracle = LLM("smollm2", **kw)
+    tok = oracle.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok(p).input_ids} for p in (PROMPTS[:3] if smoke else PROMPTS)]
+    want = oracle.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=5))
+    del oracle
+    result: dict[str, Any] = {"workload": f"SmolLM2 GGUF Q4_1, {len(prompts)} prompts x 16 greedy tokens, vs the "
+                                          "fp32-dequantized form with fp32 KV"}
+    for name, extra in {"int4_gguf": {"quantization": "gguf"}, "fp8_kv": {"kv_cache_dtype": "fp8"}}.items():
+        llm = LLM("smollm2", **kw, **extra)
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        exact, within_top5 = 0, 0
+        for w, h in zip(want, got, strict=True):
+            ours, theirs = h.outputs[0].token_ids, w.outputs[0].token_ids
+            if ours == theirs:
+                exact += 1
+                continue
+            i = next(j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+            within_top5 += ours[i] in w.outputs[0].logprobs[i]
+        result[name] = {"exact": exact, "diverged_within_top5": within_top5, "prompts": len(prompts)}
+        print("e2e", name, result[name], flush=True)
+        del llm
+    return result
+
+
+PARTS = {"w8a8": part_w8a8, "kv": part_kv, "int4": part_int4, "e2e": part_e2e}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: run with --smoke on CPU")
+    record: dict[str, Any] = {"device": device_name(), "torch": torch.__version__, "smoke": args.smoke}
+    for part in args.parts:
+        try:
+            if part == "w8a8":
+                record[part] = part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts)
+            else:
+                record[part] = PARTS[part](args.smoke)  # type: ignore[operator]
+        except Exception as exc:  # record the failure and go on with the other parts
+            traceback.print_exc()
+            record[part] = {"error": f"{type(exc).__name__}: {exc}"}
+    tag = "smoke" if args.smoke else device_name().lower().replace(" ", "_")
+    out = args.out or ROOT / "bench" / "results" / f"quant_gpu_{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    if any("error" in v for v in record.values() if isinstance(v, dict)):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

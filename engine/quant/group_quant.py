@@ -1,0 +1,259 @@
+"""Group-wise weight-only quantized linear and embedding layers (int4 with scales + mins or zeros, int8 symmetric).
+
+One canonical in-memory layout serves every source format (GGUF Q4_0 / Q4_1 / Q8_0, AWQ, GPTQ), so a single
+torch reference and a single CPU kernel run them all:
+
+- 4-bit: `qweight` uint8 [N, K/2]. The input dim is cut into sub-blocks of 32; sub-block b of row n is the 16
+  bytes `qweight[n, 16b : 16b + 16]`, byte j holding element 32b + j in its low nibble and 32b + 16 + j in its
+  high nibble (GGUF's own Q4 block order, so GGUF loads without a shuffle).
+- 8-bit: `qweight` int8 [N, K].
+- `scales` [N, K/G] and `mins` [N, K/G] hold raw float16 bits in int16 buffers: a module-wide dtype cast
+  (`model.to(torch.float32)` on the CPU path) leaves integer buffers alone, so they stay 2 bytes each.
+- `zeros` uint8 [N, K/G] (4-bit "zero" kind).
+
+Dequantization, exactly as the source formats define it (every product is exact in fp32: a float16 scale times
+a 4- or 8-bit integer needs at most 19 mantissa bits):
+- kind "min"  (GGUF Q4_1):            w = d * q + m
+- kind "zero" (GGUF Q4_0, AWQ, GPTQ): w = (q - z) * d      (Q4_0: z = 8)
+- kind "sym"  (GGUF Q8_0, 8-bit):     w = q * d
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Kind = Literal["min", "zero", "sym"]
+KINDS: tuple[str, ...] = ("min", "zero", "sym")
+SUB_BLOCK = 32
+# Rows dequantized at a time on the torch path (and for the head): a [tile, K] fp32 temporary, not the whole matrix.
+TILE_BYTES = 8 << 20
+# Up to this many input rows the CPU kernel computes dot products straight from the packed weights; above it,
+# dequantized tiles feed a matmul (the dequantization is then shared by many rows).
+KERNEL_MAX_ROWS = 8
+
+
+def fp16_bits(t: torch.Tensor) -> torch.Tensor:
+    """float16 values as their int16 bit patterns (see the module docstring for why)."""
+    return t.to(torch.float16).contiguous().view(torch.int16)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 (K a multiple of 32) -> the canonical packed [N, K/2]."""
+    n, k = q.shape
+    if k % SUB_BLOCK:
+        raise ValueError(f"int4 rows need a multiple of {SUB_BLOCK} elements, got {k}")
+    blocks = q.to(torch.uint8).view(n, k // SUB_BLOCK, 2, SUB_BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The canonical packed [N, K/2] -> uint8 [N, K] in 0..15."""
+    n, half = packed.shape
+    blocks = packed.view(n, half // (SUB_BLOCK // 2), 1, SUB_BLOCK // 2)
+    both = torch.cat([blocks & 0x0F, blocks >> 4], dim=2)
+    return both.reshape(n, half * 2)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """One quantized matrix [N, K] in the canonical layout (tensors on one device)."""
+
+    bits: int
+    kind: Kind
+    group_size: int
+    out_features: int
+    in_features: int
+    qweight: torch.Tensor
+    scales: torch.Tensor  # int16 (float16 bits) [N, K/G]
+    mins: torch.Tensor | None = None  # int16 (float16 bits) [N, K/G], kind "min"
+    zeros: torch.Tensor | None = None  # uint8 [N, K/G], kind "zero"
+
+    def __post_init__(self) -> None:
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if self.bits not in (4, 8) or self.kind not in KINDS:
+            raise ValueError(f"unsupported quantized weight: bits={self.bits}, kind={self.kind!r}")
+        if g % SUB_BLOCK or k % g:
+            raise ValueError(f"group_size {g} must be a multiple of {SUB_BLOCK} dividing in_features {k}")
+        expect_q = (n, k // 2) if self.bits == 4 else (n, k)
+        if tuple(self.qweight.shape) != expect_q or tuple(self.scales.shape) != (n, k // g):
+            raise ValueError(f"quantized weight shapes {tuple(self.qweight.shape)} / {tuple(self.scales.shape)} "
+                             f"do not fit [{n}, {k}] with group_size {g}")
+        if (self.kind == "min") != (self.mins is not None) or (self.kind == "zero") != (self.zeros is not None):
+            raise ValueError(f"kind {self.kind!r} needs {'mins' if self.kind == 'min' else 'zeros'}")
+        if self.bits == 8 and self.kind != "sym":
+            raise ValueError("8-bit weights are symmetric (kind 'sym')")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins, self.zeros)
+                   if t is not None)
+
+    def rows(self, index: torch.Tensor | slice) -> QuantWeight:
+        """The same weight restricted to some output rows (a permutation, a slice, or gathered rows)."""
+        pick = (lambda t: t[index].contiguous()) if isinstance(index, torch.Tensor) else (lambda t: t[index])
+        q = pick(self.qweight)
+        return QuantWeight(self.bits, self.kind, self.group_size, q.shape[0], self.in_features, q,
+                           pick(self.scales), None if self.mins is None else pick(self.mins),
+                           None if self.zeros is None else pick(self.zeros))
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Stack weights along the output dim (q|k|v, gate|up): same K, bits, kind and group size."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.bits, p.kind, p.group_size, p.in_features) != (first.bits, first.kind, first.group_size,
+                                                                  first.in_features):
+                raise ValueError("cannot fuse quantized weights of different formats: "
+                                 f"{(first.bits, first.kind, first.group_size)} vs {(p.bits, p.kind, p.group_size)}")
+
+        def join(name: str) -> torch.Tensor | None:
+            tensors = [getattr(p, name) for p in parts]
+            return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+        qweight = join("qweight")
+        assert qweight is not None
+        return QuantWeight(first.bits, first.kind, first.group_size, sum(p.out_features for p in parts),
+                           first.in_features, qweight, join("scales"), join("mins"), join("zeros"))  # type: ignore[arg-type]
+
+
+def dequantize(w: QuantWeight, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """Rows [start, end) of w as float32, by the formulas in the module docstring (the reference)."""
+    end = w.out_features if end is None else end
+    g = w.group_size
+    q = w.qweight[start:end]
+    n = q.shape[0]
+    d = w.scales[start:end].view(torch.float16).float().repeat_interleave(g, dim=1)
+    qf = unpack_int4(q).float() if w.bits == 4 else q.float()
+    if w.kind == "min":
+        assert w.mins is not None
+        return d * qf + w.mins[start:end].view(torch.float16).float().repeat_interleave(g, dim=1)
+    if w.kind == "zero":
+        assert w.zeros is not None
+        return (qf - w.zeros[start:end].float().repeat_interleave(g, dim=1)) * d
+    return (qf * d).view(n, w.in_features)
+
+
+def _tile_rows(w: QuantWeight) -> int:
+    return max(1, TILE_BYTES // (4 * w.in_features))
+
+
+def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] (float) @ dequantize(w).T, a row tile at a time: the torch path."""
+    out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
+    tile = _tile_rows(w)
+    for start in range(0, w.out_features, tile):
+        end = min(start + tile, w.out_features)
+        out[:, start:end] = x @ dequantize(w, start, end).to(x.dtype).t()
+    return out
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W kept quantized. CPU fp32: the compiled kernel (kernels/cpu_quant_gemm.py) for small
+    batches and its dequantized tiles for larger ones; CUDA: the Triton dequant GEMM/GEMV (kernels/quant_gemm.py);
+    elsewhere (or without a compiler / Triton) the torch reference."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bits, self.kind, self.group_size = weight.bits, weight.kind, weight.group_size
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.register_buffer("zeros", weight.zeros)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.use_kernel = True  # tests turn it off to run the torch reference
+
+    def quant_weight(self) -> QuantWeight:
+        return QuantWeight(self.bits, self.kind, self.group_size, self.out_features, self.in_features,  # type: ignore[arg-type]
+                           self.qweight, self.scales, self.mins, self.zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = quant_matmul(flat, self.quant_weight(), self.use_kernel)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"kind={self.kind}, group_size={self.group_size}")
+
+
+def quant_matmul(x: torch.Tensor, w: QuantWeight, use_kernel: bool = True) -> torch.Tensor:
+    """x [M, K] @ W^T by the fastest available path for this device and batch."""
+    if use_kernel and x.device.type == "cpu" and x.dtype == torch.float32:
+        from kernels.cpu_quant_gemm import load_quant_extension
+
+        ext = load_quant_extension()
+        if ext is not None:
+            x = x.contiguous()
+            if x.shape[0] <= KERNEL_MAX_ROWS:
+                return ext.quant_gemv(x, w.qweight, w.scales, _offsets(w), w.bits, KINDS.index(w.kind),
+                                      w.group_size)
+            out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+            tile = _tile_rows(w)
+            for start in range(0, w.out_features, tile):
+                end = min(start + tile, w.out_features)
+                deq = ext.dequantize(w.qweight[start:end], w.scales[start:end], _offsets(w, start, end), w.bits,
+                                     KINDS.index(w.kind), w.group_size)
+                out[:, start:end] = x @ deq.t()
+            return out
+    if use_kernel and x.is_cuda:
+        from kernels._triton import HAS_TRITON
+
+        if HAS_TRITON:
+            from kernels.quant_gemm import quant_gemm
+
+            return quant_gemm(x.contiguous(), w.qweight, w.scales, _offsets(w), w.bits, KINDS.index(w.kind),
+                              w.group_size, w.out_features)
+    return F.linear(x, dequantize(w).to(x.dtype)) if w.out_features <= _tile_rows(w) else quant_matmul_ref(x, w)
+
+
+def _offsets(w: QuantWeight, start: int = 0, end: int | None = None) -> torch.Tensor:
+    end = w.out_features if end is None else end
+    if w.mins is not None:
+        return w.mins[start:end]
+    if w.zeros is not None:
+        return w.zeros[start:end]
+    return torch.empty(0, dtype=torch.uint8)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding kept quantized: looked-up rows are dequantized on the fly. It also serves as the tied
+    logits head (`logits`)."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.linear = QuantLinear(weight)
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        # Follows module-wide casts (model.to(dtype)): the dtype the looked-up rows are returned in.
+        self.register_buffer("dtype_ref", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.linear.quant_weight()
+        flat = ids.reshape(-1)
+        return dequantize(w.rows(flat)).to(self.dtype_ref.dtype).view(*ids.shape, self.embedding_dim)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden)
+
+
+def module_weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and persistent-looking buffers (weights), counting shared storage once;
+    rotary cos/sin tables (derived, not weights) are excluded."""
+    seen: set[int] = set()
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("rotary.") or t is None:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,170 @@
+"""--kv-cache-dtype fp8 (e4m3): flag resolution, block budget, the CPU path's greedy ids on SmolLM2 against fp32
+KV, and P/D: in process through the engines' KVPort (tensor and bytes), and between real workers over a gloo
+link (the NCCL code path on CPU), with a worker of another KV dtype refused."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from engine.config import EngineArgs
+from engine.kv_transfer import plan_slices, tensor_bytes
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
+from tests.engine_helpers import PROMPTS
+from tests.pd_helpers import (
+    Worker,
+    channel_to,
+    generate,
+    info,
+    metric,
+    settled_metric,
+    start_worker,
+    wait_healthy,
+)
+
+TINY = dict(model="tiny", kv_cache_memory_bytes=16 << 20, max_model_len=1024)
+
+
+def make(**overrides: object) -> LLMEngine:
+    return LLMEngine(EngineArgs(**{**TINY, **overrides}).create_engine_config())  # type: ignore[arg-type]
+
+
+def run_to_end(engine: LLMEngine, request_id: str) -> list[int]:
+    for _ in range(10_000):
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output.outputs[0].token_ids
+    raise AssertionError("request never finished")
+
+
+def test_flag_resolution_and_refusal() -> None:
+    for name in ("fp8", "fp8_e4m3"):
+        cfg = EngineArgs(model="tiny", kv_cache_dtype=name).create_engine_config()
+        assert cfg.cache.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="unsupported kv_cache_dtype 'int8'"):
+        EngineArgs(model="tiny", kv_cache_dtype="int8").create_engine_config()
+
+
+def test_block_budget_doubles_vs_bf16_and_quadruples_vs_fp32() -> None:
+    def blocks(**kw: object) -> tuple[int, torch.dtype]:
+        engine = make(**kw)
+        key = engine.runner.kv_caches[0][0]
+        return key.shape[0], key.dtype
+
+    fp32, bf16, fp8 = blocks(), blocks(dtype="bfloat16"), blocks(kv_cache_dtype="fp8")
+    assert fp8[1] == torch.float8_e4m3fn and bf16[1] == torch.bfloat16
+    assert fp8[0] == 2 * bf16[0] == 4 * fp32[0], (fp32, bf16, fp8)
+
+
+def test_fp8_kv_through_kv_port_equals_unified() -> None:
+    """A prefill engine's fp8 blocks exported (as a tensor, and as raw bytes) into a decode engine continue
+    exactly as an fp8 unified engine."""
+    prefill, decode, unified = (make(kv_cache_dtype="fp8") for _ in range(3))
+    assert prefill.kv_port.layout.dtype == "float8_e4m3fn"
+    assert prefill.kv_port.layout.block_bytes * 4 == make().kv_port.layout.block_bytes
+    rng = random.Random(1)
+    for i, n in enumerate((3, 17, 200)):
+        prompt = [rng.randrange(500) for _ in range(n)]
+        rid = f"r{i}"
+        unified.add_request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0))
+        expected = run_to_end(unified, rid)
+        slot = decode.add_remote_prefill_request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0))
+        assert slot is not None
+        prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_lease_s=10)
+        first = run_to_end(prefill, rid)[0]
+        held = prefill.kv_block_ids(rid)
+        for k, part in enumerate(plan_slices(0, len(held), prefill.kv_port.layout, max_bytes=4096)):
+            export = prefill.kv_port.export(held[part.first_block: part.first_block + part.num_blocks], part)
+            assert export.tensor.dtype == torch.float8_e4m3fn
+            wire = export.tensor if k % 2 else decode.kv_port.wire_from_bytes(part, tensor_bytes(export.tensor))
+            ids = slot.block_ids[part.first_block: part.first_block + part.num_blocks]
+            assert decode.kv_port.import_(ids, part, wire).wait()
+        prefill.release_kv(rid)
+        decode.finish_remote_prefill(rid, first, None, b"")
+        assert run_to_end(decode, rid) == expected
+
+
+@pytest.fixture(scope="module")
+def smollm2_prompts(tokenizer) -> list[list[int]]:  # noqa: ANN001
+    return [tokenizer(p).input_ids for p in PROMPTS]
+
+
+def test_smollm2_fp8_kv_greedy_within_top5_of_fp32(smollm2_prompts: list[list[int]]) -> None:
+    from kvflow import LLM
+
+    prompts = [{"prompt_token_ids": p} for p in smollm2_prompts]
+    kw = dict(kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    oracle = LLM("smollm2", **kw)
+    expected = oracle.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=5))
+    del oracle
+    fp8 = LLM("smollm2", kv_cache_dtype="fp8", **kw)
+    got = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    exact = 0
+    for want, have in zip(expected, got, strict=True):
+        ours, theirs = have.outputs[0].token_ids, want.outputs[0].token_ids
+        if ours == theirs:
+            exact += 1
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+        assert ours[k] in want.outputs[0].logprobs[k], f"divergence at {k}: {ours[k]} not in the fp32 top-5"
+    print(f"fp8 KV vs fp32 KV: {exact}/{len(prompts)} prompts exactly equal")
+    assert exact >= len(prompts) // 2
+
+
+FP8_LINK = ("--kv-cache-dtype", "fp8", "--kv-transfer-backend", "nccl")
+
+
+@pytest.fixture(scope="module")
+def fp8_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Worker]]:
+    logs = tmp_path_factory.mktemp("fp8_pd_logs")
+    prefill = start_worker("prefill", logs, *FP8_LINK, "--max-num-batched-tokens", "64")
+    decode = start_worker("decode", logs, *FP8_LINK)
+    try:
+        wait_healthy(prefill, timeout=600)  # the shared dev box can be slow to start two SmolLM2 workers
+        wait_healthy(decode, timeout=600)
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_prompts: list[list[int]]) -> None:
+    from kvflow import LLM
+    from tests.pd_helpers import KV_BYTES, MAX_MODEL_LEN, MAX_TOKENS
+
+    prefill, decode = fp8_cluster
+    layout = info(decode).kv_layout
+    assert layout.dtype == "float8_e4m3fn" and info(prefill).kv_layout.dtype == "float8_e4m3fn"
+    prompts = smollm2_prompts[:4] + [smollm2_prompts[7] * 6]  # one prompt spans many blocks and chunks
+    local = LLM("smollm2", kv_cache_dtype="fp8", kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
+    expected = [o.outputs[0].token_ids for o in local.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))]
+    del local
+
+    async def run_all() -> list[pb.GenerateComplete]:
+        return await asyncio.gather(*(asyncio.to_thread(generate, decode, p, prefill) for p in prompts))
+
+    results = asyncio.run(run_all())
+    for prompt, result, want in zip(prompts, results, expected, strict=True):
+        assert result.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
+        assert list(result.choices[0].token_ids) == want, f"prompt of {len(prompt)} tokens"
+    blocks = sum(-(-len(p) // 16) for p in prompts)
+    block_bytes = 16 * 30 * 2 * 3 * 64 * 1  # SmolLM2: 1 byte per fp8 value
+    assert settled_metric(decode, "kvflow:kv_transfer_bytes_total", 'backend="gloo"') == blocks * block_bytes
+    assert metric(decode, "kvflow:kv_transfer_bytes_total", 'backend="grpc"') == 0
+    # A decode worker with fp32 KV asking this prefill worker is refused, naming both layouts.
+    fp32_layout = pb.KVLayout(dtype="float32", num_layers=layout.num_layers, block_size=layout.block_size,
+                              num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, order=layout.order)
+    with channel_to(prefill) as channel, pytest.raises(grpc.RpcError) as caught:
+        list(kvflow_pb2_grpc.PrefillStub(channel).Prefill(
+            pb.PrefillRequest(prompt_token_ids=[1, 2, 3], expected_layout=fp32_layout), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "layout mismatch" in caught.value.details() and "float8_e4m3fn" in caught.value.details()
