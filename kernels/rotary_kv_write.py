@@ -88,15 +88,21 @@ if HAS_TRITON:
             v2 = tl.load(pv + HALF, mask=mask, other=0.0)
             dst = (slot // PAGE) * stride_cblk + (slot % PAGE) * stride_ctok + offs_h[:, None] * stride_ch
             dst = dst + offs_half[None, :]
+            # New names in both branches: Triton refuses a variable whose type changes inside a runtime `if`.
             if FP8:  # e4m3 cache: value / scale on the e4m3 grid (kernels/fp8_kv.py)
-                r1 = round_to_e4m3(r1.to(tl.float32) / k_scale)
-                r2 = round_to_e4m3(r2.to(tl.float32) / k_scale)
-                v1 = round_to_e4m3(v1.to(tl.float32) / v_scale)
-                v2 = round_to_e4m3(v2.to(tl.float32) / v_scale)
-            tl.store(KC + dst, r1.to(KC.dtype.element_ty), mask=mask)
-            tl.store(KC + dst + HALF, r2.to(KC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst, v1.to(VC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst + HALF, v2.to(VC.dtype.element_ty), mask=mask)
+                kc1 = round_to_e4m3(r1.to(tl.float32) / k_scale).to(KC.dtype.element_ty)
+                kc2 = round_to_e4m3(r2.to(tl.float32) / k_scale).to(KC.dtype.element_ty)
+                vc1 = round_to_e4m3(v1.to(tl.float32) / v_scale).to(VC.dtype.element_ty)
+                vc2 = round_to_e4m3(v2.to(tl.float32) / v_scale).to(VC.dtype.element_ty)
+            else:
+                kc1 = r1.to(KC.dtype.element_ty)
+                kc2 = r2.to(KC.dtype.element_ty)
+                vc1 = v1.to(VC.dtype.element_ty)
+                vc2 = v2.to(VC.dtype.element_ty)
+            tl.store(KC + dst, kc1, mask=mask)
+            tl.store(KC + dst + HALF, kc2, mask=mask)
+            tl.store(VC + dst, vc1, mask=mask)
+            tl.store(VC + dst + HALF, vc2, mask=mask)
 
 
 def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
