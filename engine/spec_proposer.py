@@ -86,15 +86,18 @@ def draft_engine_config(target: EngineConfig, spec: SpecConfig) -> EngineConfig:
                       cudagraph_capture_sizes=list(t.device.cudagraph_capture_sizes or []) or None,
                       max_seq_len_to_capture=t.device.max_seq_len_to_capture, generation_config="vllm",
                       num_gpu_blocks_override=2)  # the real count is set at initialize()
+    from engine.models.loader import resolve_model
+
+    vocab = resolve_model(spec.model).arch.vocab_size
+    if vocab != t.model.arch.vocab_size:
+        raise ValueError(f"speculative_config.model {spec.model!r}: the draft's vocabulary ({vocab} tokens) "
+                         f"differs from the target's ({t.model.arch.vocab_size}); a draft must share the target's "
+                         "tokenizer")
     try:
         config = args.create_engine_config()
     except ValueError as exc:
         raise ValueError(f"speculative_config.model {spec.model!r}: {exc}") from None
     arch = config.model.arch
-    if arch.vocab_size != t.model.arch.vocab_size:
-        raise ValueError(f"speculative_config.model {spec.model!r}: the draft's vocabulary ({arch.vocab_size} "
-                         f"tokens) differs from the target's ({t.model.arch.vocab_size}); a draft must share the "
-                         "target's tokenizer")
     if spec.draft_num_layers is not None:
         if spec.draft_num_layers > arch.num_layers:
             raise ValueError(f"speculative_config.draft_num_layers ({spec.draft_num_layers}) exceeds the draft's "
