@@ -233,3 +233,37 @@ def test_metrics_export_vllm_names(ngram_llm: LLM) -> None:
     assert value("vllm:spec_decode_num_accepted_tokens_total", labels) == stats.spec_decode_num_accepted_tokens
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "0"}) == \
         stats.spec_decode_num_accepted_tokens_per_pos[0]
+
+
+def test_scheduler_counts_drafts_in_the_budget_and_rolls_back_rejected_slots() -> None:
+    from engine.block_hash import BlockHasher
+    from engine.config import SchedulerConfig
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.outputs import ModelRunnerOutput
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+
+    kv = KVCacheManager(32, 4, BlockHasher.for_model("t", 4), enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64), kv, None)
+    request = Request("a", list(range(1, 8)), SamplingParams(max_tokens=20), eos_token_id=None)
+    sched.add_request(request)
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput({}))  # prompt chunk 1 (4 of 7 tokens)
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput({"a": 50}))  # rest of the prompt + 1st token
+    assert request.num_tokens == 8 and request.num_computed_tokens == 7
+    request.spec_token_ids = [60, 61, 62, 63, 64]
+    out = sched.schedule()
+    chunk = out.chunks[0]
+    # budget 4: the last token + 3 of the 5 drafts; KV slots for positions 7..10 -> 3 blocks of 4
+    assert (chunk.token_ids, chunk.spec_token_ids, out.total_num_scheduled_tokens) == ([50, 60, 61, 62],
+                                                                                      [60, 61, 62], 4)
+    assert len(kv.block_ids("a")) == 3
+    sched.update_from_output(out, ModelRunnerOutput({"a": 70}, accepted_token_ids={"a": [60, 70]}))
+    # one draft accepted + the target's token: KV kept for 50, 60 (positions 7, 8); 70 is next to compute
+    assert request.output_token_ids == [50, 60, 70] and request.num_computed_tokens == 9
+    assert request.spec_token_ids == [] and len(kv.block_ids("a")) == 3  # 10 tokens need 3 blocks
+    request.spec_token_ids = [1, 2, 3]
+    out = sched.schedule()
+    assert len(kv.block_ids("a")) == 4  # positions 9..12
+    sched.update_from_output(out, ModelRunnerOutput({"a": 9}, accepted_token_ids={"a": [9]}))  # all rejected
+    assert request.num_computed_tokens == 10 and len(kv.block_ids("a")) == 3  # the 4th block is freed
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks - 3
