@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -105,6 +106,14 @@ def main() -> None:
     for llm in configs.values():  # warm-up (allocator, packed weights)
         _run(llm, "Hello", SamplingParams(temperature=0.0, max_tokens=4))
     sets: dict[str, Any] = {}
+    record = {
+        "workload": f"SmolLM2-135M-Instruct fp32, CPU, batch 1, chat template, greedy, max_tokens={args.max_tokens}; "
+                    "speculation off vs n-gram vs layer-truncated draft, interleaved per prompt",
+        "device": f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+        "ngram_config": NGRAM,
+        "draft_config": None if args.no_draft else DRAFT,
+        "sets": sets,
+    }
     for set_name, prompts in (("input_grounded", GROUNDED), ("open_chat", CHAT)):
         prompts = prompts[: args.num_prompts]
         tokens = dict.fromkeys(configs, 0)
@@ -123,28 +132,22 @@ def main() -> None:
                     identical[name] = False
                 print(f"{set_name} #{i} {name}: {len(ids)} tokens in {elapsed:.2f}s ({len(ids) / elapsed:.1f} tok/s)",
                       flush=True)
-        result: dict[str, Any] = {"num_prompts": len(prompts)}
-        for name in configs:
-            result[f"{name}_tok_s"] = round(tokens[name] / seconds[name], 2)
-            result[f"{name}_output_tokens"] = tokens[name]
-        for name in configs:
-            if name == "off":
-                continue
-            result[f"{name}_speedup"] = round(result[f"{name}_tok_s"] / result["off_tok_s"], 3)
-            result[f"{name}_greedy_identical"] = identical[name]
-            result[f"{name}_acceptance"] = _acceptance(before[name], configs[name])
-        sets[set_name] = result
-        print(json.dumps({set_name: result}, indent=1), flush=True)
-    record = {
-        "workload": f"SmolLM2-135M-Instruct fp32, CPU, batch 1, chat template, greedy, max_tokens={args.max_tokens}; "
-                    "speculation off vs n-gram vs layer-truncated draft, interleaved per prompt",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-        "ngram_config": NGRAM,
-        "draft_config": None if args.no_draft else DRAFT,
-        "sets": sets,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+            result: dict[str, Any] = {"num_prompts": i + 1, "load_average": os.getloadavg()[0]}
+            for name in configs:
+                result[f"{name}_tok_s"] = round(tokens[name] / seconds[name], 3)
+                result[f"{name}_output_tokens"] = tokens[name]
+                result[f"{name}_seconds"] = round(seconds[name], 2)
+            for name in configs:
+                if name == "off":
+                    continue
+                result[f"{name}_speedup"] = round(result[f"{name}_tok_s"] / result["off_tok_s"], 3)
+                result[f"{name}_greedy_identical"] = identical[name]
+                result[f"{name}_acceptance"] = _acceptance(before[name], configs[name])
+            sets[set_name] = result
+            record["complete"] = set_name == "open_chat" and i + 1 == len(prompts)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")  # after every prompt: a stop keeps it
+        print(json.dumps({set_name: sets[set_name]}, indent=1), flush=True)
     print(f"wrote {args.out}")
 
 
