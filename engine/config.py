@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 from engine.errors import InvalidRequest
 from engine.generation_config import check_generation_config, parse_override
+from engine.spec_config import SpecConfig
 
 GiB = 1 << 30
 QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq")
@@ -115,6 +116,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     observability: ObservabilityConfig
+    speculative: SpecConfig | None = None  # engine/spec_config.py; the draft's vocabulary is checked at load
 
 
 def _resolve_device(device: str) -> str:
@@ -240,6 +242,13 @@ class EngineArgs:
     # Who runs the engine: the offline LLM class / bench / generate ("llm") or an API server's worker
     # ("server"); picks the batch defaults as vLLM's UsageContext does. Set in code, not a CLI flag.
     usage_context: UsageContext = "llm"
+    # Speculative decoding (engine/spec_config.py): vLLM's dict / JSON, or its older flags below.
+    speculative_config: dict[str, Any] | str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    speculative_disable_by_batch_size: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -290,6 +299,14 @@ class EngineArgs:
         g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture)
         g.add_argument("--disable-log-stats", action="store_true", default=not default_log_stats)
+        g.add_argument("--speculative-config", default=None,
+                       help='JSON, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
+                            '4}\' or \'{"model": "smollm2", "num_speculative_tokens": 3}\'')
+        g.add_argument("--speculative-model", default=None, help="(older vLLM form) draft model, or '[ngram]'")
+        g.add_argument("--num-speculative-tokens", type=int, default=None)
+        g.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
+        g.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
+        g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -306,6 +323,7 @@ class EngineArgs:
         from engine.models.loader import resolve_model
 
         self._validate()
+        self.spec_config()  # a bad speculative config fails before any model is loaded
         device = _resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         resolved = resolve_model(self.model, self.load_format)
@@ -313,6 +331,9 @@ class EngineArgs:
         from engine.parallel.layout import validate_tp
 
         validate_tp(arch, self.tensor_parallel_size)  # before any rank starts
+        if self.tensor_parallel_size > 1 and self.spec_config() is not None:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet (the draft "
+                             "model and the verify step run on one rank)")
         max_model_len = self.max_model_len or arch.max_position_embeddings
         if max_model_len > arch.max_position_embeddings:
             raise ValueError(
@@ -371,7 +392,24 @@ class EngineArgs:
             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else None,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
         )
-        return EngineConfig(model, cache, scheduler, device_cfg, ObservabilityConfig(self.disable_log_stats))
+        return EngineConfig(model, cache, scheduler, device_cfg, ObservabilityConfig(self.disable_log_stats),
+                            self.spec_config())
+
+    def spec_config(self) -> SpecConfig | None:
+        """The speculative decoding config from `speculative_config` or the older flags (not both)."""
+        legacy = SpecConfig.from_legacy(self.speculative_model, self.num_speculative_tokens,
+                                        self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min,
+                                        self.speculative_disable_by_batch_size)
+        spec = SpecConfig.parse(self.speculative_config)
+        if spec is not None and legacy is not None:
+            raise ValueError("give speculative_config or the older --speculative-model flags, not both")
+        return spec or legacy
+
+    def without_speculation(self) -> EngineArgs:
+        """The same arguments with speculation off (prefill workers never decode past the first token)."""
+        return dataclasses.replace(self, speculative_config=None, speculative_model=None,
+                                   num_speculative_tokens=None, ngram_prompt_lookup_max=None,
+                                   ngram_prompt_lookup_min=None, speculative_disable_by_batch_size=None)
 
     def _validate(self) -> None:
         checks = [

@@ -90,6 +90,20 @@ class KVCacheManager:
         self.req_to_blocks[request.request_id] = blocks
         return new_blocks
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the tail blocks beyond those `num_tokens` tokens need (rejected draft tokens' slots); returns how
+        many were freed. Never touches cached blocks: those hold computed tokens only."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = max(self.blocks_needed(num_tokens), self.num_cached_blocks.get(request.request_id, 0))
+        if len(blocks) <= keep:
+            return 0
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def allocate_for_swap_in(self, request: Request, num_tokens: int) -> list[KVCacheBlock] | None:
         """Fresh blocks to hold `num_tokens` tokens of KV copied back from swap space."""
         blocks = self.pool.get_new_blocks(self.blocks_needed(num_tokens))

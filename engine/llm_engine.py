@@ -24,6 +24,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import seeded_generator_state
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_proposer import DraftModelProposer, build_proposer
 from engine.stats import EngineStats, FinishedRequestTiming
 from engine.structured_output import StructuredOutputManager
 from engine.swap_space import SwapSpace
@@ -88,7 +89,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
         self.config = config
         self.runner = create_runner(config)  # tensor parallelism: rank 0's runner, the other ranks started
+        # Speculative decoding (engine/spec_proposer.py); a draft model is loaded before the memory profile.
+        self.proposer = build_proposer(config)
         num_blocks = self.runner.determine_num_blocks()
+        if isinstance(self.proposer, DraftModelProposer):
+            # Same block count for target and draft (the same block tables' lengths): split the KV budget.
+            if config.cache.num_gpu_blocks_override is None:
+                own = self.runner.block_bytes
+                num_blocks = max(2, num_blocks * own // (own + self.proposer.block_bytes))
+            self.proposer.initialize(num_blocks)
         capacity = (num_blocks - 1) * config.cache.block_size
         if config.model.max_model_len > capacity:
             raise ValueError(
@@ -223,7 +232,7 @@ class LLMEngine:
         self.scheduler.resume_remote(sample.request, first_token, sampler_state)
         if taken_early:
             return  # absorbed and delivered by `take_remote_first_token`
-        self._absorb(state, sample, logprobs, None)
+        self._absorb(state, sample, None if logprobs is None else [logprobs], None)
         if state.finished:
             self._pending_outputs.append(self._finish_state(state))
         elif state.output_kind != "final":
@@ -248,7 +257,7 @@ class LLMEngine:
             return False
         if not self.scheduler.take_remote_first_token(request, first_token, sampler_state):
             return False
-        self._absorb(state, sample, logprobs, None)
+        self._absorb(state, sample, None if logprobs is None else [logprobs], None)
         if state.output_kind != "final":
             self._pending_outputs.append(self._make_output(state, finished=False))
         return True
@@ -407,8 +416,12 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.expire_kv_leases()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
+        if self.proposer is not None:
+            self.stats.count_spec(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.stats.num_steps += 1
         touched: dict[str, _RequestState] = {}
@@ -417,7 +430,7 @@ class LLMEngine:
             if parent is None:
                 continue
             sample = next(s for s in parent.samples if s.request is request)
-            self._absorb(parent, sample, runner_output.logprobs.get(request.request_id),
+            self._absorb(parent, sample, runner_output.logprobs_for(request.request_id),
                          runner_output.prompt_logprobs.get(request.request_id))
             touched[parent.request_id] = parent
         self.stats.prompt_tokens += sum(
@@ -435,8 +448,9 @@ class LLMEngine:
         request = self.scheduler.requests.get(child_id)
         return request.num_prompt_tokens if request is not None else 0
 
-    def _absorb(self, state: _RequestState, sample: _Sample, logprobs: PositionLogprobs | None,
+    def _absorb(self, state: _RequestState, sample: _Sample, logprobs: list[PositionLogprobs] | None,
                 prompt_logprobs: list[PositionLogprobs | None] | None) -> None:
+        """Take a sample's new tokens (several after a speculative step), one logprobs entry per token."""
         request = sample.request
         if prompt_logprobs and state.prompt_logprobs is not None and sample is state.samples[0]:
             room = len(state.prompt_token_ids) - len(state.prompt_logprobs)
@@ -444,20 +458,30 @@ class LLMEngine:
         new_tokens = request.output_token_ids[sample.sent_tokens :]
         if not new_tokens:
             return
+        stop = None
+        if sample.detokenizer is not None:
+            # Token by token: a stop string ends the output at its token. An ending EOS / stop id is no text.
+            visible = new_tokens[:-1] if _stop_token_ended(request) else new_tokens
+            for i, token in enumerate(visible):
+                stop = sample.detokenizer.update([token])
+                if stop is not None:
+                    if i + 1 < len(new_tokens):  # accepted speculative tokens after it are dropped
+                        request.truncate_output(sample.sent_tokens + i + 1)
+                        new_tokens = new_tokens[: i + 1]
+                    break
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         self.stats.generation_tokens += len(new_tokens)
         if logprobs is not None and sample.logprobs is not None:
-            sample.logprobs.append(logprobs)
-            chosen = logprobs.get(new_tokens[-1])
-            if chosen is not None and sample.cumulative_logprob is not None:
-                sample.cumulative_logprob += chosen.logprob
+            for entry, token in zip(logprobs, new_tokens, strict=False):  # tokens cut at a stop have no entry
+                sample.logprobs.append(entry)
+                chosen = entry.get(token)
+                if chosen is not None and sample.cumulative_logprob is not None:
+                    sample.cumulative_logprob += chosen.logprob
         sample.sent_tokens = request.num_output_tokens
-        if sample.detokenizer is not None:
-            stop = sample.detokenizer.update(new_tokens[:-1] if _stop_token_ended(request) else new_tokens)
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        if stop is not None and not request.is_finished:
+            request.stop_reason = stop
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _completion(self, state: _RequestState, index: int, finished: bool) -> CompletionOutput:
         sample = state.samples[index]

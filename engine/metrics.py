@@ -60,6 +60,12 @@ class EngineMetrics:
                                     "KV blocks freed after a transfer finished, was cancelled or its lease expired.")
         self.fallback = Counter("kvflow:disagg_fallback", "Disaggregated prefills that fell back to local "
                                 "recompute.", ["model_name", "reason"], registry=r)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", ["model_name", "position"],
+                                             registry=r)
         self._last = EngineStats()
 
     def update(self, stats: EngineStats, timings: list[FinishedRequestTiming]) -> None:
@@ -75,9 +81,17 @@ class EngineMetrics:
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
             (self.generation_tokens, stats.generation_tokens, last.generation_tokens),
+            (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
+            (self.spec_draft_tokens, stats.spec_decode_num_draft_tokens, last.spec_decode_num_draft_tokens),
+            (self.spec_accepted_tokens, stats.spec_decode_num_accepted_tokens, last.spec_decode_num_accepted_tokens),
         ):
             if now > before:
                 metric.inc(now - before)
+        before_pos = last.spec_decode_num_accepted_tokens_per_pos
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            delta = count - (before_pos[position] if position < len(before_pos) else 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(delta)
         for reason, count in stats.request_success.items():
             delta = count - last.request_success.get(reason, 0)
             if delta > 0:

@@ -47,6 +47,7 @@ from engine.parallel.layout import RankShard, shard_for
 from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
 from engine.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
+from engine.spec_verify import verify_spans
 from engine.structured_output import StructuredOutputManager
 from kernels._triton import HAS_TRITON
 
@@ -395,6 +396,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         prompt_lp_spans: list[tuple[str, int, int, int]] = []  # (request, first row, num rows, start pos)
+        spec_spans: list[tuple[str, int, list[int]]] = []  # (request, first verify row, draft tokens)
         row = 0
         bs = self.block_size
         chunks = so.chunks
@@ -417,7 +419,9 @@ class ModelRunner:
             block_tables.append(chunk.block_ids)
             if chunk.prompt_logprobs:
                 prompt_lp_spans.append((chunk.request_id, row, n, start))
-            if chunk.sample:
+            if chunk.sample and chunk.spec_token_ids:  # speculative: the last k + 1 rows verify k drafts
+                spec_spans.append((chunk.request_id, row + n - 1 - len(chunk.spec_token_ids), chunk.spec_token_ids))
+            elif chunk.sample:
                 sample_rows.append(row + n - 1)
                 sample_ids.append(chunk.request_id)
             row += n
@@ -434,6 +438,8 @@ class ModelRunner:
                 self.kv_caches, meta,
             )
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)
+        if spec_spans:
+            return self._verify_and_sample(hidden, spec_spans, sample_rows, sample_ids, prompt_logprobs)
         if not sample_rows:
             return ModelRunnerOutput({}, {}, prompt_logprobs)
         if self.on_cuda and len(sample_rows) == len(hidden):  # every row samples (decode): no gather
@@ -459,6 +465,23 @@ class ModelRunner:
         if self.structured_output is None:
             raise RuntimeError("a structured-output request reached a runner without a StructuredOutputManager")
         return self.structured_output.new_matcher(guided, new.output_token_ids)
+    def _verify_and_sample(self, hidden: torch.Tensor, spec_spans: list[tuple[str, int, list[int]]],
+                           sample_rows: list[int], sample_ids: list[str],
+                           prompt_logprobs: dict[str, list[PositionLogprobs | None]]) -> ModelRunnerOutput:
+        """A step with speculative chunks (engine/spec_verify.py); other sampling rows are sampled as usual."""
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, PositionLogprobs] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=self.device)])
+            states = [self.requests[rid] for rid in sample_ids]
+            tokens, logprobs = self._sample(logits, sample_ids, states)
+            for rid, state, token in zip(sample_ids, states, tokens.tolist(), strict=True):
+                state.record(token)
+                sampled[rid] = token
+        accepted, spec_logprobs = verify_spans(self.model.compute_logits, hidden, spec_spans, self.requests,
+                                               self.sampler.generator)
+        sampled.update({rid: tokens[-1] for rid, tokens in accepted.items()})
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, accepted, spec_logprobs)
 
     def _generator(self, new: NewRequestData) -> torch.Generator | None:
         seed = new.sampling_params.seed

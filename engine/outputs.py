@@ -30,6 +30,7 @@ class ScheduledChunk:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this chunk reaches the last known token: sample the next one
     prompt_logprobs: bool  # return logprobs of these prompt positions
+    spec_token_ids: list[int] = field(default_factory=list)  # the draft tokens at the chunk's end: verify them
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,23 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # request id -> next token (only chunks with sample=True)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # Verified chunks: every token the step produced (accepted drafts + one), their logprobs; sampled_token_ids
+    # holds the last of them.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+    def tokens_for(self, request_id: str) -> list[int]:
+        accepted = self.accepted_token_ids.get(request_id)
+        if accepted is not None:
+            return accepted
+        token = self.sampled_token_ids.get(request_id)
+        return [] if token is None else [token]
+
+    def logprobs_for(self, request_id: str) -> list[PositionLogprobs] | None:
+        if request_id in self.spec_logprobs:
+            return self.spec_logprobs[request_id]
+        entry = self.logprobs.get(request_id)
+        return None if entry is None else [entry]
 
 
 @dataclass

@@ -54,6 +54,8 @@ class Request:
     num_preemptions: int = 0
     # Decode side of P/D: the prefill worker's seeded-generator state after the first token (handed to the runner).
     remote_sampler_state: bytes = b""
+    # Speculative decoding: draft tokens proposed for the next step (verified there; never part of all_token_ids).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -87,6 +89,11 @@ class Request:
         count as output and are prefilled here with the prompt."""
         self.output_token_ids = list(output_token_ids)
         self.all_token_ids = [*self.prompt_token_ids, *output_token_ids]
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past `num_output_tokens` (accepted speculative tokens after a stop)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -88,6 +88,34 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logit bias, then penalties: what greedy takes the argmax of."""
+    logits = apply_logit_bias(logits, rows)
+    if any(r.params.needs_penalties for r in rows):
+        logits = apply_penalties(logits, rows)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution a non-greedy row samples from (temperature, top-k, top-p, min-p applied to the adjusted
+    logits); rows unnormalized after min-p (the sampler scales by the CDF's end)."""
+    device = logits.device
+    temperatures = [max(r.params.temperature, 1e-5) for r in rows]
+    if any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, device=device)[:, None]
+    vocab = logits.shape[-1]
+    top_ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    top_ps = [r.params.top_p for r in rows]
+    if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = _top_k_top_p(logits, torch.tensor(top_ks, device=device), torch.tensor(top_ps, device=device))
+    probs = logits.softmax(dim=-1)
+    min_ps = [r.params.min_p for r in rows]
+    if any(p > 0 for p in min_ps):
+        min_p = torch.tensor(min_ps, device=device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
 def seeded_generator_state(seed: int, num_sampled: int, device: torch.device) -> bytes:
     """The state of a request's seeded generator after it sampled `num_sampled` tokens (non-greedy), which
     `Sampler.sample` draws as exactly one scalar uniform each: a request resumed elsewhere (migration) continues
@@ -108,28 +136,15 @@ class Sampler:
         rows' disallowed tokens to -inf first (in place), as vLLM applies its bitmask before the sampler."""
         if grammar is not None and grammar.rows:
             apply_bitmask(logits, grammar.bitmask, grammar.rows)
-        logits = apply_logit_bias(logits, rows)
-        if any(r.params.needs_penalties for r in rows):
-            logits = apply_penalties(logits, rows)
+        logits = adjust_logits(logits, rows)
         # Decisions come from host-side params, never from device tensors: no GPU sync here.
         is_greedy = [r.params.is_greedy for r in rows]
         if all(is_greedy):
             return logits.argmax(dim=-1)
         device = logits.device
         greedy_tokens = logits.argmax(dim=-1) if any(is_greedy) else None
-        temperatures = [max(r.params.temperature, 1e-5) for r in rows]
-        if any(t != 1.0 for t in temperatures):
-            logits = logits / torch.tensor(temperatures, device=device)[:, None]
         vocab = logits.shape[-1]
-        top_ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-        top_ps = [r.params.top_p for r in rows]
-        if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
-            logits = _top_k_top_p(logits, torch.tensor(top_ks, device=device), torch.tensor(top_ps, device=device))
-        probs = logits.softmax(dim=-1)
-        min_ps = [r.params.min_p for r in rows]
-        if any(p > 0 for p in min_ps):
-            min_p = torch.tensor(min_ps, device=device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = sampling_probs(logits, rows)
         # Inverse-CDF sampling: one uniform draw per row (V exponentials per row cost ~4x more on CPU). Seeded
         # rows draw from their own generator, so their tokens do not depend on the rest of the batch; exactly one
         # scalar draw per sampled token (seeded_generator_state replays that to resume a request elsewhere).

@@ -141,8 +141,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Draft tokens (speculative decoding) are scheduled after the last token; each counts in the budget.
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, num_new) is None:
+                if request.spec_token_ids:  # no room for the drafts: drop them before preempting anyone
+                    request.spec_token_ids = []
+                    num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, swap_out)
                 preempted = True
@@ -202,15 +207,26 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_blocks(request)
-            token = runner_output.sampled_token_ids.get(chunk.request_id)
-            if token is not None:
+            tokens = runner_output.tokens_for(chunk.request_id)
+            if chunk.spec_token_ids:  # KV stays for the last token and the accepted drafts; the rest rolls back
+                request.num_computed_tokens += len(chunk.token_ids) - len(chunk.spec_token_ids) + len(tokens) - 1
+            else:
+                request.num_computed_tokens += len(chunk.token_ids)
+            request.spec_token_ids = []
+            for token in tokens:  # stop rules token by token: accepted drafts past a stop are dropped
                 request.append_output_token(token)
                 status = self._check_stop(request, token)
                 if status is not None:
-                    self.running.remove(request)
-                    self._release(request, status)
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                    break
+            else:
+                status = None
+            if chunk.spec_token_ids:
+                self.kv.trim(request, request.num_tokens)
+            self.kv.cache_blocks(request)
+            if status is not None:
+                self.running.remove(request)
+                self._release(request, status)
             updated.append(request)
         return updated
 
@@ -221,13 +237,19 @@ class Scheduler:
             new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
                                                list(request.output_token_ids), request.remote_sampler_state))
         start = request.num_computed_tokens
+        end = start + num_new
+        num_spec = max(0, end - request.num_tokens)
+        token_ids = request.all_token_ids[start:end]
+        if num_spec:
+            token_ids += request.spec_token_ids[:num_spec]
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=end >= request.num_tokens,
             prompt_logprobs=request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens,
+            spec_token_ids=request.spec_token_ids[:num_spec],
         )
 
     def _swap_in(self, request: Request, num_new: int, swap_in: list[tuple[int, int]]) -> bool:
@@ -245,6 +267,7 @@ class Scheduler:
             used = self.kv.blocks_needed(victim.num_computed_tokens)
             pairs = self.swap_space.swap_out(victim.request_id, self.kv.block_ids(victim.request_id)[:used])
         self.kv.free(victim)
+        victim.spec_token_ids = []
         if pairs is not None:
             swap_out.extend(pairs)
             victim.status = RequestStatus.SWAPPED

@@ -50,8 +50,20 @@ class StatLogger:
                 f"Preemptions: {stats.num_preemptions}")
         self._last_time, self._last = now, _copy(stats)
         self._log(line)
+        drafts = stats.spec_decode_num_drafts - last.spec_decode_num_drafts
+        if drafts > 0:  # vLLM's SpecDecoding line, over the same interval
+            accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
+            drafted = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
+            before = last.spec_decode_num_accepted_tokens_per_pos
+            rates = [(n - (before[i] if i < len(before) else 0)) / drafts
+                     for i, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
+            self._log(f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, Accepted: "
+                      f"{accepted} tokens, Drafted: {drafted} tokens, Draft acceptance rate: "
+                      f"{accepted / drafted if drafted else 0.0:.1%}, Per-position acceptance rate: "
+                      f"{', '.join(f'{r:.3f}' for r in rates)}")
         return line
 
 
 def _copy(stats: EngineStats) -> EngineStats:
-    return EngineStats(**{**stats.__dict__, "request_success": dict(stats.request_success)})
+    return EngineStats(**{**stats.__dict__, "request_success": dict(stats.request_success),
+                          "spec_decode_num_accepted_tokens_per_pos": list(stats.spec_decode_num_accepted_tokens_per_pos)})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+
 
 @dataclass
 class EngineStats:
@@ -19,6 +21,33 @@ class EngineStats:
     generation_tokens: int = 0
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     num_steps: int = 0
+    # Speculative decoding, as vLLM counts it: one draft per verified chunk; accepted excludes the bonus token.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def count_spec(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        for chunk in scheduler_output.chunks:
+            accepted = runner_output.accepted_token_ids.get(chunk.request_id)
+            if not chunk.spec_token_ids or accepted is None:
+                continue
+            num_accepted = len(accepted) - 1
+            self.spec_decode_num_drafts += 1
+            self.spec_decode_num_draft_tokens += len(chunk.spec_token_ids)
+            self.spec_decode_num_accepted_tokens += num_accepted
+            per_pos = self.spec_decode_num_accepted_tokens_per_pos
+            if len(per_pos) < len(chunk.spec_token_ids):
+                per_pos.extend([0] * (len(chunk.spec_token_ids) - len(per_pos)))
+            for position in range(num_accepted):
+                per_pos[position] += 1
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float | None:
+        """vLLM's: 1 + accepted tokens per draft (tokens emitted per verify step)."""
+        if not self.spec_decode_num_drafts:
+            return None
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
 
 @dataclass(frozen=True)

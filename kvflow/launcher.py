@@ -76,7 +76,7 @@ def engine_argv(args: EngineArgs) -> list[str]:
                 out.append(flag)
         elif isinstance(value, (list, tuple)):
             out += [flag, *map(str, value)]
-        elif isinstance(value, dict):  # a JSON flag (--override-generation-config)
+        elif isinstance(value, dict):  # JSON flags (--override-generation-config, --speculative-config)
             out += [flag, json.dumps(value)]
         elif value is not None:
             out += [flag, str(value)]
@@ -275,7 +275,9 @@ class WorkerCluster:
         """The command line of one worker (its engine flags, placement and role options)."""
         spec = self.spec
         role = placement.role
-        argv = [sys.executable, "-m", "kvflow.cli", role, "--port", str(port), *engine_argv(spec.engine_args),
+        # Speculation is a decode worker's: a prefill worker stops at the first token.
+        args = spec.engine_args if role == "decode" else spec.engine_args.without_speculation()
+        argv = [sys.executable, "-m", "kvflow.cli", role, "--port", str(port), *engine_argv(args),
                 "--model", spec.engine_args.model, "--index", spec.index, "--host", spec.host,
                 "--worker-id", f"{role}-{index}-{port}", "--kv-transfer-backend", spec.kv_transfer_backend,
                 *spec.worker_extra_args]

@@ -16,7 +16,8 @@ from engine.sampling_params import SamplingParams
 
 _SO_FIELDS = {"new_requests", "chunks", "total_num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in",
               "finished_request_ids"}
-_CHUNK_FIELDS = ("request_id", "token_ids", "start_position", "block_ids", "sample", "prompt_logprobs")
+_CHUNK_FIELDS = ("request_id", "token_ids", "start_position", "block_ids", "sample", "prompt_logprobs",
+                 "spec_token_ids")
 _NEW_FIELDS = {"request_id", "prompt_token_ids", "sampling_params", "output_token_ids", "generator_state"}
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "_explicit")
 

@@ -143,26 +143,24 @@ UNSUPPORTED: dict[str, str] = {
 # The lead deletes each row when the feature that defines the flag is merged (the parser's own flag wins anyway).
 NOT_YET = "not supported yet"
 IN_PROGRESS: dict[str, str] = {
-    "--tensor-parallel-size": NOT_YET,
-    "-tp": NOT_YET,
-    "--pipeline-parallel-size": NOT_YET,
-    "-pp": NOT_YET,
-    "--data-parallel-size": NOT_YET,
-    "-dp": NOT_YET,
-    "--enable-expert-parallel": NOT_YET,
-    "--speculative-config": NOT_YET,
-    "--speculative-model": NOT_YET,
-    "--num-speculative-tokens": NOT_YET,
-    "--ngram-prompt-lookup-max": NOT_YET,
-    "--ngram-prompt-lookup-min": NOT_YET,
-    "--quantization": NOT_YET,
-    "-q": NOT_YET,
-    "--kv-cache-dtype": NOT_YET,
-    "--cpu-offload-gb": NOT_YET,
-    "--guided-decoding-backend": NOT_YET,
-    "--tool-call-parser": NOT_YET,
-    "--enable-auto-tool-choice": NOT_YET,
-    "--structured-outputs-config": NOT_YET,
+    # Implemented on some commands only: elsewhere (where the parser lacks them) they are refused with the reason.
+    "--data-parallel-size": "data-parallel replicas are `kvflow serve --data-parallel-size N` (behind its router)",
+    "-dp": "data-parallel replicas are `kvflow serve --data-parallel-size N` (behind its router)",
+    "--speculative-config": "speculative decoding runs where tokens are decoded: LLM, generate, bench, decode, serve",
+    "--speculative-model": "speculative decoding runs where tokens are decoded: LLM, generate, bench, decode, serve",
+    "--num-speculative-tokens": "speculative decoding runs where tokens are decoded: LLM, generate, bench, decode, "
+                                "serve",
+    "--ngram-prompt-lookup-max": "speculative decoding runs where tokens are decoded: LLM, generate, bench, decode, "
+                                 "serve",
+    "--ngram-prompt-lookup-min": "speculative decoding runs where tokens are decoded: LLM, generate, bench, decode, "
+                                 "serve",
+    "--tool-call-parser": "tool calls are parsed by the router: `kvflow router` / `kvflow serve`",
+    "--enable-auto-tool-choice": "tool calls are parsed by the router: `kvflow router` / `kvflow serve`",
+    # Not built yet.
+    "--cpu-offload-gb": NOT_YET + ": weights stay on the GPU (no layer streaming from host memory)",
+    "--guided-decoding-backend": "structured output always uses xgrammar (a request's guided_decoding_backend may "
+                                 "name it)",
+    "--structured-outputs-config": "structured output always uses xgrammar with its defaults",
 }
 
 
