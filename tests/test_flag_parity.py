@@ -61,15 +61,16 @@ def test_refusal_through_main_is_one_line_and_exit_2(capsys: pytest.CaptureFixtu
         "`--limit-mm-per-prompt` is not supported by kvflow (kvflow serves text-only models: there is no "
         "multimodal input to limit or process)"]
     assert "unrecognized arguments" not in err and "Traceback" not in err
-    for argv in (["serve", "--enable_lora"], ["prefill", "--quantization=awq"], ["decode", "-pp", "2"],
-                 ["generate", "hi", "--no-enable-expert-parallel"], ["serve", "--speculative_config", "{}"]):
+    for argv in (["serve", "--enable_lora"], ["serve", "--cpu_offload_gb", "2"], ["prefill", "--tool-call-parser=hermes"],
+                 ["decode", "--structured-outputs-config", "{}"], ["generate", "hi", "--no-enable-lora"]):
         assert main(argv) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_flags_other_branches_add_win_over_the_refusal(parser: argparse.ArgumentParser) -> None:
     """A flag the real parser defines is never refused: the table is only the fallback."""
-    assert "--tensor-parallel-size" in IN_PROGRESS and "--kv-cache-dtype" in IN_PROGRESS
+    assert "--tensor-parallel-size" not in IN_PROGRESS and "--kv-cache-dtype" not in IN_PROGRESS  # merged since
+    assert "--cpu-offload-gb" in IN_PROGRESS
     assert prepare_argv(parser, ["serve", "--tensor_parallel_size", "1", "--kv-cache-dtype", "auto"]) == [
         "serve", "--tensor-parallel-size", "1", "--kv-cache-dtype", "auto"]
     fresh = build_parser()
