@@ -34,6 +34,20 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
+    """Until the `kvflow serve` at `url` answers /health with 200; fails with its log if it exits or never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, f"kvflow serve exited:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"kvflow serve not healthy in time:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
 def start_server(log: Path) -> Iterator[Server]:
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "KVFLOW_API_KEY": API_KEY}
@@ -43,17 +57,8 @@ def start_server(log: Path) -> Iterator[Server]:
                                     str(port), "--grpc-port", str(grpc_port), *ENGINE], stdout=out,
                                    stderr=subprocess.STDOUT, env=env)
     srv = Server(process, port, grpc_port, log)
-    deadline = time.monotonic() + 300
     try:
-        while True:
-            assert process.poll() is None, f"kvflow serve exited:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"kvflow serve not healthy in time:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
+        wait_healthy(process, srv.url, log)
         yield srv
     finally:
         if process.poll() is None:

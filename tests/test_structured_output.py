@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from router.config import RouterConfig
 from router.errors import BadRequest
 from router.openai_protocol import parse_request
 from router.tool_calls import ToolStream, chat_message, parse_hermes, parse_llama3_json, parse_tools
+from tests.serve_helpers import wait_healthy
 
 DISAGG_MIN = 64  # prompts with fewer uncached tokens prefill on the decode worker (unified path)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -199,17 +199,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
              str(DISAGG_MIN), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     srv = Server(f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 300
     try:
-        while True:
-            assert process.poll() is None, f"kvflow serve exited:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"kvflow serve not healthy in time:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
+        wait_healthy(process, srv.url, log)
         yield srv
     finally:
         process.terminate()
