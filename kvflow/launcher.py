@@ -40,8 +40,8 @@ import grpc
 from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
+from engine.lifeline import lifeline_env
 from kvflow.auth import TOKEN_ENV, ClusterAuth
-from kvflow.lifeline import lifeline_env
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -266,7 +266,7 @@ class WorkerCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop(TOKEN_ENV, None)  # the spec's credential only
         env.update(self.spec.auth.env())
-        env.update(lifeline_env())  # the child dies with us (kvflow/lifeline.py: why not a preexec_fn)
+        env.update(lifeline_env())  # the child dies with us (engine/lifeline.py: why not a preexec_fn)
         with open(log_path, log_mode) as log:  # own session: a terminal's Ctrl-C goes to the launcher only
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)

@@ -8,11 +8,12 @@ frames, no pickle); then every rank runs the same `ModelRunner.execute_model`, w
 per layer, the embedding's all-reduce and the logits' all-gather) keep them in lockstep. All ranks see the full
 logits, so every rank samples identically (same seeds, same generators); only rank 0's result is used.
 
-Failure: a child that exits, a closed pipe or a collective that fails or times out (KVFLOW_TP_TIMEOUT_S) makes the
-driver raise `TensorParallelError` on this and every later step and the health probe (`check_ranks`), and the
-worker's health turns NOT_SERVING; a watchdog thread aborts the communicators as soon as a child dies, so ranks
-blocked in a collective fail at once instead of at the timeout. Children exit when their stdin closes (the
-driver stopped or died). `shutdown` (or interpreter exit) stops them.
+Failure: a child that exits, a closed pipe, a collective that fails or a step that runs past KVFLOW_TP_TIMEOUT_S
+makes the driver raise `TensorParallelError` on this and every later step and the health probe (`check_ranks`),
+and the worker's health turns NOT_SERVING. A watchdog thread aborts the communicators as soon as a child dies or a
+step overruns, so a rank blocked in a collective fails at once (NCCL kernels have no timeout of their own). Children
+exit when their stdin closes (the driver stopped) and die with the process that started them (engine/lifeline.py).
+`shutdown` (or interpreter exit) stops them.
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import IO, Any
 
 import torch
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
+from engine.lifeline import lifeline_env
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
@@ -140,16 +142,6 @@ def create_runner(config: EngineConfig) -> ModelRunner:
     return TPDriverRunner(config)
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: the kernel kills a rank whose rank 0 dies, even by SIGKILL, so no orphan keeps its GPU memory
-    until a collective times out (Linux; a no-op elsewhere). Rank 0's thread that starts the ranks must outlive
-    them: the engine is built on the main thread or a pool thread that lives as long as its event loop."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-
-
 def _stop_children(procs: list[subprocess.Popen]) -> None:
     """Close each child's stdin (it exits), then make sure it is gone. Safe to call twice."""
     for proc in procs:
@@ -174,17 +166,22 @@ class TPDriverRunner(ModelRunner):
         port = free_port()
         doc = {"config": encode_config(config), "size": size, "host": "127.0.0.1", "port": port,
                "timeout_s": timeout_s}
-        env = dict(os.environ)
+        # The ranks die with this process, even by SIGKILL, so no orphan keeps its GPU memory. Rank 0's thread
+        # that starts them must outlive them (PR_SET_PDEATHSIG follows the thread): the engine is built on the
+        # main thread or a pool thread that lives as long as its event loop.
+        env = {**os.environ, **lifeline_env()}
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         self._procs: list[subprocess.Popen] = []
         self._failure: str | None = None
         self._stopped = threading.Event()
+        self._timeout_s = timeout_s
+        self._step_started: float | None = None  # monotonic start of the step in flight (the watchdog's clock)
         self._finalizer = weakref.finalize(self, _stop_children, self._procs)
         group: TPGroup | None = None
         try:
             for rank in range(1, size):
                 proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE,
-                                        env=env, preexec_fn=_die_with_parent)
+                                        env=env)
                 assert proc.stdin is not None
                 write_frame(proc.stdin, json.dumps({**doc, "rank": rank}).encode())
                 self._procs.append(proc)
@@ -215,8 +212,12 @@ class TPDriverRunner(ModelRunner):
         self._guard(lambda: super(TPDriverRunner, self).initialize_kv_cache(num_blocks, num_swap_blocks))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(MSG_STEP + codec.encode(so))
-        return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
+        self._step_started = time.monotonic()
+        try:
+            self._send(MSG_STEP + codec.encode(so))
+            return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
+        finally:
+            self._step_started = None
 
     def check_ranks(self) -> None:
         """Raise if any rank is gone (the worker's health probe)."""
@@ -271,7 +272,8 @@ class TPDriverRunner(ModelRunner):
             raise TensorParallelError(self._failure)
 
     def _watch(self, group: TPGroup) -> None:
-        """Abort the communicators as soon as a child dies, so a rank blocked in a collective fails now."""
+        """Abort the communicators as soon as a child dies or a step overruns, so a rank blocked in a collective
+        fails now."""
         while not self._stopped.wait(WATCH_INTERVAL_S):
             for rank, proc in enumerate(self._procs, start=1):
                 code = proc.poll()
@@ -279,3 +281,9 @@ class TPDriverRunner(ModelRunner):
                     self._fail(f"tensor-parallel rank {rank} exited with code {code}")
                     group.close(failed=True)
                     return
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self._timeout_s:
+                self._fail(f"a tensor-parallel step ran past KVFLOW_TP_TIMEOUT_S={self._timeout_s:g} s (a rank is "
+                           "stuck in a collective)")
+                group.close(failed=True)
+                return

@@ -1,6 +1,7 @@
 """A tensor-parallel process group of its own (never torch's global default group): the collectives the model
-needs, over NCCL between GPUs or gloo on CPUs, each bounded by a timeout so a dead rank fails a step instead of
-hanging it."""
+needs, over NCCL between GPUs (called directly on the caller's stream, engine/parallel/nccl.py, so CUDA graphs
+capture them) or gloo on CPUs (each call bounded by a timeout). On GPUs a stuck collective is ended by the driver's
+watchdog aborting the communicator (engine/parallel/executor.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine.parallel.nccl import NcclCommunicator, NcclLibrary
 
 # NVLink multicast (NVLS) is off limits on shared hosts; a timed-out NCCL operation must abort the communicator
 # and raise, not wait forever.
@@ -43,27 +46,35 @@ class TPGroup:
         self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore("kvflow-tp", self.store)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        self.nccl: NcclCommunicator | None = None
         # Small host-side agreements (the KV block count) go over gloo whatever the device.
-        self.cpu_pg: Any = self.pg if self.backend == "gloo" else dist.ProcessGroupGloo(
-            dist.PrefixStore("kvflow-tp-cpu", self.store), rank, size, timeout)
+        self.cpu_pg: Any = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        if self.backend == "nccl":
+            library = NcclLibrary()
+            if rank == 0:
+                unique_id = library.unique_id()
+                prefixed.set("nccl-unique-id", unique_id)
+            else:
+                unique_id = prefixed.get("nccl-unique-id")
+            self.nccl = NcclCommunicator(library, unique_id, rank, size, device)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place across ranks (row-parallel outputs, the vocab-parallel embedding)."""
-        self.pg.allreduce([tensor]).wait()
+        if self.nccl is not None:
+            return self.nccl.all_reduce(tensor)
+        self.cpu_pg.allreduce([tensor]).wait()
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor, width: int) -> torch.Tensor:
         """Join each rank's [rows, local] tensor along the last dimension, each padded to `width` columns."""
         if tensor.shape[-1] < width:
             tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
+        tensor = tensor.contiguous()
+        if self.nccl is not None:  # [size, rows, width] -> [rows, size * width]
+            gathered = self.nccl.all_gather(tensor)
+            return gathered.permute(*range(1, tensor.dim()), 0, tensor.dim()).flatten(-2)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.pg.allgather([parts], [tensor.contiguous()]).wait()
+        self.cpu_pg.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
 
     def min_int(self, value: int) -> int:
@@ -73,17 +84,17 @@ class TPGroup:
         return int(tensor.item())
 
     def close(self, failed: bool = False) -> None:
-        """Release the communicators. NCCL's always `abort`s: its `shutdown` (ncclCommFinalize) waits for the other
-        ranks, which are stopped first, so it hung rank 0 at exit on the GPU. Gloo's: `abort` after a failure
-        (pending operations end with an error), else `shutdown`."""
-        for pg in {id(self.pg): self.pg, id(self.cpu_pg): self.cpu_pg}.values():
-            nccl = pg is self.pg and self.backend == "nccl"
-            for name in (("abort", "shutdown") if failed or nccl else ("shutdown", "abort")):
-                method = getattr(pg, name, None)
-                if method is not None:
-                    with contextlib.suppress(Exception):
-                        method()
-                    break
+        """Release the communicators. NCCL's always aborts: destroying waits for the other ranks, which are
+        stopped first, so it could hang rank 0 at exit. Gloo's: `abort` after a failure (pending operations end
+        with an error), else `shutdown`."""
+        if self.nccl is not None:
+            self.nccl.close(abort=True)
+        for name in (("abort", "shutdown") if failed else ("shutdown", "abort")):
+            method = getattr(self.cpu_pg, name, None)
+            if method is not None:
+                with contextlib.suppress(Exception):
+                    method()
+                break
 
 
 def _min_opts() -> Any:

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from engine.lifeline import die_with_parent_if_asked
 from engine.model_runner import ModelRunner
 from engine.parallel import codec
 from engine.parallel.executor import (
@@ -67,6 +68,7 @@ def run(stdin: object) -> int:
 
 
 def main() -> None:
+    die_with_parent_if_asked()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tp-rank %(name)s: %(message)s")
     try:
         code = run(sys.stdin.buffer)

@@ -1,7 +1,8 @@
-"""Children of `kvflow serve` die with it, even when it is killed with SIGKILL (Linux's PR_SET_PDEATHSIG).
+"""Child processes (`kvflow serve`'s workers, tensor-parallel ranks) die with their parent, even when it is killed
+with SIGKILL (Linux's PR_SET_PDEATHSIG).
 
-The child sets the death signal itself, first thing in `kvflow.cli.main`, rather than in a `preexec_fn`: a
-`preexec_fn` forces `subprocess` to fork() instead of vfork(), and a fork() of the launcher, whose gRPC threads are
+The child sets the death signal itself, first thing in `kvflow.cli.main` or `engine.parallel.worker`, rather than
+in a `preexec_fn`: a `preexec_fn` forces `subprocess` to fork() instead of vfork(), and a fork() of the launcher, whose gRPC threads are
 running by the time it restarts a worker, runs gRPC's fork handlers in the child, which then crashes (SIGSEGV or
 SIGABRT in its event-engine thread) before it can exec. The launcher passes its pid, so that a child whose parent
 is already gone by then stops at once.
