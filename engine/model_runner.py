@@ -237,6 +237,16 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop what the runner started (tensor-parallel ranks); nothing for a single rank."""
 
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (and a replay queued ahead) once the GPU is done with them. An NCCL
+        communicator whose collectives a live graph still holds hangs in ncclCommAbort, so tensor-parallel ranks
+        call this before closing their group."""
+        self.ahead = None
+        if self.graphs is not None:
+            self.graphs = None
+            if self.on_cuda:
+                torch.cuda.synchronize(self.device)
+
     # ---- KV cache ----------------------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:

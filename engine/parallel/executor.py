@@ -231,6 +231,8 @@ class TPDriverRunner(ModelRunner):
     def shutdown(self) -> None:
         self._stopped.set()
         self._finalizer()
+        if self._failure is None:  # after a failure the GPU may never finish: do not wait for it
+            self.release_graphs()
         if self.tp_group is not None:
             self.tp_group.close(failed=self._failure is not None)
 

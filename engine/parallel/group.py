@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 from typing import Any
 
@@ -21,6 +22,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 DEFAULT_TIMEOUT_S = 120.0
+logger = logging.getLogger(__name__)
 
 
 def tp_timeout_s() -> float:
@@ -87,8 +89,8 @@ class TPGroup:
         """Release the communicators. NCCL's always aborts: destroying waits for the other ranks, which are
         stopped first, so it could hang rank 0 at exit. Gloo's: `abort` after a failure (pending operations end
         with an error), else `shutdown`."""
-        if self.nccl is not None:
-            self.nccl.close(abort=True)
+        if self.nccl is not None and not self.nccl.close(abort=True):
+            logger.warning("the NCCL communicator did not close in time; the process exit releases it")
         for name in (("abort", "shutdown") if failed else ("shutdown", "abort")):
             method = getattr(self.cpu_pg, name, None)
             if method is not None:

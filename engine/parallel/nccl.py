@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ NCCL_UNIQUE_ID_BYTES = 128
 _DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
            torch.float64: 8, torch.bfloat16: 9}
 NCCL_SUM = 0
+CLOSE_WAIT_S = 10.0
 
 
 class NcclError(RuntimeError):
@@ -123,11 +125,19 @@ class NcclCommunicator:
                                                           self._handle(), stream), "ncclAllGather")
         return out
 
-    def close(self, abort: bool) -> None:
-        """Abort (pending kernels stop; peers may be gone) or destroy (every rank finished). Safe to call twice."""
+    def close(self, abort: bool, wait_s: float = CLOSE_WAIT_S) -> bool:
+        """Abort (pending kernels stop; peers may be gone) or destroy (every rank finished); safe to call twice.
+        The call runs on a daemon thread and is waited for `wait_s` at most: a communicator that a live CUDA graph
+        still references (or whose peer is wedged) can block in NCCL forever, and closing must never hang the
+        process's exit. False: it did not finish in time (the process exiting releases it)."""
         comm, self.comm = self.comm, None
-        if comm is not None:
-            (self.library.lib.ncclCommAbort if abort else self.library.lib.ncclCommDestroy)(comm)
+        if comm is None:
+            return True
+        call = self.library.lib.ncclCommAbort if abort else self.library.lib.ncclCommDestroy
+        worker = threading.Thread(target=call, args=(comm,), name="nccl-close", daemon=True)
+        worker.start()
+        worker.join(wait_s)
+        return not worker.is_alive()
 
 
 def _nccl_dtype(tensor: torch.Tensor) -> int:

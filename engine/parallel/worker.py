@@ -46,6 +46,7 @@ def run(stdin: object) -> int:
         torch.set_num_threads(cpu_threads_per_rank(size))
     group = TPGroup(doc["host"], int(doc["port"]), rank, size, torch.device(device), float(doc["timeout_s"]))
     failed = True
+    runner: ModelRunner | None = None
     try:
         runner = ModelRunner(config, group)
         group.min_int(runner.determine_num_blocks())
@@ -63,6 +64,8 @@ def run(stdin: object) -> int:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
         failed = False
     finally:
+        if runner is not None and not failed:
+            runner.release_graphs()
         group.close(failed=failed)
     return 0
 
