@@ -6,7 +6,8 @@ For cpu_offload_gb = 0, 2, 4, 8, each engine in its own subprocess (a fresh GPU;
 seconds, so a hang cannot eat the device time):
 - batch-1 decode: ms per token, the slope between a short and a long greedy generation of one prompt (prefill and
   start-up cancel), best of 3 (of 2 when offloading); CUDA graphs on (the weight copies are captured in them);
-- a small offline throughput run: N prompts x 256 in / 64 out, output tok/s;
+- a small offline throughput run: N prompts x 256 in / 32 out, output tok/s (few steps: each one streams every
+  offloaded byte);
 - the KV blocks the memory profile gives (offloading frees GPU memory for KV) and the offload plan (layers, bytes).
 The first job also times a pinned host -> GPU copy of 1 GiB: the PCIe rate that bounds the streaming.
 
@@ -155,7 +156,7 @@ def jobs_for(smoke: bool, num_prompts: int) -> list[dict[str, Any]]:
         decode = {"short": 4, "long": 68, "prompt_len": 128, "repeats": 3} if gb == 0 else \
             {"short": 4, "long": 24, "prompt_len": 128, "repeats": 2}
         jobs.append({"engine": engine, "decode": decode, "copy_rate": gb == 0,
-                     "tput": {"num_prompts": num_prompts, "input_len": 256, "output_len": 64}})
+                     "tput": {"num_prompts": num_prompts, "input_len": 256, "output_len": 32}})
     return jobs
 
 
@@ -198,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (offload itself is refused there)")
-    parser.add_argument("--num-prompts", type=int, default=64, help="throughput prompts (256 in / 64 out)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="throughput prompts (256 in / 32 out)")
     parser.add_argument("--job-timeout", type=float, default=150.0, help="seconds per engine subprocess")
     parser.add_argument("--budget", type=float, default=330.0,
                         help="no job starts after this many seconds (with --job-timeout: at most 8 minutes)")
@@ -219,7 +220,7 @@ def main() -> None:
         "device": device, "torch": torch.__version__, "smoke": args.smoke,
         "workload": ("tiny fp32 on CPU, cpu_offload_gb = 0 only" if args.smoke else
                      f"llama-3.1-8b shapes, dummy bf16 weights, CUDA graphs {GRAPH_SIZES}, max_model_len 4096; "
-                     f"batch-1 decode (128-token prompt); {args.num_prompts} x 256/64 throughput"),
+                     f"batch-1 decode (128-token prompt); {args.num_prompts} x 256/32 throughput"),
         "runs": {}}
     started = time.monotonic()
     for job in jobs_for(args.smoke, args.num_prompts):
