@@ -84,6 +84,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 4 * GiB
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8_e4m3" (aliases resolved)
+    cpu_offload_bytes: int = 0  # weights kept in pinned host memory, streamed per layer (engine/weight_offload.py)
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
+    cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed to the GPU per layer (CUDA only)
     load_format: str = "auto"
     generation_config: str = "auto"  # 'auto', 'vllm' or a folder holding generation_config.json
     override_generation_config: dict[str, Any] | None = None  # generation_config.json names, e.g. temperature
@@ -277,6 +279,10 @@ class EngineArgs:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode)
         g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap space")
+        g.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
+                       help="GiB of the model's weights (whole decoder layers, first layers first) kept in pinned "
+                            "CPU memory and copied to the GPU layer by layer in every forward: more room for the KV "
+                            "cache, or a model larger than the GPU, at the cost of PCIe traffic per step. CUDA only")
         g.add_argument("--load-format", choices=("auto", "safetensors", "gguf", "dummy"), default="auto")
         g.add_argument("--generation-config", default=d.generation_config,
                        help="'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding one")
@@ -325,6 +331,7 @@ class EngineArgs:
         self._validate()
         self.spec_config()  # a bad speculative config fails before any model is loaded
         device = _resolve_device(self.device)
+        self.validate_cpu_offload(device)
         dtype = resolve_dtype(self.dtype, device)
         resolved = resolve_model(self.model, self.load_format)
         arch = resolved.arch
@@ -367,6 +374,9 @@ class EngineArgs:
             quantization=checkpoint_quantization(self.quantization, resolved.hf_config, device),
             gguf_file=resolved.gguf_file,
         )
+        if self.cpu_offload_gb and model.quantization is not None:  # a quantized checkpoint picks it by itself
+            raise ValueError(f"--cpu-offload-gb with a {model.quantization}-quantized model is not supported yet "
+                             "(the quantized layers' packed weights are not streamed)")
         if self.quantization == "gguf" and resolved.gguf_file is None:
             raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2'), got {self.model!r}")
         cache = CacheConfig(
@@ -376,6 +386,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=int(self.swap_space * GiB),
+            cpu_offload_bytes=int(self.cpu_offload_gb * GiB),
             kv_cache_dtype="fp8_e4m3" if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.kv_cache_dtype,
         )
         scheduler = SchedulerConfig(
@@ -436,6 +447,25 @@ class EngineArgs:
                 raise ValueError(message)
         check_generation_config(self.generation_config)
         self.validate_parallel()
+
+    def validate_cpu_offload(self, device: str | None = None) -> None:
+        """cpu_offload_gb against the device (cheap: `kvflow serve` checks it before starting any worker)."""
+        gb = self.cpu_offload_gb
+        if not gb >= 0:
+            raise ValueError(f"cpu_offload_gb (--cpu-offload-gb) must be >= 0, got {gb:g}")
+        if gb == 0:
+            return
+        device = _resolve_device(self.device) if device is None else device
+        if not device.startswith("cuda"):
+            raise ValueError(f"--cpu-offload-gb {gb:g} needs a CUDA GPU (device is {device!r}): it moves weights from "
+                             "GPU memory to host memory, and on the CPU every weight is in host memory already; "
+                             "use --cpu-offload-gb 0")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"--cpu-offload-gb with --tensor-parallel-size {self.tensor_parallel_size} is not "
+                             "supported yet (each rank would stream its own shard); use one of them")
+        if self.quantization is not None:
+            raise ValueError(f"--cpu-offload-gb with quantization={self.quantization!r} is not supported yet (the "
+                             "quantized layers' packed weights are not streamed); use one of them")
 
     def validate_parallel(self) -> None:
         """The parallel layout alone (cheap: `kvflow serve` checks it before starting any worker)."""

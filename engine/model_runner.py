@@ -33,7 +33,7 @@ from engine.config import EngineConfig
 from engine.cpu_linear import pack_linears_for_cpu
 from engine.cpu_memory import keep_freed_memory_for_reuse
 from engine.cuda_graphs import DecodeGraphs, DecodeResult, capture_sizes
-from engine.models.llama import CausalLM
+from engine.models.llama import CausalLM, DecoderLayer
 from engine.models.loader import hf_state_dict
 from engine.outputs import (
     ModelRunnerOutput,
@@ -49,6 +49,7 @@ from engine.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_verify import verify_spans
 from engine.structured_output import StructuredOutputManager
+from engine.weight_offload import LayerWeightStream, OffloadPlan, parameter_bytes, plan_offload
 from kernels._triton import HAS_TRITON
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,16 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _log_offload(plan: OffloadPlan) -> None:
+    gib = 2**30
+    logger.info("cpu offload: layers 0-%d of %d (%.2f GiB) in pinned host memory, copied per forward through a "
+                "%.2f GiB staging buffer: %.2f GiB of GPU memory freed", plan.num_layers - 1, plan.total_layers,
+                plan.offloaded_bytes / gib, plan.staging_bytes / gib, plan.gpu_bytes_saved / gib)
+    if plan.gpu_bytes_saved <= 0:
+        logger.warning("cpu_offload_gb covers one layer, which frees no GPU memory (its staging buffer is a layer "
+                       "too): offload at least two layers' worth (%.2f GiB) or none", 2 * plan.layer_bytes / gib)
 
 
 def _pinned_to(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -187,9 +198,12 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         # On CUDA every tensor is created on the GPU in the model dtype (an 8B model never touches the CPU).
         build_dtype = self.dtype if self.on_cuda else torch.get_default_dtype()
+        offload = self._offload_plan(fused)
         with torch.device(self.device), default_dtype(build_dtype):
             model = CausalLM(arch, config.model.hf_config, self.attn_backend, config.model.max_model_len,
-                             fused_ops=fused, shard=self.shard, group=tp_group)
+                             fused_ops=fused, shard=self.shard, group=tp_group, host_layers=offload.num_layers)
+        if offload.num_layers:  # before loading: the offloaded layers' weights go straight to pinned host memory
+            model.weight_stream = LayerWeightStream(model.layers[: offload.num_layers], self.device)
         if config.model.quantization is not None:
             from engine.quant.loading import load_quantized
 
@@ -197,13 +211,16 @@ class ModelRunner:
         elif config.model.load_format == "dummy" and tp_group is not None:
             init_dummy_sharded(model, config.model.seed, arch, self.shard)
         elif config.model.load_format == "dummy":
-            model.init_dummy_weights(config.model.seed)
+            model.init_dummy_weights(config.model.seed, self.device)
         elif tp_group is not None:
             assert config.model.model_path is not None
             model.load_hf_state_dict(load_sharded_state(config.model.model_path, arch, self.shard))
         else:
             assert config.model.model_path is not None
             model.load_hf_state_dict(hf_state_dict(config.model.model_path))
+        if model.weight_stream is not None:
+            model.weight_stream.activate()
+            _log_offload(offload)
         if self.on_cuda:
             self.model = model.eval()  # already in dtype; the rotary tables stay fp32 as built
             torch.cuda.synchronize(self.device)  # the load time logged below includes the device work
@@ -230,6 +247,19 @@ class ModelRunner:
         self.ahead_score = 1.0
         self.ahead_hits = 0
         self.ahead_misses = 0
+
+    def _offload_plan(self, fused: bool) -> OffloadPlan:
+        """The leading layers `cpu_offload_bytes` puts in host memory (engine/weight_offload.py); sized from a layer
+        built on the meta device, so it is exact for this model, dtype and shard."""
+        budget = self.config.cache.cpu_offload_bytes
+        num_layers = self.config.model.arch.num_layers
+        if not budget:
+            return OffloadPlan(0, 0, num_layers)
+        if not self.on_cuda or self.tp_group is not None:  # EngineArgs refuses these first, naming the flag
+            raise ValueError("cpu_offload_gb needs a single-GPU runner on CUDA")
+        with torch.device("meta"), default_dtype(self.dtype):
+            probe = DecoderLayer(self.config.model.arch, self.attn_backend, fused, self.shard)
+        return plan_offload(budget, parameter_bytes(probe), num_layers)
 
     def check_ranks(self) -> None:
         """Raise if a tensor-parallel rank is gone (a single rank has none to lose)."""
@@ -311,7 +341,7 @@ class ModelRunner:
         self.kv_caches = []
         torch.cuda.empty_cache()
         now = GpuMemory.now()
-        weights = torch.cuda.memory_allocated()
+        weights = torch.cuda.memory_allocated()  # resident weights (+ the offload staging buffer), nothing offloaded
         # Device memory this process took outside torch's allocator since it started (may include another
         # process's growth if one starts beside it at the same moment: the launcher starts those one by one).
         non_torch = max(0, (self.memory_at_start.free - now.free) - (now.reserved - self.memory_at_start.reserved))

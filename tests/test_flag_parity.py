@@ -61,22 +61,24 @@ def test_refusal_through_main_is_one_line_and_exit_2(capsys: pytest.CaptureFixtu
         "`--limit-mm-per-prompt` is not supported by kvflow (kvflow serves text-only models: there is no "
         "multimodal input to limit or process)"]
     assert "unrecognized arguments" not in err and "Traceback" not in err
-    for argv in (["serve", "--enable_lora"], ["serve", "--cpu_offload_gb", "2"], ["prefill", "--tool-call-parser=hermes"],
-                 ["decode", "--structured-outputs-config", "{}"], ["generate", "hi", "--no-enable-lora"]):
+    for argv in (["serve", "--enable_lora"], ["serve", "--guided_decoding_backend", "xgrammar"],
+                 ["prefill", "--tool-call-parser=hermes"], ["decode", "--structured-outputs-config", "{}"],
+                 ["generate", "hi", "--no-enable-lora"]):
         assert main(argv) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_flags_other_branches_add_win_over_the_refusal(parser: argparse.ArgumentParser) -> None:
     """A flag the real parser defines is never refused: the table is only the fallback."""
-    assert "--tensor-parallel-size" not in IN_PROGRESS and "--kv-cache-dtype" not in IN_PROGRESS  # merged since
-    assert "--cpu-offload-gb" in IN_PROGRESS
-    assert prepare_argv(parser, ["serve", "--tensor_parallel_size", "1", "--kv-cache-dtype", "auto"]) == [
-        "serve", "--tensor-parallel-size", "1", "--kv-cache-dtype", "auto"]
+    for merged in ("--tensor-parallel-size", "--kv-cache-dtype", "--cpu-offload-gb"):  # merged since
+        assert merged not in IN_PROGRESS
+    assert prepare_argv(parser, ["serve", "--tensor_parallel_size", "1", "--cpu_offload_gb", "0"]) == [
+        "serve", "--tensor-parallel-size", "1", "--cpu-offload-gb", "0"]
+    assert "--guided-decoding-backend" in IN_PROGRESS
     fresh = build_parser()
-    serve_parser(fresh).add_argument("--cpu-offload-gb", type=float, default=0.0)  # as a branch would
-    args = fresh.parse_args(prepare_argv(fresh, ["serve", "--cpu_offload_gb", "2"]))
-    assert args.cpu_offload_gb == 2.0
+    serve_parser(fresh).add_argument("--guided-decoding-backend", default="xgrammar")  # as a branch would
+    args = fresh.parse_args(prepare_argv(fresh, ["serve", "--guided_decoding_backend", "guidance"]))
+    assert args.guided_decoding_backend == "guidance"
 
 
 @pytest.mark.parametrize(("given", "field", "value"), [

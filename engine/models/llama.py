@@ -10,6 +10,7 @@ without it (CPU) they are the plain torch ops, with exactly the arithmetic of `x
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch import nn
 from engine.attention import AttentionBackend, KVCache
 from engine.config import ModelArch
 from engine.parallel.layout import RankShard
+from engine.weight_offload import LayerWeightStream
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
 from kernels.silu_and_mul import silu_and_mul
@@ -302,7 +304,10 @@ class CausalLM(nn.Module):
     logits all-gathered, so every rank, and the sampler, sees the full vocabulary)."""
 
     def __init__(self, arch: ModelArch, hf_config: Any, backend: AttentionBackend, max_positions: int,
-                 fused_ops: bool = False, shard: RankShard | None = None, group: Collectives | None = None) -> None:
+                 fused_ops: bool = False, shard: RankShard | None = None, group: Collectives | None = None,
+                 host_layers: int = 0) -> None:
+        """`host_layers`: the first layers are built on the meta device (no memory), for a `LayerWeightStream`
+        (engine/weight_offload.py) to give them host memory before the weights are loaded."""
         super().__init__()
         self.arch = arch
         self.shard = shard or RankShard.full(arch)
@@ -311,8 +316,12 @@ class CausalLM(nn.Module):
             raise ValueError("a tensor-parallel shard needs its process group")
         vocab_rows = self.shard.vocab_rows
         self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, fused_ops, self.shard, self.group)
-                                    for _ in range(arch.num_layers))
+        layers = []
+        for index in range(arch.num_layers):
+            with torch.device("meta") if index < host_layers else contextlib.nullcontext():
+                layers.append(DecoderLayer(arch, backend, fused_ops, self.shard, self.group))
+        self.layers = nn.ModuleList(layers)
+        self.weight_stream: LayerWeightStream | None = None  # set when the first layers are offloaded
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_ops)
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, fused_ops)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab_rows, bias=False)
@@ -324,7 +333,10 @@ class CausalLM(nn.Module):
                 meta: object) -> torch.Tensor:
         x = self._embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        stream = self.weight_stream
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if stream is not None and index < stream.num_layers:
+                stream.load(index)  # this layer's weights into the staging buffer, just before it runs
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)
         return self.norm.add_norm(x, residual)[0]
 
@@ -414,12 +426,18 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing for: {', '.join(sorted(missing))}")
 
-    def init_dummy_weights(self, seed: int) -> None:
-        """Random weights with sane scales (values do not change speed; outputs stay finite)."""
+    def init_dummy_weights(self, seed: int, device: torch.device | None = None) -> None:
+        """Random weights with sane scales (values do not change speed; outputs stay finite). `device`: where the
+        values are drawn (default: each parameter's own), so offloaded layers, held in host memory, get the same
+        values as resident ones drawn on the GPU."""
         with torch.no_grad():
             for index, (name, param) in enumerate(self.named_parameters()):
-                gen = torch.Generator(device=param.device).manual_seed(seed * 1000 + index)
+                where = param.device if device is None else device
+                gen = torch.Generator(device=where).manual_seed(seed * 1000 + index)
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
-                else:
+                elif where == param.device:
                     param.normal_(0.0, 0.02, generator=gen)
+                else:
+                    param.copy_(torch.empty(param.shape, dtype=param.dtype, device=where).normal_(
+                        0.0, 0.02, generator=gen))

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
     engine_args = server_engine_args(args)
     engine_args.validate_parallel()  # refused here, before any worker starts
+    engine_args.validate_cpu_offload()
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
                                                               args.data_parallel_size,
                                                               engine_args.tensor_parallel_size)

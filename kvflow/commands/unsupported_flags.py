@@ -141,7 +141,6 @@ UNSUPPORTED: dict[str, str] = {
 
 # ---- flags other branches are implementing now ------------------------------------------------------------------
 # The lead deletes each row when the feature that defines the flag is merged (the parser's own flag wins anyway).
-NOT_YET = "not supported yet"
 IN_PROGRESS: dict[str, str] = {
     # Implemented on some commands only: elsewhere (where the parser lacks them) they are refused with the reason.
     "--data-parallel-size": "data-parallel replicas are `kvflow serve --data-parallel-size N` (behind its router)",
@@ -157,7 +156,6 @@ IN_PROGRESS: dict[str, str] = {
     "--tool-call-parser": "tool calls are parsed by the router: `kvflow router` / `kvflow serve`",
     "--enable-auto-tool-choice": "tool calls are parsed by the router: `kvflow router` / `kvflow serve`",
     # Not built yet.
-    "--cpu-offload-gb": NOT_YET + ": weights stay on the GPU (no layer streaming from host memory)",
     "--guided-decoding-backend": "structured output always uses xgrammar (a request's guided_decoding_backend may "
                                  "name it)",
     "--structured-outputs-config": "structured output always uses xgrammar with its defaults",
