@@ -153,7 +153,7 @@ def main() -> None:
     modes = {
         "off": None,
         "ngram_disable_by_batch_size_8": NgramProposer(SpecConfig.build("ngram", None, 4, 4, 2, 8), max_len),
-        "ngram_always": NgramProposer(SpecConfig.build("ngram", None, 4, 4, 2), max_len),
+        "ngram_always": NgramProposer(SpecConfig.build("ngram", None, 4, 4, 2, None), max_len),
     }
     throughput(llm, None, prompts[:4], 8)  # warm-up
     runs: dict[str, list[dict]] = {m: [] for m in modes}

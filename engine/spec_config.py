@@ -4,7 +4,10 @@
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
   {"model": "smollm2", "num_speculative_tokens": 3}                  # a draft model (method "draft_model")
   {"model": "smollm2", "num_speculative_tokens": 3, "draft_num_layers": 12}   # kvflow: a layer-truncated draft
-plus "disable_by_batch_size" (speculation is skipped in steps with more running requests than that).
+plus "disable_by_batch_size" (speculation is skipped in steps with more running requests than that). Unlike
+vLLM, it defaults to DEFAULT_DISABLE_BY_BATCH_SIZE rather than "never": a verify step costs 2-3x a decode step
+on a GPU at batch 8-64 (bench/results/spec_gpu_h100.json), so speculation that is always on made concurrency-64
+throughput 0.57x; JSON null keeps it on at every batch size.
 vLLM's older flags (--speculative-model, --num-speculative-tokens, --ngram-prompt-lookup-max/min,
 --speculative-disable-by-batch-size) map onto the same thing (`from_legacy`).
 """
@@ -19,6 +22,8 @@ SpecMethod = Literal["ngram", "draft_model"]
 SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 NGRAM_MODEL_NAMES = ("ngram", "[ngram]")  # vLLM's older --speculative-model spelling of prompt lookup
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither bound is given
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+_DEFAULT = "default"  # build()'s marker for "disable_by_batch_size not given" (None means: never disable)
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size", "draft_num_layers")
 
@@ -36,7 +41,7 @@ class SpecConfig:
     model: str | None = None  # the draft (path or preset) for method "draft_model"
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE  # None: speculate at every batch size
     draft_num_layers: int | None = None  # keep only the first N layers of the draft (self-speculation)
 
     @classmethod
@@ -59,7 +64,7 @@ class SpecConfig:
 
     @classmethod
     def build(cls, method: str | None = None, model: str | None = None, num_speculative_tokens: Any = None,
-              prompt_lookup_max: Any = None, prompt_lookup_min: Any = None, disable_by_batch_size: Any = None,
+              prompt_lookup_max: Any = None, prompt_lookup_min: Any = None, disable_by_batch_size: Any = _DEFAULT,
               draft_num_layers: Any = None) -> SpecConfig:
         if model in NGRAM_MODEL_NAMES and method in (None, "ngram"):
             method, model = "ngram", None
@@ -72,7 +77,9 @@ class SpecConfig:
         if num_speculative_tokens is None:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         k = _positive_int("num_speculative_tokens", num_speculative_tokens)
-        if disable_by_batch_size is not None:
+        if isinstance(disable_by_batch_size, str) and disable_by_batch_size == _DEFAULT:
+            disable_by_batch_size = DEFAULT_DISABLE_BY_BATCH_SIZE
+        elif disable_by_batch_size is not None:
             disable_by_batch_size = _positive_int("disable_by_batch_size", disable_by_batch_size)
         if method == "ngram":
             if model is not None:
@@ -113,7 +120,7 @@ class SpecConfig:
         is_ngram = speculative_model in NGRAM_MODEL_NAMES
         return cls.build("ngram" if is_ngram else "draft_model", None if is_ngram else speculative_model,
                          num_speculative_tokens, ngram_prompt_lookup_max, ngram_prompt_lookup_min,
-                         disable_by_batch_size)
+                         _DEFAULT if disable_by_batch_size is None else disable_by_batch_size)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
@@ -123,8 +130,7 @@ class SpecConfig:
             out["model"] = self.model
             if self.draft_num_layers is not None:
                 out["draft_num_layers"] = self.draft_num_layers
-        if self.disable_by_batch_size is not None:
-            out["disable_by_batch_size"] = self.disable_by_batch_size
+        out["disable_by_batch_size"] = self.disable_by_batch_size  # null (never disable) must survive a round trip
         return out
 
     def enabled_for(self, batch_size: int) -> bool:

@@ -273,3 +273,19 @@ def test_scheduler_counts_drafts_in_the_budget_and_rolls_back_rejected_slots() -
     sched.update_from_output(out, ModelRunnerOutput({"a": 9}, accepted_token_ids={"a": [9]}))  # all rejected
     assert request.num_computed_tokens == 10 and len(kv.block_ids("a")) == 3  # the 4th block is freed
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks - 3
+
+
+def test_disable_by_batch_size_defaults_on_and_null_keeps_speculating() -> None:
+    """Speculation turns itself off above DEFAULT_DISABLE_BY_BATCH_SIZE unless told otherwise (GPU: a verify step
+    costs 2-3x a decode step under load); JSON null speculates at every batch size, and both survive to_dict."""
+    from engine.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    default = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    assert default is not None and default.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert default.enabled_for(DEFAULT_DISABLE_BY_BATCH_SIZE) and not default.enabled_for(64)
+    always = SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": null}')
+    assert always is not None and always.disable_by_batch_size is None and always.enabled_for(512)
+    assert SpecConfig.parse(always.to_dict()) == always
+    assert SpecConfig.parse(default.to_dict()) == default
+    legacy = SpecConfig.from_legacy("[ngram]", 4, None, None, None)
+    assert legacy is not None and legacy.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
