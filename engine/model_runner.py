@@ -163,6 +163,43 @@ class AheadStep:
         return True
 
 
+@dataclass
+class DecodeRows:
+    """A step's chunks laid out as one query row per token, each attending to its own prefix of its sequence (the
+    decode kernel's shape): how a speculative verify step replays a decode CUDA graph. Row r of a chunk starting at
+    position p is position p + r with context p + r + 1; the KV-write kernel stores every row's K/V before the
+    attention kernel reads, so row r sees rows 0..r-1 of this step exactly as the extend path would."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    spec_spans: list[tuple[str, int, list[int]]]  # (request, first verify row, drafts)
+    sample_rows: list[int]  # chunks without drafts: their last row samples
+    sample_ids: list[str]
+
+
+def expand_to_decode_rows(chunks: list[ScheduledChunk], block_size: int) -> DecodeRows:
+    rows = DecodeRows([], [], [], [], [], [], [], [])
+    for chunk in chunks:
+        first = len(rows.positions)
+        n = len(chunk.token_ids)
+        for offset in range(n):
+            pos = chunk.start_position + offset
+            rows.positions.append(pos)
+            rows.slots.append(chunk.block_ids[pos // block_size] * block_size + pos % block_size)
+            rows.seq_lens.append(pos + 1)
+            rows.block_tables.append(chunk.block_ids)
+        rows.input_ids.extend(chunk.token_ids)
+        if chunk.spec_token_ids:
+            rows.spec_spans.append((chunk.request_id, first + n - 1 - len(chunk.spec_token_ids), chunk.spec_token_ids))
+        else:
+            rows.sample_rows.append(first + n - 1)
+            rows.sample_ids.append(chunk.request_id)
+    return rows
+
+
 class ModelRunner:
     """One rank's runner; with `tp_group` (tensor parallelism, engine/parallel/) it holds and computes only this
     rank's shard, and every rank runs the same steps (engine/parallel/executor.py)."""
@@ -425,6 +462,8 @@ class ModelRunner:
         self._swap(so.blocks_to_swap_in, to_cpu=False)
         if self.graphs is not None and so.chunks and not so.blocks_to_swap_in and not so.blocks_to_swap_out:
             decoded = self._execute_decode_graph(so.chunks, self.graphs)
+            if decoded is None:
+                decoded = self._execute_verify_graph(so.chunks, self.graphs)
             if decoded is not None:
                 return decoded
         self._drop_ahead()
@@ -507,18 +546,21 @@ class ModelRunner:
         return self.structured_output.new_matcher(guided, new.output_token_ids)
     def _verify_and_sample(self, hidden: torch.Tensor, spec_spans: list[tuple[str, int, list[int]]],
                            sample_rows: list[int], sample_ids: list[str],
-                           prompt_logprobs: dict[str, list[PositionLogprobs | None]]) -> ModelRunnerOutput:
-        """A step with speculative chunks (engine/spec_verify.py); other sampling rows are sampled as usual."""
+                           prompt_logprobs: dict[str, list[PositionLogprobs | None]],
+                           rows_are_logits: bool = False) -> ModelRunnerOutput:
+        """A step with speculative chunks (engine/spec_verify.py); other sampling rows are sampled as usual.
+        `rows_are_logits`: `hidden` already holds every row's float32 logits (a decode-graph replay)."""
+        compute_logits = (lambda rows: rows) if rows_are_logits else self.model.compute_logits
         sampled: dict[str, int] = {}
         logprobs: dict[str, PositionLogprobs] = {}
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=self.device)])
+            logits = compute_logits(hidden[torch.as_tensor(sample_rows, device=self.device)])
             states = [self.requests[rid] for rid in sample_ids]
             tokens, logprobs = self._sample(logits, sample_ids, states)
             for rid, state, token in zip(sample_ids, states, tokens.tolist(), strict=True):
                 state.record(token)
                 sampled[rid] = token
-        accepted, spec_logprobs = verify_spans(self.model.compute_logits, hidden, spec_spans, self.requests,
+        accepted, spec_logprobs = verify_spans(compute_logits, hidden, spec_spans, self.requests,
                                                self.sampler.generator)
         sampled.update({rid: tokens[-1] for rid, tokens in accepted.items()})
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, accepted, spec_logprobs)
@@ -602,6 +644,25 @@ class ModelRunner:
         for state, token in zip(states, token_list, strict=True):
             state.record(token)
         return ModelRunnerOutput(dict(zip(ids, token_list, strict=True)), logprobs, {})
+
+    def _execute_verify_graph(self, chunks: list[ScheduledChunk], graphs: DecodeGraphs) -> ModelRunnerOutput | None:
+        """A speculative step whose chunks all sample, replayed from a decode graph with one row per token
+        (`expand_to_decode_rows`): the eager extend forward it replaces cost 2.3x a decode replay on an H100 at
+        batch 1. None: not such a step, or more rows / context than the graphs cover (the caller runs it eagerly)."""
+        if not any(chunk.spec_token_ids for chunk in chunks):
+            return None
+        for chunk in chunks:
+            if not chunk.sample or chunk.prompt_logprobs:
+                return None
+        num_rows = sum(len(chunk.token_ids) for chunk in chunks)
+        max_len = max(chunk.start_position + len(chunk.token_ids) for chunk in chunks)
+        if not graphs.can_run(num_rows, max_len):
+            return None
+        self._drop_ahead()  # its KV slots are rewritten by this step's rows
+        rows = expand_to_decode_rows(chunks, self.block_size)
+        result = graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.block_tables)
+        return self._verify_and_sample(result.logits, rows.spec_spans, rows.sample_rows, rows.sample_ids, {},
+                                       rows_are_logits=True)
 
     def _queue_ahead(self, chunks: list[ScheduledChunk], positions: list[int], states: list[RunnerRequestState],
                      result: DecodeResult, graphs: DecodeGraphs) -> None:

@@ -61,22 +61,51 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     return []
 
 
+class NgramIndex:
+    """One request's n-grams (each size min_n..max_n) -> the end position of their latest occurrence, kept up to
+    date as tokens arrive, so a proposal is a few dict probes: exactly `ngram_lookup`'s answer without scanning the
+    history. The scan cost ~150 µs per request per step; at concurrency 64 that was 10 ms of host time a step and
+    0.57x the throughput on an H100, with no drafts even found."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.last_end: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # every n-gram ending before this position is in `last_end`
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        length = len(tokens)
+        if length < self.indexed + 1:  # the history shrank (output truncated): start over
+            self.__init__(self.min_n, self.max_n)  # type: ignore[misc]
+        for end in range(self.indexed, length - 1):  # n-grams followed by at least one token
+            for n, table in self.last_end.items():
+                if end + 1 >= n:
+                    table[tuple(tokens[end + 1 - n : end + 1])] = end
+        self.indexed = max(self.indexed, length - 1)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            end = self.last_end[n].get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k]
+        return []
+
+
 class NgramProposer:
     def __init__(self, spec: SpecConfig, max_model_len: int) -> None:
         self.spec = spec
         self.max_model_len = max_model_len
+        self.indexes: dict[str, NgramIndex] = {}  # running requests' n-gram indexes
 
     def propose(self, running: list[Request]) -> None:
         enabled = self.spec.enabled_for(len(running))
+        if enabled:  # requests no longer running drop their index (a resumed one rebuilds it)
+            self.indexes = {r.request_id: self.indexes.get(r.request_id) or
+                            NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max) for r in running}
         for request in running:
             request.spec_token_ids = []
             if not enabled or not can_speculate(request):
                 continue
             k = max_drafts(request, self.spec.num_speculative_tokens, self.max_model_len)
             if k:
-                tokens = np.asarray(request.all_token_ids, dtype=np.int64)
-                request.spec_token_ids = ngram_lookup(tokens, self.spec.prompt_lookup_min,
-                                                      self.spec.prompt_lookup_max, k)
+                request.spec_token_ids = self.indexes[request.request_id].propose(request.all_token_ids, k)
 
 
 def draft_engine_config(target: EngineConfig, spec: SpecConfig) -> EngineConfig:

@@ -289,3 +289,74 @@ def test_disable_by_batch_size_defaults_on_and_null_keeps_speculating() -> None:
     assert SpecConfig.parse(default.to_dict()) == default
     legacy = SpecConfig.from_legacy("[ngram]", 4, None, None, None)
     assert legacy is not None and legacy.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+def test_verify_as_decode_rows_matches_the_extend_forward() -> None:
+    """The GPU replays a verify step from a decode CUDA graph with one query row per token
+    (`expand_to_decode_rows`); on the CPU the same rows through the model must give the extend forward's hidden
+    states: row r attends to the prefix plus rows 0..r-1, whose KV the step wrote first."""
+    from engine.attention import AttentionBatch
+    from engine.model_runner import expand_to_decode_rows
+    from engine.outputs import ScheduledChunk
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model="tiny", load_format="dummy", device="cpu",
+                                                   dtype="float32", kv_cache_memory_bytes=1 << 22, seed=0))
+    runner = engine.runner
+    bs = runner.block_size
+    table = [3, 1, 2]
+    prompt = [(11 * i + 5) % 200 + 3 for i in range(bs + 5)]
+
+    def forward(batch: AttentionBatch, ids: list[int], positions: list[int]) -> torch.Tensor:
+        meta = runner.attn_backend.build_metadata(batch, runner.device)
+        with torch.inference_mode():
+            return runner.model(torch.tensor(ids), torch.tensor(positions), runner.kv_caches, meta)
+
+    def slot(pos: int) -> int:
+        return table[pos // bs] * bs + pos % bs
+
+    plen = len(prompt)
+    forward(AttentionBatch([plen], [plen], [table], [slot(p) for p in range(plen)]), prompt, list(range(plen)))
+    drafts = [17, 23, 29, 31]
+    tokens = [41, *drafts]
+    positions = list(range(plen, plen + len(tokens)))
+    extend = forward(AttentionBatch([len(tokens)], [plen + len(tokens)], [table], [slot(p) for p in positions]),
+                     tokens, positions)
+    chunk = ScheduledChunk("r", tokens, plen, table, True, False, drafts)
+    rows = expand_to_decode_rows([chunk], bs)
+    assert rows.positions == positions and rows.seq_lens == [p + 1 for p in positions]
+    assert rows.slots == [slot(p) for p in positions] and rows.spec_spans == [("r", 0, drafts)]
+    assert rows.sample_rows == [] and rows.input_ids == tokens
+    as_rows = forward(AttentionBatch([1] * len(tokens), rows.seq_lens, rows.block_tables, rows.slots),
+                      rows.input_ids, rows.positions)
+    torch.testing.assert_close(as_rows, extend, rtol=1e-5, atol=1e-5)
+    engine.shutdown()
+
+
+def test_expand_to_decode_rows_keeps_plain_chunks_sampling_their_last_row() -> None:
+    from engine.model_runner import expand_to_decode_rows
+    from engine.outputs import ScheduledChunk
+
+    chunks = [ScheduledChunk("a", [5], 40, [2, 7, 9], True, False, []),
+              ScheduledChunk("b", [6, 8, 9], 16, [4, 1], True, False, [8, 9])]
+    rows = expand_to_decode_rows(chunks, 16)
+    assert rows.positions == [40, 16, 17, 18] and rows.seq_lens == [41, 17, 18, 19]
+    assert rows.slots == [9 * 16 + 8, 16 + 0, 16 + 1, 16 + 2]
+    assert rows.sample_rows == [0] and rows.sample_ids == ["a"] and rows.spec_spans == [("b", 1, [8, 9])]
+    assert rows.block_tables == [[2, 7, 9], [4, 1], [4, 1], [4, 1]]
+
+
+def test_ngram_index_proposes_exactly_what_the_scan_finds() -> None:
+    """The incremental index (what the proposer runs) against the whole-history scan, token by token, on
+    repetitive random sequences, including a history that shrinks (truncated output)."""
+    import numpy as np
+
+    from engine.spec_proposer import NgramIndex
+
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        tokens = rng.integers(0, 4 + trial % 5, size=120).tolist()
+        index = NgramIndex(2, 4)
+        for length in range(1, len(tokens) + 1):
+            prefix = tokens[:length]
+            assert index.propose(prefix, 3) == ngram_lookup(np.asarray(prefix), 2, 4, 3), (trial, length)
+        assert index.propose(tokens[:50], 3) == ngram_lookup(np.asarray(tokens[:50]), 2, 4, 3)
