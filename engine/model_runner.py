@@ -45,6 +45,7 @@ from engine.outputs import (
 from engine.parallel.group import TPGroup
 from engine.parallel.layout import RankShard, shard_for
 from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
+from engine.rejection_sampler import verify_greedy
 from engine.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_verify import verify_spans
@@ -161,6 +162,13 @@ class AheadStep:
                     or chunk.block_ids[pos // block_size] != blk):
                 return False
         return True
+
+
+def _plain_greedy(state: RunnerRequestState) -> bool:
+    """A request whose next token is the raw logits' argmax (what a decode graph computes itself)."""
+    params = state.params
+    return (params.is_greedy and not params.needs_penalties and not params.logit_bias and params.logprobs is None
+            and state.matcher is None)
 
 
 @dataclass
@@ -628,8 +636,7 @@ class ModelRunner:
                                 [p + 1 for p in positions], [chunk.block_ids for chunk in chunks])
         ids = [chunk.request_id for chunk in chunks]
         states = [self.requests[rid] for rid in ids]
-        plain_greedy = all(s.params.is_greedy and not s.params.needs_penalties and not s.params.logit_bias
-                           and s.params.logprobs is None and s.matcher is None for s in states)
+        plain_greedy = all(_plain_greedy(state) for state in states)
         logprobs: dict[str, PositionLogprobs] = {}
         if plain_greedy:
             tokens = result.tokens  # the sampler would take the same argmax of the same logits
@@ -661,6 +668,19 @@ class ModelRunner:
         self._drop_ahead()  # its KV slots are rewritten by this step's rows
         rows = expand_to_decode_rows(chunks, self.block_size)
         result = graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.block_tables)
+        states = [self.requests[chunk.request_id] for chunk in chunks]
+        if all(_plain_greedy(state) for state in states):  # the graph's argmax is the verdict: no logits work
+            graphs.tokens_to_host(result.tokens)
+            ids = graphs.host_tokens(len(rows.positions))
+            sampled = {rid: ids[row] for rid, row in zip(rows.sample_ids, rows.sample_rows, strict=True)}
+            accepted = {rid: verify_greedy(ids[first : first + len(drafts) + 1], drafts)
+                        for rid, first, drafts in rows.spec_spans}
+            for rid, token in sampled.items():
+                self.requests[rid].record(token)
+            for rid, tokens in accepted.items():
+                self.requests[rid].output_token_ids.extend(tokens)
+                sampled[rid] = tokens[-1]
+            return ModelRunnerOutput(sampled, {}, {}, accepted, {})
         return self._verify_and_sample(result.logits, rows.spec_spans, rows.sample_rows, rows.sample_ids, {},
                                        rows_are_logits=True)
 

@@ -18,7 +18,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, quant_matmul_ref  # noqa: E402
-from kernels.quant_gemm import GEMV_PROGRAMS_PER_SM, gemv_tiles, quant_gemm  # noqa: E402
+from kernels.quant_gemm import (  # noqa: E402
+    GEMV_PROGRAMS_PER_SM,
+    GEMV_PROGRAMS_PER_SM_BATCHED,
+    gemv_tiles,
+    quant_gemm,
+)
 
 
 @pytest.mark.outside_interpreter
@@ -75,8 +80,8 @@ def test_quant_gemv_unsplit_matches_reference(rows: int) -> None:
 def test_gemv_tiles_split_k_to_fill_the_gpu() -> None:
     # Llama-8B decode shapes on 132 SMs: a 4096-row weight splits K; the 28672-row gate/up needs no split.
     block_m, block_n, half, split = gemv_tiles(1, 4096, 4096, 132)
-    assert (block_m, block_n, half) == (1, 32, 64)
-    assert split == GEMV_PROGRAMS_PER_SM * 132 // (4096 // 32)
+    assert (block_m, block_n, half) == (1, 16, 64)
+    assert split == GEMV_PROGRAMS_PER_SM * 132 // (4096 // 16)
     assert gemv_tiles(1, 28672, 4096, 132)[3] == 1
-    assert gemv_tiles(8, 4096, 14336, 132)[:2] == (8, 16)
-    assert gemv_tiles(1, 40, 96, 132) == (1, 32, 16, 3)  # K = 96: three 32-wide iterations, one per split
+    assert gemv_tiles(8, 4096, 14336, 132) == (8, 16, 64, GEMV_PROGRAMS_PER_SM_BATCHED * 132 // (4096 // 16))
+    assert gemv_tiles(1, 40, 96, 132) == (1, 16, 16, 3)  # K = 96: three 32-wide iterations, one per split
