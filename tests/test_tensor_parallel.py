@@ -242,3 +242,23 @@ def test_a_worker_whose_rank_died_turns_not_serving_and_stops() -> None:
 
     draining, stopped, failure = asyncio.run(scenario())
     assert draining and stopped and "rank 1" in str(failure[0])
+
+
+def test_nccl_all_gather_layout_joins_columns_like_cat() -> None:
+    """NCCL's all-gather stacks ranks along a new first dim; the logits need them side by side on the last."""
+    from engine.parallel.group import join_gathered
+
+    parts = [torch.arange(12, dtype=torch.float32).view(3, 4) + 100 * r for r in range(3)]
+    torch.testing.assert_close(join_gathered(torch.stack(parts)), torch.cat(parts, dim=-1))
+
+
+def test_nccl_binding_refuses_what_it_cannot_send() -> None:
+    from engine.parallel.nccl import NCCL_UNIQUE_ID_BYTES, _nccl_dtype, nccl_library_path
+
+    assert _nccl_dtype(torch.zeros(2, dtype=torch.bfloat16)) == 9
+    with pytest.raises(ValueError, match="contiguous"):
+        _nccl_dtype(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="complex64"):
+        _nccl_dtype(torch.zeros(2, dtype=torch.complex64))
+    assert NCCL_UNIQUE_ID_BYTES == 128
+    assert nccl_library_path()  # the override, torch's mapped libnccl, or the loader's name

@@ -72,9 +72,8 @@ class TPGroup:
         if tensor.shape[-1] < width:
             tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
         tensor = tensor.contiguous()
-        if self.nccl is not None:  # [size, rows, width] -> [rows, size * width]
-            gathered = self.nccl.all_gather(tensor)
-            return gathered.permute(*range(1, tensor.dim()), 0, tensor.dim()).flatten(-2)
+        if self.nccl is not None:
+            return join_gathered(self.nccl.all_gather(tensor))
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.cpu_pg.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
@@ -97,6 +96,13 @@ class TPGroup:
                 with contextlib.suppress(Exception):
                     method()
                 break
+
+
+def join_gathered(gathered: torch.Tensor) -> torch.Tensor:
+    """[size, *lead, width] (each rank's tensor, as NCCL's all-gather stacks them) -> [*lead, size * width]: the
+    ranks' columns side by side, as torch.cat(parts, dim=-1)."""
+    dims = gathered.dim()
+    return gathered.permute(*range(1, dims - 1), 0, dims - 1).flatten(-2)
 
 
 def _min_opts() -> Any:
