@@ -85,12 +85,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _log_offload(plan: OffloadPlan) -> None:
     gib = 2**30
-    logger.info("cpu offload: layers 0-%d of %d (%.2f GiB) in pinned host memory, copied per forward through a "
-                "%.2f GiB staging buffer: %.2f GiB of GPU memory freed", plan.num_layers - 1, plan.total_layers,
-                plan.offloaded_bytes / gib, plan.staging_bytes / gib, plan.gpu_bytes_saved / gib)
+    logger.info("cpu offload: layers 0-%d of %d (%.2f GiB) in pinned host memory, copied per forward (one layer "
+                "ahead, on a copy stream) through %.2f GiB of staging buffers: %.2f GiB of GPU memory freed",
+                plan.num_layers - 1, plan.total_layers, plan.offloaded_bytes / gib, plan.staging_bytes / gib,
+                plan.gpu_bytes_saved / gib)
     if plan.gpu_bytes_saved <= 0:
-        logger.warning("cpu_offload_gb covers one layer, which frees no GPU memory (its staging buffer is a layer "
-                       "too): offload at least two layers' worth (%.2f GiB) or none", 2 * plan.layer_bytes / gib)
+        logger.warning("cpu_offload_gb covers %d layer(s), which frees no GPU memory (the two staging buffers are "
+                       "a layer each): offload at least three layers' worth (%.2f GiB) or none", plan.num_layers,
+                       3 * plan.layer_bytes / gib)
 
 
 def _pinned_to(array: np.ndarray, device: torch.device) -> torch.Tensor:

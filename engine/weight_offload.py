@@ -4,23 +4,24 @@ Which weights: whole decoder layers, from the first one on, until at least N GiB
 as vLLM's `maybe_offload_to_cpu` fills its budget in layer order. The embeddings, the final norm and lm_head stay
 on the GPU.
 
-How they run: each offloaded layer's parameters live in one flat host buffer (pinned on CUDA). One staging buffer
-of a layer's size sits on the compute device, and the parameters of every offloaded layer are views into it; right
-before an offloaded layer runs, its host buffer is copied into the staging buffer (one non-blocking copy on the
-current stream). The layer then computes exactly as it would with resident weights: same kernels, same values.
+How they run: each offloaded layer's parameters live in one flat host buffer (pinned on CUDA). Two staging buffers
+of a layer's size sit on the compute device (one if only one layer is offloaded); offloaded layer i's parameters
+are views into buffer i % 2. The copies run on a stream of their own, one layer ahead of the compute, as vLLM's
+offload overlaps them: before a forward, layers 0 and 1 are copied in; layer i waits for its copy, and once layer
+i's kernels are queued, layer i + 2 is copied into the same buffer after them. Each layer computes exactly as it
+would with resident weights: same kernels, same values.
 
-Why one staging buffer on the current stream, not a prefetch stream with two: the step is bound by the copies
-(a decode step of an offloaded Llama-8B layer computes in ~0.2 ms; its 0.4 GiB copy takes ~8 ms over PCIe 5), so
-overlapping the copies with compute could hide only the offloaded layers' compute, and a second buffer would cost
-another layer of GPU memory. Stream order alone makes it correct: layer i's copy is queued after layer i-1's
-kernels that read the buffer.
+What the overlap buys: a decode step is bound by the copies (a Llama-8B layer computes in ~0.2 ms at decode and
+copies 0.4 GiB in ~8 ms over PCIe 5), so there it hides only the offloaded layers' compute; a prefill chunk's
+layer computes for milliseconds, and that now runs while the next layer's weights arrive. The cost is the second
+buffer: one more layer of GPU memory.
 
-CUDA graphs: the decode graphs capture the copies (cudaMemcpyAsync from pinned host memory is capturable) together
-with the layers, so graphs stay on. The addresses baked in (host buffers, staging buffer) live as long as the
-model.
+CUDA graphs: the decode graphs capture the copies (cudaMemcpyAsync from pinned host memory is capturable) and the
+copy stream, which forks from and joins the capturing stream through events, so graphs stay on. The addresses
+baked in (host buffers, staging buffers) live as long as the model.
 
-GPU memory: the resident weights plus one staging buffer; the runner's memory profile measures exactly that, so
-the KV cache gets the rest. Offloading k layers frees k - 1 layers of GPU memory.
+GPU memory: the resident weights plus the staging buffers; the runner's memory profile measures exactly that, so
+the KV cache gets the rest. Offloading k >= 2 layers frees k - 2 layers of GPU memory.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 ALIGN = 256  # byte alignment of each parameter inside the flat buffers (what the GEMM kernels like)
+STAGING_BUFFERS = 2  # one layer computing from one while the next layer's weights land in the other
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class OffloadPlan:
 
     @property
     def staging_bytes(self) -> int:
-        return self.layer_bytes if self.num_layers else 0
+        return min(STAGING_BUFFERS, self.num_layers) * self.layer_bytes
 
     @property
     def gpu_bytes_saved(self) -> int:
@@ -100,12 +102,13 @@ def _typed(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
 
 
 class LayerWeightStream:
-    """The offloaded layers' weights in host memory, streamed through one staging buffer on `compute_device`.
+    """The offloaded layers' weights in host memory, streamed through staging buffers on `compute_device`.
 
     Two phases: once built over the layers, their parameters are views of the host buffers (layers built on the
     "meta" device give only shapes and dtypes; others have their values copied), so loading weights writes host
-    memory directly and the GPU never holds them. `activate()` then points the parameters at the staging buffer; from then on `load(i)`
-    must run before layer i computes (CausalLM.forward does).
+    memory directly and the GPU never holds them. `activate()` then points layer i's parameters at staging buffer
+    i % 2; from then on a forward calls `start()`, `before_layer(i)` / `after_layer(i)` around each offloaded
+    layer, and `finish()` (CausalLM.forward does).
     """
 
     def __init__(self, layers: Sequence[nn.Module], compute_device: torch.device,
@@ -131,7 +134,11 @@ class LayerWeightStream:
                 _bind(slot, host)
             self.host.append(flat)
             self._slots.append(slots)
-        self.staging: torch.Tensor | None = None
+        self.buffers: list[torch.Tensor] = []
+        self._cuda = compute_device.type == "cuda"
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._copied: list[torch.cuda.Event] = []  # buffer b holds the layer it was last filled with
+        self._released: list[torch.cuda.Event] = []  # the kernels queued before buffer b's refill are done with it
 
     @property
     def num_layers(self) -> int:
@@ -142,17 +149,53 @@ class LayerWeightStream:
         return self.num_layers * self.layer_bytes
 
     def activate(self) -> None:
-        """Allocate the staging buffer and point every offloaded parameter at it (after the weights are loaded)."""
-        self.staging = torch.empty(self.layer_bytes, dtype=torch.uint8, device=self.compute_device)
-        for slots in self._slots:
+        """Allocate the staging buffers and point each offloaded layer at its own (after the weights are loaded)."""
+        count = min(STAGING_BUFFERS, self.num_layers)
+        self.buffers = [torch.empty(self.layer_bytes, dtype=torch.uint8, device=self.compute_device)
+                        for _ in range(count)]
+        for index, slots in enumerate(self._slots):
             for slot in slots:
-                _bind(slot, _typed(self.staging, slot))
+                _bind(slot, _typed(self.buffers[index % count], slot))
+        if self._cuda:
+            self._copy_stream = torch.cuda.Stream(self.compute_device)
+            self._copied = [torch.cuda.Event() for _ in range(count)]
+            self._released = [torch.cuda.Event() for _ in range(count)]
 
     def load(self, index: int) -> None:
-        """Queue the copy of offloaded layer `index`'s weights into the staging buffer (before that layer runs)."""
-        if self.staging is None:
+        """Queue the copy of offloaded layer `index` into its staging buffer, after every kernel queued so far on
+        the current stream (the ones that read that buffer's previous layer)."""
+        if not self.buffers:
             raise RuntimeError("LayerWeightStream.load before activate()")
-        self.staging.copy_(self.host[index], non_blocking=True)
+        slot = index % len(self.buffers)
+        if self._copy_stream is None:  # CPU: copies are synchronous, in program order
+            self.buffers[slot].copy_(self.host[index])
+            return
+        self._released[slot].record(torch.cuda.current_stream(self.compute_device))
+        self._copy_stream.wait_event(self._released[slot])
+        with torch.cuda.stream(self._copy_stream):
+            self.buffers[slot].copy_(self.host[index], non_blocking=True)
+        self._copied[slot].record(self._copy_stream)
+
+    def start(self) -> None:
+        """A forward begins: copy in the first layers (one per buffer)."""
+        for index in range(len(self.buffers)):
+            self.load(index)
+
+    def before_layer(self, index: int) -> None:
+        """Offloaded layer `index` is about to run: its kernels wait for its weights."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.compute_device).wait_event(self._copied[index % len(self.buffers)])
+
+    def after_layer(self, index: int) -> None:
+        """Layer `index`'s kernels are queued: refill its buffer with the layer two ahead, after them."""
+        ahead = index + len(self.buffers)
+        if ahead < self.num_layers:
+            self.load(ahead)
+
+    def finish(self) -> None:
+        """The forward is queued: the current stream joins the copy stream (a graph capture must end joined)."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.compute_device).wait_stream(self._copy_stream)
 
 
 def _bind(slot: _Slot, tensor: torch.Tensor) -> None:

@@ -34,8 +34,9 @@ def test_plan_offloads_whole_leading_layers_until_the_budget_is_reached() -> Non
     assert plan_offload(2001, layer, 8).num_layers == 3
     assert plan_offload(10**9, layer, 8).num_layers == 8  # more than the model: every layer
     plan = plan_offload(2500, layer, 8)
-    assert (plan.offloaded_bytes, plan.staging_bytes, plan.gpu_bytes_saved) == (3000, 1000, 2000)
+    assert (plan.offloaded_bytes, plan.staging_bytes, plan.gpu_bytes_saved) == (3000, 2000, 1000)  # 2 buffers
     assert plan_offload(0, layer, 8).staging_bytes == 0
+    assert plan_offload(1, layer, 8).staging_bytes == 1000  # one layer: one buffer
     with pytest.raises(ValueError, match="cpu_offload_gb must be >= 0"):
         plan_offload(-1, layer, 8)
 
@@ -79,33 +80,39 @@ def _run(model: CausalLM, arch: object, prepare: object = None) -> list[torch.Te
 
 
 def test_streamed_layers_give_bit_identical_logits() -> None:
-    """Four layers, the first two offloaded: their weights live in separate host buffers and both layers compute
-    from one staging buffer, refilled right before each runs. The logits equal the resident model's bit for bit,
-    also when the staging buffer holds garbage before every step (so each forward copies what it uses)."""
+    """Four layers, the first three offloaded: their weights live in separate host buffers; layers 0 and 2 compute
+    from staging buffer 0 and layer 1 from buffer 1, each refilled (layer i + 2 after layer i) as the forward goes.
+    The logits equal the resident model's bit for bit, also when the buffers hold garbage before every step (so
+    each forward copies what it uses, in time)."""
     arch = dataclasses.replace(EngineArgs(model="tiny", load_format="dummy").create_engine_config().model.arch,
                                num_layers=4)
     resident = _model(arch)
     resident.init_dummy_weights(0)
     want = _run(resident, arch)
 
-    offloaded = _model(arch, host_layers=2)
+    offloaded = _model(arch, host_layers=3)
     assert all(p.device.type == "meta" for p in offloaded.layers[0].parameters())  # built without memory
-    stream = LayerWeightStream(offloaded.layers[:2], compute_device=CPU, host_device=CPU, pin_memory=False)
+    stream = LayerWeightStream(offloaded.layers[:3], compute_device=CPU, host_device=CPU, pin_memory=False)
     offloaded.weight_stream = stream
     offloaded.init_dummy_weights(0, CPU)  # written into the host buffers
     stream.activate()
-    assert stream.staging is not None
-    staging = stream.staging.data_ptr()
+    assert len(stream.buffers) == 2
+    buffers = [buffer.data_ptr() for buffer in stream.buffers]
     for index, layer in enumerate(offloaded.layers):
         ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        assert (ptrs == {staging}) == (index < 2)
-    for index in range(2):  # each host buffer holds its own layer's weights
+        assert ptrs == ({buffers[index % 2]} if index < 3 else ptrs - set(buffers))
+    for index in range(3):  # each host buffer holds its own layer's weights
         stream.load(index)
         for mine, theirs in zip(offloaded.layers[index].parameters(), resident.layers[index].parameters(),
                                 strict=True):
             assert torch.equal(mine, theirs)
-    assert stream.host_bytes == 2 * parameter_bytes(resident.layers[0])
-    got = _run(offloaded, arch, prepare=lambda: stream.staging.fill_(0x7F))  # type: ignore[union-attr]
+    assert stream.host_bytes == 3 * parameter_bytes(resident.layers[0])
+
+    def scribble() -> None:
+        for buffer in stream.buffers:
+            buffer.fill_(0x7F)
+
+    got = _run(offloaded, arch, prepare=scribble)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
 
@@ -189,8 +196,8 @@ def test_cuda_offload_keeps_greedy_outputs_and_frees_gpu_memory() -> None:
     assert got == want
     model = offloaded.llm_engine.runner.model
     stream = model.weight_stream
-    assert stream is not None and stream.num_layers >= 2 and stream.staging is not None
+    assert stream is not None and stream.num_layers >= 3 and len(stream.buffers) == 2
     on_gpu = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    assert stream.staging.data_ptr() in on_gpu
-    resident_bytes = sum(on_gpu.values()) - stream.staging.nbytes
+    assert all(buffer.data_ptr() in on_gpu for buffer in stream.buffers)
+    resident_bytes = sum(on_gpu.values()) - sum(buffer.nbytes for buffer in stream.buffers)
     assert resident_bytes == parameter_bytes(model) - stream.num_layers * parameter_bytes(model.layers[0])

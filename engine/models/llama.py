@@ -334,10 +334,17 @@ class CausalLM(nn.Module):
         x = self._embed(input_ids)
         residual: torch.Tensor | None = None
         stream = self.weight_stream
+        offloaded = 0 if stream is None else stream.num_layers
+        if stream is not None:
+            stream.start()  # the first offloaded layers' weights start landing in the staging buffers
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if stream is not None and index < stream.num_layers:
-                stream.load(index)  # this layer's weights into the staging buffer, just before it runs
+            if index < offloaded:
+                stream.before_layer(index)  # type: ignore[union-attr]
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)
+            if index < offloaded:
+                stream.after_layer(index)  # type: ignore[union-attr]
+        if stream is not None:
+            stream.finish()
         return self.norm.add_norm(x, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
