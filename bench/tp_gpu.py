@@ -24,6 +24,7 @@ tok/s is the slope between a short and a long generation of the same prompt (pre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -193,7 +194,15 @@ def symm_allreduce_rank(job: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.set_device(device)
     group = TPGroup("127.0.0.1", job["port"], rank, size, device, 60.0)
     name = "kvflow-tp-symm"
-    _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore("symm", group.store))
+    store = dist.PrefixStore("symm", group.store)
+    # torch 2.11's symmetric-memory ops resolve the group by name in c10d's registry (set_group_info alone gave
+    # "Could not resolve the process group registered under the name"): register a ProcessGroup over gloo too.
+    pg = dist.ProcessGroup(store, rank, size)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    torch._C._distributed_c10d._register_process_group(name, pg)
+    with contextlib.suppress(Exception):  # older torch: the store-based group info is what it reads
+        _SymmetricMemory.set_group_info(name, rank, size, store)
     rows: list[dict[str, Any]] = []
     for nbytes in job["sizes"]:
         buf = symm_mem.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
