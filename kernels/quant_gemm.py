@@ -29,6 +29,21 @@ GEMV_PROGRAMS_PER_SM_BATCHED = 4
 if HAS_TRITON:
 
     @triton.jit
+    def _load_codes(q_rows, k0, offs_c, elem_lo, w_mask, BITS: tl.constexpr):
+        """The integer codes of one iteration's two half-tiles, as float32: for 4 bits each byte of the packed
+        range holds column c's low-half element (low nibble) and its high-half partner (high nibble); 8-bit codes
+        are one byte each."""
+        if BITS == 4:
+            byte = tl.load(q_rows + k0 // 2 + offs_c[None, :], mask=w_mask, other=0)
+            lo = (byte & 0x0F).to(tl.float32)
+            hi = (byte >> 4).to(tl.float32)
+        else:
+            lo = tl.load(q_rows + k0 + elem_lo[None, :], mask=w_mask, other=0).to(tl.float32)
+            hi = tl.load(q_rows + k0 + 16 + elem_lo[None, :], mask=w_mask, other=0).to(tl.float32)
+        return lo, hi
+
+
+    @triton.jit
     def _quant_gemm_kernel(
         X, Q, S, Off, Y,
         M, N, K,
@@ -63,13 +78,7 @@ if HAS_TRITON:
             d = d.to(tl.float32)
             x_lo = tl.load(x_rows + k0 + elem_lo[None, :], mask=m_mask[:, None], other=0.0)
             x_hi = tl.load(x_rows + k0 + 16 + elem_lo[None, :], mask=m_mask[:, None], other=0.0)
-            if BITS == 4:
-                byte = tl.load(q_rows + k0 // 2 + offs_c[None, :], mask=w_mask, other=0)
-                lo = (byte & 0x0F).to(tl.float32)
-                hi = (byte >> 4).to(tl.float32)
-            else:
-                lo = tl.load(q_rows + k0 + elem_lo[None, :], mask=w_mask, other=0).to(tl.float32)
-                hi = tl.load(q_rows + k0 + 16 + elem_lo[None, :], mask=w_mask, other=0).to(tl.float32)
+            lo, hi = _load_codes(q_rows, k0, offs_c, elem_lo, w_mask, BITS)
             if KIND == 0:
                 mn = tl.load(Off + s_rows + grp[None, :], mask=w_mask, other=0).to(tl.float16, bitcast=True)
                 mn = mn.to(tl.float32)
@@ -132,13 +141,7 @@ if HAS_TRITON:
             grp = (k0 + 32 * sub) // GROUP  # [NSUB]
             d = tl.load(S + s_rows + grp[None, :], mask=w_mask, other=0).to(tl.float16, bitcast=True)
             d = tl.reshape(tl.broadcast_to(d.to(tl.float32)[:, :, None], (BLOCK_N, NSUB, 16)), (BLOCK_N, HALF))
-            if BITS == 4:
-                byte = tl.load(q_rows + k0 // 2 + offs_c[None, :], mask=w_mask, other=0)
-                lo = (byte & 0x0F).to(tl.float32)
-                hi = (byte >> 4).to(tl.float32)
-            else:
-                lo = tl.load(q_rows + k0 + elem_lo[None, :], mask=w_mask, other=0).to(tl.float32)
-                hi = tl.load(q_rows + k0 + 16 + elem_lo[None, :], mask=w_mask, other=0).to(tl.float32)
+            lo, hi = _load_codes(q_rows, k0, offs_c, elem_lo, w_mask, BITS)
             if KIND == 0:
                 mn = tl.load(Off + s_rows + grp[None, :], mask=w_mask, other=0).to(tl.float16, bitcast=True)
                 mn = tl.reshape(tl.broadcast_to(mn.to(tl.float32)[:, :, None], (BLOCK_N, NSUB, 16)),
