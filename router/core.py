@@ -154,6 +154,8 @@ class Router:
         decode = next(w for w in decodes if w.address == decode_view.address)
         self.metrics.route_decisions.labels(self.policy.name).inc()
         self.metrics.prefix_matched_blocks.inc(matched_blocks)
+        if matched_blocks:
+            self.metrics.route_prefix_hits.inc()
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return Route(decode, prefill, matched_blocks, len(token_ids), info.block_size)
 

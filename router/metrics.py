@@ -60,6 +60,9 @@ class RouterMetrics:
                                              "Cached prefix blocks on the chosen prefill worker.", registry=r)
         self.route_decisions = Counter("kvflow:route_decisions", "Routing decisions by policy.", ["policy"],
                                        registry=r)
+        self.route_prefix_hits = Counter("kvflow:route_prefix_hits",
+                                         "Routing decisions whose prefill worker held part of the prompt's prefix.",
+                                         registry=r)
         self.index_lag = Histogram("kvflow:index_lag_seconds", "Worker event send -> applied to the index.",
                                    buckets=LAG_BUCKETS, registry=r)
         self.index_unavailable = Counter("kvflow:index_unavailable",

@@ -22,6 +22,7 @@ from router.core import Router
 from router.discovery import make_discovery
 from router.grpc_server import start_grpc_server
 from router.openai_api import build_app
+from router.stat_logger import RouterStatLogger, WorkerSummary
 
 logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 10.0
@@ -95,15 +96,9 @@ async def _load_tokenizer_early(router: Router) -> None:
 
 
 async def _log_stats(router: Router) -> None:
-    """vLLM-style periodic stats line (off with --disable-log-stats)."""
+    """vLLM-style periodic cluster line (router/stat_logger.py; off with --disable-log-stats)."""
+    stats = RouterStatLogger(router.metrics.registry)
     while True:
         await asyncio.sleep(STATS_INTERVAL_S)
-        workers = router.pool.all_workers()
-        healthy = [w for w in workers if w.healthy]
-        usage = [f"{w.role[0]}:{w.load.kv_cache_usage:.0%}" for w in healthy]
-        value = router.metrics.registry.get_sample_value
-        queries = value("vllm:prefix_cache_queries_total") or 0.0
-        logger.info("Running: %d reqs, Waiting: %d reqs, workers healthy %d/%d, KV usage %s, prefix hit rate %.1f%%",
-                    value("vllm:num_requests_running") or 0, value("vllm:num_requests_waiting") or 0, len(healthy),
-                    len(workers), " ".join(usage) or "-",
-                    100.0 * (value("vllm:prefix_cache_hits_total") or 0.0) / max(queries, 1.0))
+        logger.info("%s", stats.line([WorkerSummary(w.role, w.healthy, w.load.kv_cache_usage)
+                                      for w in router.pool.all_workers()]))
