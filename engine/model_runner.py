@@ -8,9 +8,9 @@ layer ops), replays decode-only steps from CUDA graphs (forward, lm_head and gre
 the KV cache from a memory profile. The CPU path keeps plain torch ops (the numerics tested token-exact against
 transformers).
 
-Decode-ahead (CUDA graphs, all-greedy batches): after a decode step the runner queues the replay of the step it
-expects next (same requests, each one position further, fed this step's argmax on the device) before it waits for
-this step's ids. The GPU then runs step n+1 while the host finishes step n and schedules n+1. The next call uses
+Decode-ahead (CUDA graphs, all-greedy batches, grammar-constrained rows included): after a decode step the runner
+queues the replay of the step it expects next (same requests, each one position further, fed this step's argmax,
+grammar-masked where a request has a grammar, on the device) before it waits for this step's ids. The GPU then runs step n+1 while the host finishes step n and schedules n+1. The next call uses
 that replay only if the scheduler asks for exactly that step (same requests in the same order, the predicted
 positions, tokens and KV slots); otherwise it is dropped. A dropped replay only wrote K/V at a slot the request
 itself owns, one past its context, which the real next write of that slot replaces.
@@ -166,11 +166,16 @@ class AheadStep:
         return True
 
 
+def _greedy_argmax(state: RunnerRequestState) -> bool:
+    """A request whose next token is the argmax of its logits, grammar-masked if it has a grammar: nothing on
+    the host (penalties' history, logprobs) stands between one step's logits and the next step's input."""
+    params = state.params
+    return params.is_greedy and not params.needs_penalties and not params.logit_bias and params.logprobs is None
+
+
 def _plain_greedy(state: RunnerRequestState) -> bool:
     """A request whose next token is the raw logits' argmax (what a decode graph computes itself)."""
-    params = state.params
-    return (params.is_greedy and not params.needs_penalties and not params.logit_bias and params.logprobs is None
-            and state.matcher is None)
+    return _greedy_argmax(state) and state.matcher is None
 
 
 @dataclass
@@ -638,15 +643,16 @@ class ModelRunner:
                                 [p + 1 for p in positions], [chunk.block_ids for chunk in chunks])
         ids = [chunk.request_id for chunk in chunks]
         states = [self.requests[rid] for rid in ids]
-        plain_greedy = all(_plain_greedy(state) for state in states)
+        greedy = all(_greedy_argmax(state) for state in states)
         logprobs: dict[str, PositionLogprobs] = {}
-        if plain_greedy:
+        if greedy and all(state.matcher is None for state in states):
             tokens = result.tokens  # the sampler would take the same argmax of the same logits
-        else:
+        else:  # grammar masks (filled on the host while the GPU runs), or sampling
             tokens, logprobs = self._sample(result.logits, ids, states)
         graphs.tokens_to_host(tokens)
-        if plain_greedy:
-            self._queue_ahead(chunks, positions, states, result, graphs)
+        if greedy:  # the next step's inputs are known on the device: queue its replay now. A constrained row's
+            # next mask needs this step's token on the host, which the next step's sampling has by then.
+            self._queue_ahead(chunks, positions, states, tokens, graphs)
         token_list = graphs.host_tokens(n)  # waits for this step only, not for the replay queued ahead
         if self.ahead is not None:
             self.ahead.tokens = token_list
@@ -687,7 +693,7 @@ class ModelRunner:
                                        rows_are_logits=True)
 
     def _queue_ahead(self, chunks: list[ScheduledChunk], positions: list[int], states: list[RunnerRequestState],
-                     result: DecodeResult, graphs: DecodeGraphs) -> None:
+                     tokens: torch.Tensor, graphs: DecodeGraphs) -> None:
         """Replay the step after this one now, if every row will still be running and its next KV slot is in a
         block it already holds (else the scheduler allocates first: nothing to guess)."""
         if self.ahead_score < AHEAD_MIN_SCORE:
@@ -705,7 +711,7 @@ class ModelRunner:
             return
         slot_blocks = [chunk.block_ids[p // bs] for chunk, p in zip(chunks, nxt, strict=True)]
         slots = [blk * bs + p % bs for blk, p in zip(slot_blocks, nxt, strict=True)]
-        ahead_result = graphs.run_ahead(result.tokens, nxt, slots, [p + 1 for p in nxt],
+        ahead_result = graphs.run_ahead(tokens, nxt, slots, [p + 1 for p in nxt],
                                         [chunk.block_ids for chunk in chunks])
         self.ahead = AheadStep([chunk.request_id for chunk in chunks], nxt, slot_blocks, ahead_result)
 
