@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_decode_attention import load_extension
+from kernels.cpu_rotary_kv_write import load_rotary_extension
 from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -75,6 +76,8 @@ class TorchPagedAttention:
         self.block_size = block_size
         # Decode rows on CPU in fp32 go through a compiled kernel that reads each block once (None: torch only).
         self.cpu_decode_kernel = load_extension()
+        # Rotary + KV write in one compiled pass over qkv (CPU fp32; None: the torch ops).
+        self.cpu_rotary_kernel = load_rotary_extension()
         self.k_scale = self.v_scale = 1.0  # fp8 KV cache: per-tensor scales (engine/kv_fp8.py)
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
@@ -129,7 +132,29 @@ class TorchPagedAttention:
         else:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        return self._attend_cached(q, kv_cache, meta, scale)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, cos_half: torch.Tensor,
+                    sin_half: torch.Tensor, num_heads: int, kv_cache: KVCache, meta: TorchAttentionMetadata,
+                    scale: float) -> torch.Tensor | None:
+        """CPU fp32: rotate q and k in place inside `qkv` [T, (H + 2 Hkv) D] and write k and v into the cache
+        in one compiled pass (bit-identical to rotating with torch ops, then `forward`), then attend.
+        None when the kernel does not apply here: the caller runs the torch ops."""
+        key_cache, value_cache = kv_cache
+        if (self.cpu_rotary_kernel is None or key_cache.device.type != "cpu" or key_cache.dtype != torch.float32
+                or qkv.dtype != torch.float32 or not qkv.is_contiguous()):
+            return None
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        self.cpu_rotary_kernel.rotary_kv_write(qkv, positions, cos_half, sin_half, key_cache, value_cache,
+                                               meta.slot_mapping, num_heads, num_kv_heads)
+        q = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        return self._attend_cached(q, kv_cache, meta, scale)
+
+    def _attend_cached(self, q: torch.Tensor, kv_cache: KVCache, meta: TorchAttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """Attention of the step's queries over the cache, which already holds this step's keys and values."""
+        key_cache, value_cache = kv_cache
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode = meta.decode
         if decode is not None and self._kernel_fits(key_cache):
             out[decode.flat_rows] = self.cpu_decode_kernel.paged_decode_attention(  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, KVCache
+from engine.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.config import ModelArch
 from engine.parallel.layout import RankShard
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -191,6 +191,12 @@ class Attention(nn.Module):
             out = self.backend.forward_rotary(positions, q, k, v, kv_cache, meta, self.scale,  # type: ignore[attr-defined]
                                               rotary.cos_sin)
         else:
+            if self.q_norm is None and isinstance(self.backend, TorchPagedAttention):
+                # CPU fp32: rotary and the KV write as one compiled pass over qkv (None: not applicable here)
+                out = self.backend.forward_qkv(positions, qkv, rotary.cos_half, rotary.sin_half, self.num_heads,
+                                               kv_cache, meta, self.scale)  # type: ignore[arg-type]
+                if out is not None:
+                    return out.reshape(num_tokens, self.q_size)
             if self.q_norm is None:  # q and k are adjacent in qkv: rotate them in one pass
                 qk = rotary.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(
                     num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
