@@ -52,6 +52,9 @@ class _Group:
     block_tables: torch.Tensor  # [B, max_blocks] int64
     seq_lens: torch.Tensor  # [B] int64
     mask: torch.Tensor  # [B, 1, Lq, L] bool, True where the query may attend
+    # Every sequence is a whole new prompt of this one length (no cached prefix, no padding): attention is then
+    # plain causal attention over the step's own tokens, without the mask or the padded key length.
+    causal_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class TorchPagedAttention:
         k_pos = torch.arange(key_len, dtype=torch.int64)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]
         all_valid = bool(valid.all())
+        fresh = all_valid and all(batch.seq_lens[i] == batch.query_lens[i] for i in ids)
         return _Group(
             rows=rows.to(device),
             valid=None if all_valid else valid.to(device),
@@ -118,6 +122,7 @@ class TorchPagedAttention:
             block_tables=tables,
             seq_lens=seq_lens.to(device),
             mask=mask[:, None, :, :].to(device),
+            causal_len=max_q if fresh else None,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -181,8 +186,13 @@ class TorchPagedAttention:
         if key_cache.dtype == FP8_DTYPE:  # dequantize the gathered blocks: stored value x scale
             keys, values = keys.to(q.dtype) * k_scale, values.to(q.dtype) * v_scale
         queries = q[group.rows].transpose(1, 2)  # [B, H, Lq, D]
-        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
-                                              enable_gqa=True)
+        if group.causal_len is not None:  # fresh prompts of one length: the causal kernel skips masked blocks
+            length = group.causal_len
+            attn = F.scaled_dot_product_attention(queries, keys[:, :, :length], values[:, :, :length],
+                                                  is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
+                                                  enable_gqa=True)
         attn = attn.transpose(1, 2)  # [B, Lq, H, D]
         if group.valid is None:
             out[group.flat_rows] = attn.reshape(num_seqs * max_q, *attn.shape[2:])
