@@ -47,6 +47,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # The same arithmetic as below (products commute bit for bit), without the no-op casts and with two
+            # of the four temporaries reused in place: fewer ops per layer on small decode batches.
+            variance = x.pow(2).mean(-1, keepdim=True)
+            return (x * variance.add_(self.eps).rsqrt_()).mul_(self.weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
