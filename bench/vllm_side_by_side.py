@@ -10,8 +10,9 @@ Workloads, each engine on both cores with its default engine settings, SmolLM2-1
   and `vllm serve`.
 
 Runs alternate (kvflow, vLLM, kvflow, vLLM, ...; the served rounds run kvflow-local, vLLM, kvflow-1P1D, then the
-reverse), one server at a time, and each run records the load average before it starts (the dev box is shared)
-and, served, the CPU seconds of every server process. kvflow runs with `--sse-keepalive-s 0`: vLLM's client strips
+reverse), one server at a time. Before each run the script waits (up to --settle-max-s) for the 1-minute load
+average to fall under --settle-load, so a run does not start in the wake of the previous one, and records the load
+average it starts at (the dev box is shared); served runs also record the CPU seconds of every server process. kvflow runs with `--sse-keepalive-s 0`: vLLM's client strips
 each network read and then loses every event after an SSE comment (bench/CPU_PROFILE.md), and vLLM's server sends
 no comments. Results: bench/results/cpu_vs_vllm_offline.json and cpu_vs_vllm_served.json.
 """
@@ -59,11 +60,22 @@ class Setup:
     vllm_env: dict[str, str]
     kvflow_env: dict[str, str]
     port: int
+    settle_load: float  # before each run: wait until the 1-minute load average is under this ...
+    settle_max_s: float  # ... for at most this long
 
 
 def load_average() -> dict[str, float]:
     one, five, fifteen = os.getloadavg()
     return {"1m": round(one, 2), "5m": round(five, 2), "15m": round(fifteen, 2)}
+
+
+def settle(below: float, max_wait_s: float) -> dict[str, float]:
+    """Wait (at most `max_wait_s`) until the 1-minute load average is under `below`, so a run does not start in
+    the wake of the previous one (the average decays with a one-minute time constant); then the load before it."""
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5.0)
+    return load_average()
 
 
 def run_checked(cmd: list[str], env: dict[str, str], log: Path) -> None:
@@ -101,7 +113,7 @@ def run_offline(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     for index in range(rounds):
         for engine, fn in (("kvflow", offline_kvflow), ("vllm", offline_vllm)):
-            load = load_average()
+            load = settle(setup.settle_load, setup.settle_max_s)
             result = fn(setup, work)
             runs.append({"round": index, "engine": engine, "load_before": load, **result})
             print(f"offline round {index} {engine}: {result['output_tok_s']} out tok/s (load {load['1m']})",
@@ -216,7 +228,7 @@ def run_served(setup: Setup, rounds: int, servers: list[str], work: Path) -> dic
             try:
                 server.wait_ready()
                 for dataset in SERVED_DATASETS:
-                    load = load_average()
+                    load = settle(setup.settle_load, setup.settle_max_s)
                     result = bench_serve(setup, server, dataset, work, f"{name}_{dataset}_{index}")
                     runs.append({"round": index, "server": name, "dataset": dataset, "load_before": load, **result})
                     print(f"served round {index} {name} {dataset}: {result['request_throughput']} req/s, TTFT p50 "
@@ -265,6 +277,9 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--vllm-ld-preload", default="", help="vLLM's recommended preloads (tcmalloc, libiomp5)")
     parser.add_argument("--results-suffix", default="", help="e.g. _quiet: cpu_vs_vllm_offline_quiet.json")
+    parser.add_argument("--settle-load", type=float, default=1.0,
+                        help="before each run, wait until the 1-minute load average is below this ...")
+    parser.add_argument("--settle-max-s", type=float, default=90.0, help="... for at most this many seconds")
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
@@ -279,7 +294,8 @@ def main() -> int:
     if args.vllm_ld_preload:
         vllm_env["LD_PRELOAD"] = args.vllm_ld_preload
     kvflow_env = {**os.environ, "PYTHONPATH": str(REPO)}
-    setup = Setup(args.kvflow_python, args.vllm_venv / "bin", model_dir, vllm_env, kvflow_env, args.port)
+    setup = Setup(args.kvflow_python, args.vllm_venv / "bin", model_dir, vllm_env, kvflow_env, args.port,
+                  args.settle_load, args.settle_max_s)
     version = subprocess.run([str(setup.vllm_bin / "python"), "-c", "import vllm; print(vllm.__version__)"],
                              capture_output=True, text=True, env=vllm_env).stdout.strip()
     context = {**host_context(), "vllm_version": version, "vllm_env": {
