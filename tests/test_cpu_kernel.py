@@ -35,3 +35,32 @@ def test_cpu_kernel_matches_reference_and_torch_path() -> None:
     assert meta.decode is not None
     backend._attend(query, key_cache, value_cache, meta.decode, scale, torch_out)
     assert (ours - torch_out).norm() / torch_out.norm() < 1e-5
+
+
+def test_rotary_kv_write_is_bit_identical_to_the_torch_path() -> None:
+    """The fused pass must equal `RotaryEmbedding.rotate` + `index_copy_` exactly (the engine stays token-exact)."""
+    from types import SimpleNamespace
+
+    from engine.models.llama import RotaryEmbedding
+    from kernels.cpu_rotary_kv_write import load_rotary_extension
+
+    assert load_rotary_extension() is not None
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 12
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=100000.0), head_dim, 256)
+    for num_tokens in (1, 7, 40):  # one thread for small batches, several tasks for larger ones
+        qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 3
+        positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(4)]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        expected = rotary.rotate(positions, qkv[:, : q_size + kv_size].view(num_tokens, -1, head_dim))
+        caches[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, expected[:, num_heads:])
+        caches[1].view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slots, qkv[:, q_size + kv_size :].reshape(num_tokens, num_kv_heads, head_dim))
+        fused = qkv.clone()
+        load_rotary_extension().rotary_kv_write(fused, positions, rotary.cos_half, rotary.sin_half, caches[2],
+                                                caches[3], slots, num_heads, num_kv_heads)
+        assert torch.equal(fused[:, : q_size + kv_size].view(num_tokens, -1, head_dim), expected)
+        assert torch.equal(fused[:, q_size + kv_size :], qkv[:, q_size + kv_size :])  # v untouched
+        assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, KVCache
+from engine.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.config import ModelArch
 from engine.parallel.layout import RankShard
 from engine.weight_offload import LayerWeightStream
@@ -49,6 +49,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # The same arithmetic as below (products commute bit for bit), without the no-op casts and with two
+            # of the four temporaries reused in place: fewer ops per layer on small decode batches.
+            variance = x.pow(2).mean(-1, keepdim=True)
+            return (x * variance.add_(self.eps).rsqrt_()).mul_(self.weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -193,6 +198,12 @@ class Attention(nn.Module):
             out = self.backend.forward_rotary(positions, q, k, v, kv_cache, meta, self.scale,  # type: ignore[attr-defined]
                                               rotary.cos_sin)
         else:
+            if self.q_norm is None and isinstance(self.backend, TorchPagedAttention):
+                # CPU fp32: rotary and the KV write as one compiled pass over qkv (None: not applicable here)
+                out = self.backend.forward_qkv(positions, qkv, rotary.cos_half, rotary.sin_half, self.num_heads,
+                                               kv_cache, meta, self.scale)  # type: ignore[arg-type]
+                if out is not None:
+                    return out.reshape(num_tokens, self.q_size)
             if self.q_norm is None:  # q and k are adjacent in qkv: rotate them in one pass
                 qk = rotary.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(
                     num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))

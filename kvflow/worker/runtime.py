@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ GRPC_OPTIONS = [
 DRAIN_TIMEOUT_S = 30.0  # --drain-timeout default
 ABORT_FLUSH_S = 5.0  # after the drain timeout: for the ended requests' last messages, then calls are cancelled
 HEALTH_TIMEOUT_S = 5.0
+CPU_WORKER_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval on CPU workers (see serve_worker)
 VERSION = "0.1.0"
 KV_TRANSFER_BACKENDS = ("auto", "nccl", "grpc")
 
@@ -263,6 +265,11 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
                          "which prefill locally (kvflow serve --tensor-parallel-size N --prefill-workers 0)")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
     llm_engine = await asyncio.to_thread(LLMEngine.from_engine_args, engine_args, True)
+    if llm_engine.device.type == "cpu":
+        # The engine thread gives up the GIL inside every torch op and needs it back between ops; with Python's
+        # 5 ms default a busy asyncio/gRPC thread can hold it that long each time. 0.5 ms measured +2-4 % req/s
+        # served on 2 cores (bench/CPU_PROFILE.md). Process-wide, and this process is the worker alone.
+        sys.setswitchinterval(CPU_WORKER_GIL_SWITCH_S)
     model_name = engine_args.model
     metrics = EngineMetrics(model_name)
     events = KVEventHub(worker_id)
