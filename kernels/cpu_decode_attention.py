@@ -28,6 +28,25 @@ def _build_dir() -> Path:
     return path
 
 
+def load_exact_extension(name: str, source: Path, what: str) -> Any | None:
+    """A CPU kernel that must equal torch's ops bit for bit (no -ffast-math, no FMA contraction: every product is
+    rounded before its sum, as torch rounds it), built into its own directory (one build.ninja per extension);
+    None (logged) when it cannot be built here or KVFLOW_DISABLE_CPU_KERNELS=1: the torch path runs then."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = _build_dir() / source.stem
+        build.mkdir(exist_ok=True)
+        return load(name=name, sources=[str(source)], build_directory=str(build),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler / headers
+        logger.warning("CPU %s kernel unavailable (%s); using the torch path", what, exc)
+        return None
+
+
 @functools.cache
 def load_extension() -> Any | None:
     """The compiled module, or None (logged once) when it cannot be built here."""
