@@ -294,13 +294,18 @@ def main() -> int:
     if args.vllm_ld_preload:
         vllm_env["LD_PRELOAD"] = args.vllm_ld_preload
     kvflow_env = {**os.environ, "PYTHONPATH": str(REPO)}
+    from engine.cpu_memory import tcmalloc_preload
+
+    preload = tcmalloc_preload(kvflow_env)  # kvflow's documented CPU setup (its serve workers do this themselves)
+    if preload is not None:
+        kvflow_env["LD_PRELOAD"] = preload
     setup = Setup(args.kvflow_python, args.vllm_venv / "bin", model_dir, vllm_env, kvflow_env, args.port,
                   args.settle_load, args.settle_max_s)
     version = subprocess.run([str(setup.vllm_bin / "python"), "-c", "import vllm; print(vllm.__version__)"],
                              capture_output=True, text=True, env=vllm_env).stdout.strip()
     context = {**host_context(), "vllm_version": version, "vllm_env": {
         k: vllm_env[k] for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
-        if k in vllm_env}, "kvflow_commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if k in vllm_env}, "kvflow_ld_preload": kvflow_env.get("LD_PRELOAD"), "kvflow_commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     RESULTS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvflow-vs-vllm-") as tmp:
         work = Path(tmp)

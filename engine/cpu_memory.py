@@ -31,3 +31,21 @@ def keep_freed_memory_for_reuse(mmap_threshold: int = 1 << 30, trim_threshold: i
     if not ok:
         logger.debug("mallopt refused the thresholds")
     return ok
+
+
+TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
+TCMALLOC_OFF_ENV = "KVFLOW_TCMALLOC"  # "0": CPU workers keep glibc's allocator
+
+
+def tcmalloc_preload(env: dict[str, str]) -> str | None:
+    """What a CPU worker's LD_PRELOAD should be set to, or None to leave `env` as it is: tcmalloc when it is
+    installed (e.g. Debian's libtcmalloc-minimal4), vLLM's CPU advice too. Measured on SmolLM2 fp32 (2 cores): the
+    prefill step -14 % against glibc even with the thresholds above. A preload only takes effect at process start,
+    so this is for processes kvflow starts; an LD_PRELOAD already set, or KVFLOW_TCMALLOC=0, is left alone."""
+    if env.get("LD_PRELOAD") or env.get(TCMALLOC_OFF_ENV) == "0" or not sys.platform.startswith("linux"):
+        return None
+    for name in TCMALLOC_NAMES:
+        found = ctypes.util.find_library(name)
+        if found:
+            return found
+    return None

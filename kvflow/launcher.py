@@ -40,6 +40,7 @@ import grpc
 from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
+from engine.cpu_memory import tcmalloc_preload
 from engine.lifeline import lifeline_env
 from kvflow.auth import TOKEN_ENV, ClusterAuth
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -267,6 +268,9 @@ class WorkerCluster:
         env.pop(TOKEN_ENV, None)  # the spec's credential only
         env.update(self.spec.auth.env())
         env.update(lifeline_env())  # the child dies with us (engine/lifeline.py: why not a preexec_fn)
+        preload = tcmalloc_preload(env) if placement.gpu is None else None
+        if preload is not None:  # CPU workers: tcmalloc when installed (engine/cpu_memory.py)
+            env["LD_PRELOAD"] = preload
         with open(log_path, log_mode) as log:  # own session: a terminal's Ctrl-C goes to the launcher only
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)

@@ -64,3 +64,16 @@ def test_rotary_kv_write_is_bit_identical_to_the_torch_path() -> None:
         assert torch.equal(fused[:, : q_size + kv_size].view(num_tokens, -1, head_dim), expected)
         assert torch.equal(fused[:, q_size + kv_size :], qkv[:, q_size + kv_size :])  # v untouched
         assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+def test_tcmalloc_preload_respects_the_callers_choice() -> None:
+    """CPU workers started by `kvflow serve` preload tcmalloc when installed, never over an LD_PRELOAD the caller
+    set, and not with KVFLOW_TCMALLOC=0."""
+    import ctypes.util
+
+    from engine.cpu_memory import tcmalloc_preload
+
+    assert tcmalloc_preload({"LD_PRELOAD": "libjemalloc.so.2"}) is None
+    assert tcmalloc_preload({"KVFLOW_TCMALLOC": "0"}) is None
+    installed = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    assert tcmalloc_preload({}) == installed
