@@ -10,7 +10,8 @@ transformers).
 
 Decode-ahead (CUDA graphs, all-greedy batches, grammar-constrained rows included): after a decode step the runner
 queues the replay of the step it expects next (same requests, each one position further, fed this step's argmax,
-grammar-masked where a request has a grammar, on the device) before it waits for this step's ids. The GPU then runs step n+1 while the host finishes step n and schedules n+1. The next call uses
+grammar-masked where a request has a grammar, on the device) before it waits for this step's ids. The GPU then
+runs step n+1 while the host finishes step n and schedules n+1. The next call uses
 that replay only if the scheduler asks for exactly that step (same requests in the same order, the predicted
 positions, tokens and KV slots); otherwise it is dropped. A dropped replay only wrote K/V at a slot the request
 itself owns, one past its context, which the real next write of that slot replaces.
@@ -393,7 +394,7 @@ class ModelRunner:
         self.kv_caches = []
         torch.cuda.empty_cache()
         now = GpuMemory.now()
-        weights = torch.cuda.memory_allocated()  # resident weights (+ the offload staging buffer), nothing offloaded
+        weights = torch.cuda.memory_allocated()  # resident weights (+ the offload staging buffers), nothing offloaded
         # Device memory this process took outside torch's allocator since it started (may include another
         # process's growth if one starts beside it at the same moment: the launcher starts those one by one).
         non_torch = max(0, (self.memory_at_start.free - now.free) - (now.reserved - self.memory_at_start.reserved))
