@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 from engine.errors import InvalidRequest
 from engine.generation_config import check_generation_config, parse_override
 from engine.spec_config import SpecConfig
+from engine.structured_output_config import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
+from engine.structured_output_config import StructuredOutputsConfig
 
 GiB = 1 << 30
 QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq")
@@ -118,6 +120,7 @@ class EngineConfig:
     device: DeviceConfig
     observability: ObservabilityConfig
     speculative: SpecConfig | None = None  # engine/spec_config.py; the draft's vocabulary is checked at load
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 def _resolve_device(device: str) -> str:
@@ -251,6 +254,9 @@ class EngineArgs:
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    # Structured output (engine/structured_output_config.py): vLLM's dict / JSON, or its older backend flag.
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
+    guided_decoding_backend: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -313,6 +319,15 @@ class EngineArgs:
         g.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
         g.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
         g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
+        # No argparse `choices` here: a refused backend gets one line with the reason (structured_outputs()), not
+        # argparse's usage text.
+        g.add_argument("--structured-outputs-config", default=None,
+                       help='JSON, as vLLM: \'{"backend": "xgrammar", "disable_any_whitespace": true}\'; backend '
+                            f'{" or ".join(STRUCTURED_OUTPUT_BACKENDS)} (both xgrammar), disable_any_whitespace '
+                            "(compact JSON for every request), disable_fallback (there is no other backend)")
+        g.add_argument("--guided-decoding-backend", default=None,
+                       metavar="{" + ",".join(STRUCTURED_OUTPUT_BACKENDS) + "}",
+                       help="(older vLLM form) the structured-output backend: xgrammar, kvflow's only one")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -330,6 +345,7 @@ class EngineArgs:
 
         self._validate()
         self.spec_config()  # a bad speculative config fails before any model is loaded
+        structured_outputs = self.structured_outputs()  # likewise
         device = _resolve_device(self.device)
         self.validate_cpu_offload(device)
         dtype = resolve_dtype(self.dtype, device)
@@ -404,7 +420,7 @@ class EngineArgs:
             max_seq_len_to_capture=self.max_seq_len_to_capture,
         )
         return EngineConfig(model, cache, scheduler, device_cfg, ObservabilityConfig(self.disable_log_stats),
-                            self.spec_config())
+                            self.spec_config(), structured_outputs)
 
     def spec_config(self) -> SpecConfig | None:
         """The speculative decoding config from `speculative_config` or the older flags (not both)."""
@@ -415,6 +431,11 @@ class EngineArgs:
         if spec is not None and legacy is not None:
             raise ValueError("give speculative_config or the older --speculative-model flags, not both")
         return spec or legacy
+
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        """The structured-output config from `structured_outputs_config` and `guided_decoding_backend`; raises
+        ValueError naming the flag (cheap: `kvflow serve` checks it before starting any worker)."""
+        return StructuredOutputsConfig.parse(self.structured_outputs_config, self.guided_decoding_backend)
 
     def without_speculation(self) -> EngineArgs:
         """The same arguments with speculation off (prefill workers never decode past the first token)."""
@@ -489,6 +510,7 @@ __all__ = [
     "ModelConfig",
     "ObservabilityConfig",
     "SchedulerConfig",
+    "StructuredOutputsConfig",
     "default_batch_limits",
     "device_batch_limits",
     "resolve_dtype",

@@ -4,14 +4,16 @@
 exactly one of `json` (a JSON schema), `regex`, `choice`, `grammar` (EBNF) or `json_object` (any JSON object).
 
 `StructuredOutputManager` belongs to one engine: it compiles each distinct constraint once (xgrammar's compiler
-cache, keyed by the constraint's canonical text), hands the runner one `GrammarMatcher` per constrained request,
-and fills one bitmask tensor per batch in which only constrained rows are written (the sampler masks only those
-rows). A matcher advances on every accepted token; once its grammar is complete it allows only the end-of-sequence
-token, so the request stops as any other request does.
+cache, keyed by the constraint's canonical text) under the engine's `StructuredOutputsConfig`
+(engine/structured_output_config.py; its `disable_any_whitespace` applies to every request), hands the runner one
+`GrammarMatcher` per constrained request, and fills one bitmask tensor per batch in which only constrained rows are
+written (the sampler masks only those rows). A matcher advances on every accepted token; once its grammar is
+complete it allows only the end-of-sequence token, so the request stops as any other request does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import OrderedDict
@@ -21,10 +23,12 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequest
+from engine.structured_output_config import StructuredOutputsConfig
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+ANY_OBJECT_SCHEMA = '{"type": "object"}'  # json_object without free whitespace (the built-in JSON grammar has it)
 BACKENDS = (None, "auto", "xgrammar")  # what `backend` may name: kvflow has one backend
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept per engine (least recently used dropped first)
 PARAM = "structured_outputs"
@@ -153,10 +157,11 @@ class StructuredOutputManager:
     """One per engine: compiled grammars (cached per distinct constraint), matchers, and the batch bitmask."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, max_threads: int = 2,
-                 tokenizer_info: Any = None) -> None:
+                 tokenizer_info: Any = None, config: StructuredOutputsConfig | None = None) -> None:
         """`tokenizer_info`: an xgrammar TokenizerInfo to use instead of one read from `tokenizer` (a benchmark
-        on a random-weight model without a tokenizer)."""
+        on a random-weight model without a tokenizer). `config`: the engine's (default: vLLM's defaults)."""
         self.tokenizer = tokenizer
+        self.config = config if config is not None else StructuredOutputsConfig()
         self.tokenizer_info = tokenizer_info
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -183,6 +188,8 @@ class StructuredOutputManager:
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar (once per distinct constraint); raises InvalidRequest for a bad one."""
+        if self.config.disable_any_whitespace and not params.disable_any_whitespace:  # the engine-wide setting
+            params = dataclasses.replace(params, disable_any_whitespace=True)
         key = params.cache_key()
         compiled = self._compiled.get(key)
         if compiled is not None:
@@ -194,6 +201,8 @@ class StructuredOutputManager:
             if kind == "json":
                 compiled = compiler.compile_json_schema(params.schema_text(),
                                                         any_whitespace=not params.disable_any_whitespace)
+            elif kind == "json_object" and params.disable_any_whitespace:  # as vLLM's xgrammar backend does
+                compiled = compiler.compile_json_schema(ANY_OBJECT_SCHEMA, any_whitespace=False)
             elif kind == "json_object":
                 compiled = compiler.compile_builtin_json_grammar()
             elif kind == "regex":

@@ -79,6 +79,8 @@ def engine_argv(args: EngineArgs) -> list[str]:
             out += [flag, *map(str, value)]
         elif isinstance(value, dict):  # JSON flags (--override-generation-config, --speculative-config)
             out += [flag, json.dumps(value)]
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object (EngineArgs built in code)
+            out += [flag, json.dumps(dataclasses.asdict(value))]
         elif value is not None:
             out += [flag, str(value)]
     return out

@@ -1,7 +1,8 @@
 """vLLM flag parity, in-process (no worker starts): every flag of `vllm serve` (tests/data/vllm_serve_flags.txt) is
 either defined by `kvflow serve` or refused with one line and exit code 2; vLLM's spellings (underscores,
 `--flag true/false`) on every sub-command; --generation-config / --override-generation-config, max_new_tokens as a
-cap, and LLM.get_default_sampling_params()."""
+cap, and LLM.get_default_sampling_params(); --guided-decoding-backend / --structured-outputs-config on every engine
+command and LLM(...), their one-line refusals, and the config reaching the engine and the workers' argv."""
 
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def test_refusal_through_main_is_one_line_and_exit_2(capsys: pytest.CaptureFixtu
         "`--limit-mm-per-prompt` is not supported by kvflow (kvflow serves text-only models: there is no "
         "multimodal input to limit or process)"]
     assert "unrecognized arguments" not in err and "Traceback" not in err
-    for argv in (["serve", "--enable_lora"], ["serve", "--guided_decoding_backend", "xgrammar"],
-                 ["prefill", "--tool-call-parser=hermes"], ["decode", "--structured-outputs-config", "{}"],
+    for argv in (["serve", "--enable_lora"], ["router", "--guided_decoding_backend", "xgrammar"],
+                 ["prefill", "--tool-call-parser=hermes"], ["bench", "serve", "--structured-outputs-config", "{}"],
                  ["generate", "hi", "--no-enable-lora"]):
         assert main(argv) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
@@ -74,11 +75,14 @@ def test_flags_other_branches_add_win_over_the_refusal(parser: argparse.Argument
         assert merged not in IN_PROGRESS
     assert prepare_argv(parser, ["serve", "--tensor_parallel_size", "1", "--cpu_offload_gb", "0"]) == [
         "serve", "--tensor-parallel-size", "1", "--cpu-offload-gb", "0"]
-    assert "--guided-decoding-backend" in IN_PROGRESS
+    # The rows left are flags some commands implement: `kvflow serve` defines every one, so none is refused there.
+    assert set(IN_PROGRESS) <= set(serve_parser(parser)._option_string_actions)
+    assert "--guided-decoding-backend" in IN_PROGRESS  # the router has no engine, so it refuses it
     fresh = build_parser()
-    serve_parser(fresh).add_argument("--guided-decoding-backend", default="xgrammar")  # as a branch would
-    args = fresh.parse_args(prepare_argv(fresh, ["serve", "--guided_decoding_backend", "guidance"]))
-    assert args.guided_decoding_backend == "guidance"
+    router = next(a for a in fresh._actions if isinstance(a, argparse._SubParsersAction)).choices["router"]
+    router.add_argument("--guided-decoding-backend", default="xgrammar")  # as a later change would
+    args = fresh.parse_args(prepare_argv(fresh, ["router", "--guided_decoding_backend", "auto"]))
+    assert args.guided_decoding_backend == "auto"
 
 
 @pytest.mark.parametrize(("given", "field", "value"), [
@@ -163,3 +167,108 @@ def test_generation_config_errors_are_one_line(tmp_path: Path, capsys: pytest.Ca
     forwarded = engine_argv(EngineArgs.from_cli_args(args))  # what serve hands its workers
     assert forwarded[forwarded.index("--override-generation-config") + 1] == \
         '{"temperature": 0.2, "max_new_tokens": 9}'
+
+
+# ---- structured output: --guided-decoding-backend / --structured-outputs-config ---------------------------------
+ENGINE_COMMANDS = (["serve"], ["prefill", "--port", "1"], ["decode", "--port", "1"], ["generate", "hi"],
+                   ["bench", "throughput"], ["bench", "routing"])
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_structured_output_flags_on_every_engine_command(parser: argparse.ArgumentParser,
+                                                         command: list[str]) -> None:
+    from engine.config import EngineArgs, StructuredOutputsConfig
+
+    def config(*flags: str) -> StructuredOutputsConfig:
+        args = parser.parse_args(prepare_argv(parser, [*command, *flags]))
+        return EngineArgs.from_cli_args(args).structured_outputs()
+
+    assert config() == StructuredOutputsConfig()
+    assert config("--guided_decoding_backend", "xgrammar").backend == "xgrammar"
+    assert config("--guided-decoding-backend=auto").backend == "auto"
+    assert config("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true, '
+                  '"disable_fallback": true}') == StructuredOutputsConfig("xgrammar", True, True)
+    # vLLM's defaults of the keys xgrammar cannot honour ask for nothing, so they pass
+    assert config("--structured_outputs_config", '{"disable_additional_properties": false, "reasoning_parser": ""}'
+                  ) == StructuredOutputsConfig()
+    assert config("--guided-decoding-backend", "xgrammar", "--structured-outputs-config",
+                  '{"backend": "xgrammar", "disable_any_whitespace": true}').disable_any_whitespace
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--guided-decoding-backend", "guidance"],
+     "`--guided-decoding-backend guidance` is not supported by kvflow (structured output uses xgrammar; use auto or "
+     "xgrammar)"),
+    (["--guided_decoding_backend", "outlines"], "`--guided-decoding-backend outlines` is not supported by kvflow ("),
+    (["--guided-decoding-backend", "xgrammar:disable-any-whitespace"],
+     "backend options are keys of `--structured-outputs-config`, e.g. '{\"disable_any_whitespace\": true}')"),
+    (["--structured-outputs-config", '{"backend": "lm-format-enforcer"}'],
+     "`--structured-outputs-config` backend 'lm-format-enforcer' is not supported by kvflow (structured output "
+     "uses xgrammar; use auto or xgrammar)"),
+    (["--structured-outputs-config", '{"reasoning_parser": "deepseek_r1"}'],
+     "`--structured-outputs-config` key 'reasoning_parser' = \"deepseek_r1\" is not supported by kvflow "
+     "(reasoning-content parsing is not implemented)"),
+    (["--structured-outputs-config", '{"enable_in_reasoning": true}'], "key 'enable_in_reasoning' = true is not"),
+    (["--structured-outputs-config", '{"disable_additional_properties": true}'],
+     "`--structured-outputs-config` key 'disable_additional_properties' = true is not supported by kvflow (it "
+     "applies to vLLM's guidance backend only; xgrammar never generates properties a JSON schema does not "
+     "declare)"),
+    (["--structured-outputs-config", '{"disable_any_whitespace": "yes"}'],
+     "`--structured-outputs-config` key 'disable_any_whitespace' must be true or false, got 'yes'"),
+    (["--structured-outputs-config", '{"whitespace_pattern": " "}'],
+     "`--structured-outputs-config`: unknown key(s) 'whitespace_pattern' (vLLM's keys: backend, "),
+    (["--structured-outputs-config", "xgrammar"], "`--structured-outputs-config` is not valid JSON: "),
+    (["--structured-outputs-config", "[1]"], "`--structured-outputs-config` must be a JSON object (a dict), got list"),
+    (["--guided-decoding-backend", "auto", "--structured-outputs-config", '{"backend": "xgrammar"}'],
+     "`--guided-decoding-backend auto` and `--structured-outputs-config` backend 'xgrammar' disagree; give the "
+     "backend once"),
+])
+@pytest.mark.parametrize("command", [["serve", "--model", "tiny"], ["decode", "--model", "tiny", "--port", "1"],
+                                     ["generate", "hi", "--model", "tiny"]], ids=lambda c: c[0])
+def test_structured_output_refusals_are_one_line_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str], flags: list[str],
+        line: str) -> None:
+    import engine.models.loader
+    import kvflow.launcher
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("reached a worker start or a model load")
+
+    monkeypatch.setattr(kvflow.launcher.WorkerCluster, "start", must_not_run)
+    monkeypatch.setattr(engine.models.loader, "resolve_model", must_not_run)
+    assert main([*command, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvflow: error: ") and line in err[0]
+
+
+def test_structured_output_config_reaches_the_llm_engine_and_the_workers(parser: argparse.ArgumentParser) -> None:
+    from engine.config import EngineArgs, StructuredOutputsConfig
+    from kvflow import LLM
+    from kvflow.launcher import engine_argv
+
+    small = {"max_model_len": 64, "kv_cache_memory_bytes": 8 << 20}
+    for kwargs in ({"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}},
+                   {"structured_outputs_config": StructuredOutputsConfig(disable_any_whitespace=True),
+                    "guided_decoding_backend": "xgrammar"}):
+        with LLM("tiny", **small, **kwargs) as llm:  # vLLM's LLM(...) engine arguments
+            assert llm.llm_engine.config.structured_outputs == StructuredOutputsConfig("xgrammar", False, True)
+            assert llm.llm_engine.structured_output.config.disable_any_whitespace  # what compiles the grammars
+    for bad, match in (({"guided_decoding_backend": "guidance"}, "`--guided-decoding-backend guidance` is not"),
+                       ({"structured_outputs_config": {"backend": "outlines"}}, "backend 'outlines' is not")):
+        with pytest.raises(ValueError, match=match):
+            LLM("tiny", **small, **bad)
+    # `kvflow serve` hands both flags to every worker (prefill workers too), which parse them back to the same
+    args = parser.parse_args(["serve", "--guided-decoding-backend", "xgrammar", "--structured-outputs-config",
+                              '{"disable_any_whitespace": true}'])
+    engine_args = EngineArgs.from_cli_args(args)
+    for role, worker_args in (("decode", engine_args), ("prefill", engine_args.without_speculation())):
+        forwarded = engine_argv(worker_args)
+        assert forwarded[forwarded.index("--structured-outputs-config") + 1] == '{"disable_any_whitespace": true}'
+        assert forwarded[forwarded.index("--guided-decoding-backend") + 1] == "xgrammar"
+        back = parser.parse_args([role, "--port", "1", *forwarded])
+        assert EngineArgs.from_cli_args(back).structured_outputs() == StructuredOutputsConfig("xgrammar", False, True)
+    # a config object given in code travels as its JSON
+    forwarded = engine_argv(EngineArgs(structured_outputs_config=StructuredOutputsConfig(disable_fallback=True)))
+    assert json.loads(forwarded[forwarded.index("--structured-outputs-config") + 1]) == {
+        "backend": "auto", "disable_fallback": True, "disable_any_whitespace": False}
+    assert "--structured-outputs-config" not in engine_argv(EngineArgs())  # the default is not forwarded

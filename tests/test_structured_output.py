@@ -3,10 +3,12 @@ form, the router's parsing (400s naming the field, tool schemas, tool-call parse
 real `kvflow serve` on SmolLM2 (1 prefill + 1 decode worker): json_schema outputs that parse and validate on the
 unified path (a short prompt, prefilled on the decode worker) and on P/D (a long one: the prefill worker samples
 the first token under the grammar, the decode worker resumes the matcher), guided choice / regex, tool_choice
-required and named (streaming too)."""
+required and named (streaming too); the engine-wide --structured-outputs-config (disable_any_whitespace changes
+every JSON grammar, and reaches the sampler through LLM(...))."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -92,6 +94,72 @@ def test_params_validate_and_travel_on_the_wire() -> None:
         with pytest.raises(InvalidRequest) as err:
             SamplingParams(structured_outputs=bad)
         assert err.value.param == "structured_outputs"
+
+
+# ---- the engine's config (--structured-outputs-config) -----------------------------------------------------------
+def _raw_vocab(vocab_size: int, eos: int) -> Any:
+    """An xgrammar TokenizerInfo whose first tokens are the printable ASCII characters (any JSON can be spelled),
+    for a model without a tokenizer."""
+    import string
+
+    import xgrammar as xgr
+
+    pieces = list(string.printable[:95]) + [f"<unused{i}>" for i in range(95, vocab_size)]
+    pieces[eos] = "</s>"
+    return xgr.TokenizerInfo(pieces, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[eos])
+
+
+def test_disable_any_whitespace_in_the_engine_config_changes_every_json_grammar() -> None:
+    import xgrammar as xgr
+
+    from engine.structured_output import StructuredOutputManager
+    from engine.structured_output_config import StructuredOutputsConfig
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    info = _raw_vocab(128, 127)
+
+    def accepts(config: StructuredOutputsConfig | None, params: StructuredOutputsParams, text: str) -> bool:
+        manager = StructuredOutputManager(None, 128, 127, tokenizer_info=info, config=config)
+        return xgr.GrammarMatcher(manager.compile(params)).accept_string(text)
+
+    compact = StructuredOutputsConfig(disable_any_whitespace=True)
+    for params in (StructuredOutputsParams(json=schema), StructuredOutputsParams(json_object=True)):
+        for spaced in ('{ "a": 1}', '{\n  "a": 1\n}'):
+            assert accepts(None, params, spaced)  # the default: free whitespace between tokens
+            assert not accepts(compact, params, spaced)  # the config removes it for every request
+            assert not accepts(None, dataclasses.replace(params, disable_any_whitespace=True), spaced)  # per request
+        assert accepts(compact, params, '{"a": 1}')  # xgrammar's fixed separators remain
+    assert not accepts(None, StructuredOutputsParams(json=schema), '{"a": 1, "b": 2}')  # strict: no undeclared keys
+    manager = StructuredOutputManager(None, 128, 127, tokenizer_info=info, config=compact)
+    manager.compile(StructuredOutputsParams(json=schema))
+    manager.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))  # the same grammar
+    assert manager.num_compiled == 1
+    assert accepts(compact, StructuredOutputsParams(regex="a b"), "a b")  # a regex's own spaces are not "free"
+
+
+def test_the_llm_engine_samples_under_the_configured_grammar() -> None:
+    """LLM(structured_outputs_config=...) reaches the sampler: a random-weight model's greedy output under an enum
+    schema is exactly one of its compact spellings, where without the config the same model pads it with
+    whitespace."""
+    from kvflow import LLM
+
+    schema = {"type": "object", "properties": {"c": {"enum": ["x", "yz"]}}, "required": ["c"]}
+    compact = ('{"c": "x"}', '{"c": "yz"}')
+    for config in ({"disable_any_whitespace": True}, None):
+        with LLM("tiny", max_model_len=64, kv_cache_memory_bytes=8 << 20, guided_decoding_backend="xgrammar",
+                 structured_outputs_config=config) as llm:
+            engine = llm.llm_engine
+            info = _raw_vocab(engine.config.model.arch.vocab_size, engine.eos_token_id)
+            engine.structured_output.tokenizer_info = info  # "tiny" has no tokenizer; read at the first compile
+            params = SamplingParams(max_tokens=24, temperature=0,
+                                    structured_outputs=StructuredOutputsParams(json=schema))
+            out = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [9, 8]}], params)
+        texts = ["".join(info.decoded_vocab[t].decode() for t in request.outputs[0].token_ids
+                         if t != engine.eos_token_id) for request in out]
+        if config is not None:
+            assert all(text in compact for text in texts), texts
+        else:  # the seeded random weights favour a space token, which only the config forbids
+            assert all(text not in compact and text.startswith("{ ") for text in texts), texts
 
 
 # ---- the router's parsing ----------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ _HUB = "models load from local files or built-in presets only (no hub downloads)
 _V0 = "a vLLM V0 engine option with no counterpart in kvflow's scheduler"
 _RAY = "kvflow runs its workers as local processes, not on Ray"
 _TRACING = "OpenTelemetry tracing is not implemented (metrics are on /metrics)"
+_STRUCTURED = ("grammars are compiled by the engines: LLM, generate, prefill, decode, serve and bench "
+               "throughput/routing/pd take it; the router only checks a request's constraint")
 _SERVER_PROCS = "one router process serves the HTTP API; scale out with more routers behind a load balancer"
 
 UNSUPPORTED: dict[str, str] = {
@@ -155,10 +157,8 @@ IN_PROGRESS: dict[str, str] = {
                                  "serve",
     "--tool-call-parser": "tool calls are parsed by the router: `kvflow router` / `kvflow serve`",
     "--enable-auto-tool-choice": "tool calls are parsed by the router: `kvflow router` / `kvflow serve`",
-    # Not built yet.
-    "--guided-decoding-backend": "structured output always uses xgrammar (a request's guided_decoding_backend may "
-                                 "name it)",
-    "--structured-outputs-config": "structured output always uses xgrammar with its defaults",
+    "--guided-decoding-backend": _STRUCTURED,
+    "--structured-outputs-config": _STRUCTURED,
 }
 
 
