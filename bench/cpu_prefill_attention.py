@@ -5,12 +5,15 @@ the torch path it replaces (paged gather + SDPA), SmolLM2-135M shapes (fp32, 9 q
 1. Per layer: `TorchPagedAttention._attend_cached` (everything attention does after the KV write) for the prefill
    rows of one step, kernel on and off alternating, at B = 8 x L = 128 / 256 / 512, one 2,048-token prompt, and
    prompts continuing a cached prefix (chunked prefill / prefix hits).
-2. End to end: `kvflow bench throughput`, 64 x 128 in / 128 out and the prefill-heavy 32 x 512 in / 1 out, in
+2. One engine, the kernel switched on and off between generate calls (alternating): 16 x 512 in / 1 out, i.e.
+   exactly one 8,192-token prefill step, fresh random prompts each call (prefix caching off). Same process, same
+   weights and memory, so only the attention path differs: the steadiest end-to-end A/B on a noisy box.
+3. End to end: `kvflow bench throughput`, 64 x 128 in / 128 out and the prefill-heavy 32 x 512 in / 1 out, in
    separate processes with KVFLOW_CPU_PREFILL_ATTENTION=0 (old) and 1 (new), alternating, each run preceded by a
    wait for the 1-minute load average to settle (the dev box is a shared 2-core VM) and recorded with it.
 
     python bench/cpu_prefill_attention.py                    # both parts -> bench/results/cpu_prefill_attention.json
-    python bench/cpu_prefill_attention.py --skip-throughput  # part 1 only
+    python bench/cpu_prefill_attention.py --skip-throughput  # parts 1 and 2
 """
 
 from __future__ import annotations
@@ -116,6 +119,38 @@ def bench_layers(rounds: int) -> dict[str, Any]:
     return results
 
 
+def bench_prefill_step(rounds: int) -> dict[str, Any]:
+    from engine.sampling_params import SamplingParams
+    from kvflow import LLM
+    from kvflow.benchmarks.throughput import random_prompts
+
+    llm = LLM("smollm2", dtype="float32", enable_prefix_caching=False)
+    backend = llm.llm_engine.runner.attn_backend
+    kernel = getattr(backend, "cpu_prefill_kernel", None)
+    if kernel is None:
+        raise RuntimeError(f"the prefill kernel is not in use (or {SWITCH_ENV}=0): nothing to compare")
+    vocab = llm.llm_engine.config.model.arch.vocab_size
+    params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
+    llm.generate(random_prompts(16, 512, vocab, seed=999), params)  # warm-up
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    loads = []
+    for i in range(rounds):
+        for arm in ("old", "new"):
+            backend.cpu_prefill_kernel = kernel if arm == "new" else None
+            prompts = random_prompts(16, 512, vocab, seed=2 * i + (arm == "new"))
+            loads.append(load_1m())
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            times[arm].append(round(time.perf_counter() - start, 3))
+        print(f"prefill step 16 x 512: old {times['old'][-1]} s, new {times['new'][-1]} s (load {loads[-1]})",
+              flush=True)
+    llm.close()
+    old, new = statistics.median(times["old"]), statistics.median(times["new"])
+    return {"workload": "16 prompts x 512 in / 1 out = one 8,192-token prefill step per generate call",
+            "median_s_old": old, "median_s_new": new, "change": f"{(new / old - 1) * 100:+.1f} %",
+            "samples_s": times, "load_1m": [min(loads), max(loads)]}
+
+
 def settle(max_load: float, max_wait_s: float) -> float:
     waited = 0.0
     while load_1m() > max_load and waited < max_wait_s:
@@ -157,14 +192,15 @@ def bench_throughput(repeats: int, max_load: float, max_wait_s: float) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="alternating timing rounds per layer case")
+    parser.add_argument("--step-rounds", type=int, default=4, help="alternating in-process prefill-step rounds")
     parser.add_argument("--repeats", type=int, default=2, help="throughput runs per arm and workload")
     parser.add_argument("--settle-load", type=float, default=1.0)
     parser.add_argument("--settle-max-s", type=float, default=60.0)
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    if args.rounds < 1 or args.repeats < 1:
-        raise ValueError("--rounds and --repeats must be at least 1")
+    if min(args.rounds, args.step_rounds, args.repeats) < 1:
+        raise ValueError("--rounds, --step-rounds and --repeats must be at least 1")
     result: dict[str, Any] = {
         "what": "CPU prefill attention: compiled causal GQA kernel (new) vs paged gather + torch SDPA (old)",
         "shapes": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK,
@@ -174,6 +210,7 @@ def main() -> None:
                     "ld_preload": os.environ.get("LD_PRELOAD", "")},
         "command": "python bench/cpu_prefill_attention.py " + " ".join(sys.argv[1:]),
         "per_layer": bench_layers(args.rounds),
+        "prefill_step_in_process": bench_prefill_step(args.step_rounds),
     }
     if not args.skip_throughput:
         result["throughput"] = bench_throughput(args.repeats, args.settle_load, args.settle_max_s)

@@ -123,7 +123,7 @@ void value_block(float* ot, int64_t ldo, const float* pt, const float* const* va
 }
 
 struct Task {
-  int64_t seq, kv_head, first_query, num_queries, cost;
+  int64_t seq, kv_head, first_query, num_queries, cost, family, family_cost;
 };
 
 struct Geometry {
@@ -284,16 +284,27 @@ void prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tens
       TORCH_CHECK(id >= 0 && id < num_blocks, "block id outside the KV cache");
     }
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      const size_t family_start = tasks.size();
+      int64_t family_cost = 0;
       for (int64_t first = 0; first < q_len[s]; first += queries_per_task) {
         const int64_t n = std::min(queries_per_task, q_len[s] - first);
         const int64_t keys = len[s] - q_len[s] + first + n;
-        tasks.push_back({s, kv, first, n, n * keys});
+        tasks.push_back({s, kv, first, n, n * keys, s * num_kv_heads + kv, 0});
+        family_cost += n * keys;
       }
+      for (size_t t = family_start; t < tasks.size(); ++t) tasks[t].family_cost = family_cost;
     }
   }
-  // Longest tasks first, taken by whichever thread is free: causal tasks differ in cost by up to the prompt
-  // length, and a static split would leave one core idle at the end.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  // Tasks are taken by whichever thread is free: causal tasks differ in cost by up to the prompt length, and a
+  // static split would leave one core idle at the end. Order: the tasks of one (sequence, kv head) together,
+  // longest first, so the two threads work on the same K/V rows while they are in cache (measured 2-7 % ahead
+  // of a plain longest-first order at 16 x 512 and 64 x 128 tokens, level elsewhere); heaviest of those
+  // families first, so the small tasks come last and even out the finish.
+  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    if (a.family_cost != b.family_cost) return a.family_cost > b.family_cost;
+    if (a.family != b.family) return a.family < b.family;
+    return a.cost > b.cost;
+  });
   const Geometry geometry{num_heads, num_kv_heads, group, head_dim, block_size, max_blocks,
                           query.stride(0), out.stride(0)};
   const float* q = query.data_ptr<float>();
