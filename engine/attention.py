@@ -85,10 +85,10 @@ class TorchPagedAttention:
         # Rotary + KV write in one compiled pass over qkv (CPU fp32; None: the torch ops).
         self.cpu_rotary_kernel = load_rotary_extension()
         # Prefill rows (fresh or continuing a cached prefix) on CPU in fp32: a compiled causal GQA kernel that reads
-        # the cache blocks in place. It measured faster than the gather + SDPA below in every case tried (1.6-2.4x
-        # at 8 x 128-512 tokens, 1.1x for one 2,048-token prompt, 1.2x continuing a cached prefix, 4.6x on ragged
-        # lengths; bench/results/cpu_prefill_attention.json), so it takes them all. None: torch only
-        # (KVFLOW_CPU_PREFILL_ATTENTION=0, or no compiler here).
+        # the cache blocks in place. Against the gather + SDPA below (bench/results/cpu_prefill_attention.json):
+        # 1.4-2.5x at 8 x 128-512 tokens, 1.1-1.2x continuing a cached prefix, 4.2-4.8x on ragged lengths, 2x on
+        # short rows after a long context, level (0.99-1.12x) on one 2,048-token prompt; nowhere beyond the noise
+        # slower, so it takes every case. None: torch only (KVFLOW_CPU_PREFILL_ATTENTION=0, or no compiler here).
         self.cpu_prefill_kernel = prefill_attention_kernel()
         self.k_scale = self.v_scale = 1.0  # fp8 KV cache: per-tensor scales (engine/kv_fp8.py)
 
