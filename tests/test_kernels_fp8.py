@@ -130,3 +130,23 @@ def test_prefill_attention_fp8(dtype: torch.dtype) -> None:
                                       v_scale=vs)
     ref = pre.paged_prefill_attention_ref(q.double(), kc, vc, bt, cu, sl, d**-0.5, ks, vs)
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@interp
+@pytest.mark.parametrize("dtype,m,k,max_block", [(torch.float32, 5, 96, 4096), (torch.bfloat16, 3, 200, 64)])
+def test_per_token_quant_fp8_bit_exact(dtype: torch.dtype, m: int, k: int, max_block: int) -> None:
+    """One launch (one pass, or two over K in tiles), bit for bit the torch reference: subnormal codes, an
+    all-zero row (the minimum scale) and ties included."""
+    from engine.quant.fp8_linear import quantize_per_token
+    from kernels.fp8_quant import per_token_quant_fp8
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-4, 1, k)[None, :]  # many codes in e4m3's subnormals
+    x[1] = 0.0
+    x[0, :4] = torch.tensor([448.0, -0.875 * 448 / 64, 0.9375 * 448 / 16, 3.0])  # exact, near-tie and a tie
+    x = x.to(dtype)
+    q, scale = per_token_quant_fp8(x, max_block=max_block)
+    ref_q, ref_scale = quantize_per_token(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(_bits(q), _bits(ref_q))
+    assert (_bits(ref_q) & 0x78 == 0).sum() > 0  # the case holds subnormal codes

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12  # an all-zero row or token still gets a finite scale
+from kernels.fp8_kv import FP8_DTYPE as FP8
+from kernels.fp8_kv import FP8_MAX
+from kernels.fp8_quant import INV_FP8_MAX, MIN_SCALE  # MIN_SCALE: an all-zero token still gets a finite scale
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +27,10 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] float -> (e4m3 [M, K], float32 scales [M, 1])."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    # amax times the float32 reciprocal of 448 (not a division): torch turns a CUDA tensor divided by a Python
+    # scalar into exactly this product, on the CPU it divides; spelling it out keeps both, and the Triton kernel,
+    # on the same bits.
+    scale = (xf.abs().amax(dim=1, keepdim=True) * INV_FP8_MAX).clamp_min(MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -35,6 +38,18 @@ def fp8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     """The same product in plain float32: dequantized per-token activations @ dequantized weights."""
     xq, xs = quantize_per_token(x)
     return (xq.float() * xs) @ (weight.float() * weight_scale[:, None]).t()
+
+
+def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token, in one Triton launch on CUDA (same codes and scales; kernels/fp8_quant.py)."""
+    if x.is_cuda:
+        from kernels._triton import HAS_TRITON
+
+        if HAS_TRITON:
+            from kernels.fp8_quant import per_token_quant_fp8
+
+            return per_token_quant_fp8(x.contiguous())
+    return quantize_per_token(x)
 
 
 class Fp8Linear(nn.Module):
@@ -55,7 +70,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_per_token(flat)
+        xq, xs = _quantize_activations(flat)
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.view(1, -1),
                                bias=None if self.bias is None else self.bias.to(x.dtype), out_dtype=x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
