@@ -82,6 +82,7 @@ if HAS_TRITON:
         PDL: tl.constexpr,
         v_scale,  # fp8 cache: V's per-tensor scale, applied to the output (K's is folded into qk_scale)
         FP8: tl.constexpr,
+        FP8_F16: tl.constexpr = True,  # widen e4m3 to float16 (else to the query's dtype)
     ):
         pdl_wait(PDL)
         b = tl.program_id(0)
@@ -108,6 +109,11 @@ if HAS_TRITON:
         )
         if UPCAST:
             q = q.to(tl.float32)
+        elif FP8 and FP8_F16:
+            # An e4m3 cache widens to float16 in one hardware convert per two values (to bfloat16 it goes through
+            # float32, two more converts each at a quarter of the FMA rate): q joins it in float16 (exact for any
+            # query under 65504) and the products run as fp16 MMAs accumulating in fp32.
+            q = q.to(tl.float16)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -296,6 +302,8 @@ def paged_decode_attention(
     single_pass: bool = True,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_f16: bool = True,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -307,7 +315,9 @@ def paged_decode_attention(
     ``tickets`` (int32, >= B * Hkv elements, all zero; they are zero again after the launch) lets a
     caller keep one persistent buffer, e.g. across CUDA graph replays; without it a zeroed one is
     allocated per call. ``single_pass=False`` combines the splits in a second kernel instead.
-    An fp8 (e4m3) cache is read as stored value x ``k_scale`` / ``v_scale`` (per tensor).
+    An fp8 (e4m3) cache is read as stored value x ``k_scale`` / ``v_scale`` (per tensor); with a 16-bit query it
+    is widened to float16 for the products (``fp8_f16=False``: to the query's dtype, for comparison).
+    ``num_stages`` overrides Triton's software-pipelining depth (a tuning knob).
     """
     require_triton("paged_decode_attention")
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
@@ -333,13 +343,16 @@ def paged_decode_attention(
     page = key_cache.shape[1]
     group = num_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
+    fp8 = key_cache.dtype == FP8_DTYPE
     if block_n is None:
         # ~16 KB of K per iteration: 64 tokens at D=128, 128 at D=64 (H200 sweep: +10-25%
-        # for Qwen-0.5B's D=64 over 64 tokens).
+        # for Qwen-0.5B's D=64 over 64 tokens). An fp8 cache keeps the token count (8 KB of K): on an H100 at
+        # 32k x 16 sequences, 64 tokens with 2 warps took 427 us against 470 for 128 tokens with 4
+        # (bench/results/quant_kv_fp8_sweep_h100.json).
         block_n = max(16, min(128, 8192 // head_dim))
     block_n = max(16, next_pow2(block_n))
     if num_warps is None:
-        num_warps = 4
+        num_warps = 2 if fp8 else 4
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     combine = num_splits > 1 and single_pass
     common = dict(
@@ -387,8 +400,10 @@ def paged_decode_attention(
         key_cache.stride(2),
         num_splits,
         v_scale=float(v_scale),
-        FP8=key_cache.dtype == FP8_DTYPE,
+        FP8=fp8,
+        FP8_F16=fp8 and fp8_f16 and query.dtype != torch.float32 and not common["UPCAST"],
         num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
         **common,
         **pdl_launch(query.device),
     )

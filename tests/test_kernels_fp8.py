@@ -102,7 +102,9 @@ def _paged(lens: list[int], page: int, hkv: int, d: int, g: torch.Generator, k_s
 
 
 @interp
-@pytest.mark.parametrize("dtype,splits", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 2)])
+# float16 queries take the widen-to-float16 products (a bfloat16 query does too on a GPU; the interpreter upcasts it)
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 2),
+                                          (torch.float16, 2)])
 def test_decode_attention_fp8(dtype: torch.dtype, splits: int) -> None:
     g = torch.Generator().manual_seed(3)
     h, hkv, d, page, lens = 8, 2, 32, 8, [37, 5, 64]
