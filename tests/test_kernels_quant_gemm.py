@@ -20,7 +20,9 @@ if str(ROOT) not in sys.path:
 from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, quant_matmul_ref  # noqa: E402
 from kernels.quant_gemm import (  # noqa: E402
     GEMV_PROGRAMS_PER_SM,
+    GEMM_PROGRAMS_PER_SM,
     GEMV_PROGRAMS_PER_SM_BATCHED,
+    gemm_tiles,
     gemv_tiles,
     quant_gemm,
 )
@@ -85,3 +87,14 @@ def test_gemv_tiles_split_k_to_fill_the_gpu() -> None:
     assert gemv_tiles(1, 28672, 4096, 132)[3] == 1
     assert gemv_tiles(8, 4096, 14336, 132) == (8, 16, 64, GEMV_PROGRAMS_PER_SM_BATCHED * 132 // (4096 // 16))
     assert gemv_tiles(1, 40, 96, 132) == (1, 16, 16, 3)  # K = 96: three 32-wide iterations, one per split
+
+
+def test_gemm_tiles_split_k_when_tiles_are_few() -> None:
+    # 64 decode rows of Llama-8B on 132 SMs: the 4096-wide outputs are 64 tiles, so K splits (the 4096-row down
+    # projection over K = 14336 too); gate/up's 448 tiles already fill the GPU; a prefill's rows need no split.
+    assert gemm_tiles(64, 4096, 4096, 132, False) == (64, 64, 4, GEMM_PROGRAMS_PER_SM * 132 // 64)
+    assert gemm_tiles(64, 4096, 14336, 132, False)[3] == GEMM_PROGRAMS_PER_SM * 132 // 64
+    assert gemm_tiles(64, 28672, 4096, 132, False)[3] == 1
+    assert gemm_tiles(4096, 4096, 4096, 132, False)[3] == 1
+    assert gemm_tiles(20, 40, 384, 132, True) == (32, 64, 4, 3)  # K = 384: three iterations, one per split
+
