@@ -81,7 +81,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ fp8 W8A8
-def part_w8a8(smoke: bool, num_prompts: int) -> dict[str, Any]:
+def part_w8a8(smoke: bool, num_prompts: int, only: list[str] | None = None) -> dict[str, Any]:
     from kvflow import LLM, SamplingParams
 
     dev = "cpu" if smoke else "cuda"
@@ -107,6 +107,8 @@ def part_w8a8(smoke: bool, num_prompts: int) -> dict[str, Any]:
                     "fp8_w8a8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
     runs: dict[str, Any] = {}
     for name, kw in configs.items():
+        if only and name not in only and name != "bf16":
+            continue
         llm = LLM(model, load_format="dummy", max_model_len=in_len + out_len + 16, **kw,
                   **({"device": "cpu", "kv_cache_memory_bytes": 16 << 20} if smoke else {}))
         blocks = llm.llm_engine.runner.kv_caches[0][0].shape[0]
@@ -128,12 +130,74 @@ def part_w8a8(smoke: bool, num_prompts: int) -> dict[str, Any]:
     return record
 
 
+def _cuda_ms(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Median ms of one replay of a CUDA graph of fn."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def part_w8a8_layers(smoke: bool) -> dict[str, Any]:
+    """The four decoder linears of Llama-8B at prefill and decode row counts: Fp8Linear (activation quantization
+    + _scaled_mm) vs bf16 F.linear, each over 8 distinct layers' weights in one CUDA graph; and the activation
+    quantization alone, Triton (one launch) vs the torch reference (six kernels)."""
+    from engine.quant.fp8_linear import quantize_per_token
+    from kernels.fp8_quant import per_token_quant_fp8
+
+    if smoke:
+        return {"skipped": "GPU only (cuBLASLt fp8 GEMMs)"}
+    shapes = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+    layers = 8
+    out: dict[str, Any] = {"workload": f"Llama-3.1-8B linears, {layers} layers of distinct weights per shape, "
+                                       "CUDA graphs", "cases": []}
+    for name, (n, k) in shapes.items():
+        dense = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        fp8 = [Fp8Linear.from_dense(d) for d in dense]
+        for m in (1, 64, 256, 2048, 8192):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                bf16_ms = _cuda_ms(lambda x=x, dense=dense: [d(x) for d in dense])
+                fp8_ms = _cuda_ms(lambda x=x, fp8=fp8: [f(x) for f in fp8])
+                quant_ms = _cuda_ms(lambda x=x: [per_token_quant_fp8(x) for _ in range(layers)])
+                ref_ms = _cuda_ms(lambda x=x: [quantize_per_token(x) for _ in range(layers)])
+            row = {"linear": name, "rows": m, "bf16_ms": round(bf16_ms / layers, 4),
+                   "fp8_ms": round(fp8_ms / layers, 4), "fp8_speedup": round(bf16_ms / fp8_ms, 3),
+                   "quant_triton_ms": round(quant_ms / layers, 4), "quant_torch_ms": round(ref_ms / layers, 4)}
+            if m == 64:  # codes against the torch reference, with the hardware convert and with round_to_e4m3
+                rq, rs = quantize_per_token(x)
+                for label, hw in (("hw_cast", True), ("round_to_e4m3", False)):
+                    q, sc = per_token_quant_fp8(x, hw_cast=hw)
+                    diff = q.view(torch.uint8) != rq.view(torch.uint8)
+                    row[f"quant_{label}"] = {
+                        "codes_differing": int(diff.sum()), "scales_differing": int((sc != rs).sum()),
+                        "examples": [{"x_over_scale": float(x[i, j].float() / rs[i]), "q": float(q[i, j]),
+                                      "q_torch": float(rq[i, j])} for i, j in diff.nonzero()[:3].tolist()]}
+            print("w8a8_layers", row, flush=True)
+            out["cases"].append(row)
+        del dense, fp8
+        torch.cuda.empty_cache()
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- fp8 KV
 def part_kv(smoke: bool) -> dict[str, Any]:
     dev = "cpu" if smoke else "cuda"
     heads, kv_heads, d, page = (4, 2, 32, 16) if smoke else (HEADS, KV_HEADS, HEAD_DIM, 16)
     contexts, batches = ([64, 128], [1, 2]) if smoke else ([8192, 32768], [1, 16])
-    out: dict[str, Any] = {"workload": f"paged decode attention, H={heads}, Hkv={kv_heads}, D={d}, block {page}",
+    out: dict[str, Any] = {"workload": f"paged decode attention, H={heads}, Hkv={kv_heads}, D={d}, block {page}, "
+                                       "kernel defaults, one launch per call in a CUDA graph (median of 50 replays)",
                            "cases": []}
     g = torch.Generator(device="cpu").manual_seed(1)
     for ctx in contexts:
@@ -149,10 +213,13 @@ def part_kv(smoke: bool) -> dict[str, Any]:
             k8, v8 = quantize_fp8(kc, 1.0), quantize_fp8(vc, 1.0)
             scale = d ** -0.5
             row: dict[str, Any] = {"context": ctx, "batch": batch}
+            tickets = torch.zeros(batch * kv_heads, dtype=torch.int32, device=dev)
             for name, (kk, vv) in {"bf16": (kc, vc), "fp8": (k8, v8)}.items():
+                # The engine's call: one launch (splits combined in-kernel), persistent tickets, in a CUDA graph.
                 run = functools.partial(paged_decode_attention, q, kk, vv, tables, seq_lens, scale,
-                                        max_seq_len=ctx, single_pass=False)
-                row[f"{name}_us"] = round(timed(run, 3 if smoke else 50, dev == "cuda") * 1e6, 1)
+                                        max_seq_len=ctx, tickets=tickets)
+                seconds = timed(run, 3, False) if smoke else _cuda_ms(run, 50) / 1e3
+                row[f"{name}_us"] = round(seconds * 1e6, 1)
                 if batch == batches[0] and ctx == contexts[0]:
                     ref = paged_decode_attention_ref(q, kk, vv, tables, seq_lens, scale)
                     row[f"{name}_rel_err"] = rel_err(run(), ref)
@@ -170,10 +237,12 @@ def part_kv(smoke: bool) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------------- int4
 def _q4_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight:
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    return QuantWeight(4, "min", 32, n, k, pack_int4(q).to(dev), fp16_bits(torch.rand(n, k // 32, generator=g)
-                                                                          * 0.002).to(dev),
-                       mins=fp16_bits(-torch.rand(n, k // 32, generator=g) * 0.01).to(dev))
+    """Random codes, scales and mins made where they are used (g lives on dev: 7 billion codes take minutes on
+    the host)."""
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8, device=dev)
+    return QuantWeight(4, "min", 32, n, k, pack_int4(q), fp16_bits(torch.rand(n, k // 32, generator=g, device=dev)
+                                                                   * 0.002),
+                       mins=fp16_bits(-torch.rand(n, k // 32, generator=g, device=dev) * 0.01))
 
 
 def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -185,11 +254,24 @@ def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
                       KINDS.index(w.kind), w.group_size, w.out_features)
 
 
-def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool) -> None:
-    matmul = _triton_matmul if smoke else quant_matmul
+def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool,
+               tiled: bool = False) -> None:
+    """quant_matmul's own choice per batch; `tiled`: the dequantizing tensor-core GEMM (split K) even where the
+    GEMV would be taken, the A/B that sets GEMV_MAX_M."""
+    from engine.quant.group_quant import KINDS
+    from kernels.quant_gemm import _quant_gemm_tiled
+
     for ws in weights:
         for w in ws:
-            matmul(xs[w.in_features], w)
+            x = xs[w.in_features]
+            if smoke:
+                _triton_matmul(x, w)
+            elif tiled:
+                y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
+                _quant_gemm_tiled(x, w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind), w.group_size,
+                                  w.out_features, y)
+            else:
+                quant_matmul(x, w)
 
 
 def _step_bf16(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
@@ -203,11 +285,11 @@ def part_int4(smoke: bool) -> dict[str, Any]:
     hidden, inter, layers = (64, 128, 2) if smoke else (HIDDEN, INTER, LAYERS)
     q_out = hidden + 2 * (hidden // 4)  # Llama-8B: 4096 + 2 x 1024
     shapes = [(q_out, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
-    g = torch.Generator(device="cpu").manual_seed(2)
+    g = torch.Generator(device=dev).manual_seed(2)
     int4 = [[_q4_weight(n, k, dev, g) for n, k in shapes] for _ in range(layers)]
-    bf16 = [[(torch.randn(n, k, generator=g) * 0.02).to(dev, torch.bfloat16) for n, k in shapes]
+    bf16 = [[torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
             for _ in range(layers)]
-    x = torch.randn(8, hidden, generator=g).to(dev, torch.bfloat16)
+    x = torch.randn(8, hidden, generator=g, device=dev).to(torch.bfloat16)
     check = (_triton_matmul if smoke else quant_matmul)(x, int4[0][2])
     out: dict[str, Any] = {
         "workload": f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), "
@@ -218,11 +300,14 @@ def part_int4(smoke: bool) -> dict[str, Any]:
         "cases": [],
     }
     for batch in (1, 8, 64):
-        xs = {n: torch.randn(batch, n, generator=g).to(dev, torch.bfloat16) for n in {k for _, k in shapes}}
+        xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in {k for _, k in shapes}}
 
         row: dict[str, Any] = {"batch": batch}
-        for name, fn in (("bf16", functools.partial(_step_bf16, bf16, xs)),
-                         ("int4", functools.partial(_step_int4, int4, xs, smoke))):
+        steps = [("bf16", functools.partial(_step_bf16, bf16, xs)),
+                 ("int4", functools.partial(_step_int4, int4, xs, smoke))]
+        if batch in (1, 8) and not smoke:
+            steps.append(("int4_tiled_gemm", functools.partial(_step_int4, int4, xs, smoke, True)))
+        for name, fn in steps:
             run = fn
             if dev == "cuda":  # one graph per step: launch overhead out of the comparison
                 fn()
@@ -235,6 +320,8 @@ def part_int4(smoke: bool) -> dict[str, Any]:
             row[f"{name}_step_ms"] = round(seconds * 1e3, 3)
             row[f"{name}_tok_s"] = round(batch / seconds, 1)
         row["int4_vs_bf16"] = round(row["int4_tok_s"] / row["bf16_tok_s"], 3)
+        if "int4_tiled_gemm_tok_s" in row:
+            row["int4_tiled_gemm_vs_bf16"] = round(row["int4_tiled_gemm_tok_s"] / row["bf16_tok_s"], 3)
         print("int4", row, flush=True)
         out["cases"].append(row)
     return out
@@ -272,13 +359,15 @@ def part_e2e(smoke: bool) -> dict[str, Any]:
     return result
 
 
-PARTS = {"w8a8": part_w8a8, "kv": part_kv, "int4": part_int4, "e2e": part_e2e}
+PARTS = {"w8a8": part_w8a8, "w8a8_layers": part_w8a8_layers, "kv": part_kv, "int4": part_int4, "e2e": part_e2e}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--w8a8-configs", nargs="+", default=None,
+                        help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -288,7 +377,7 @@ def main() -> None:
     for part in args.parts:
         try:
             if part == "w8a8":
-                record[part] = part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts)
+                record[part] = part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts, args.w8a8_configs)
             else:
                 record[part] = PARTS[part](args.smoke)  # type: ignore[operator]
         except Exception as exc:  # record the failure and go on with the other parts
