@@ -255,9 +255,9 @@ def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool,
-               tiled: bool = False) -> None:
-    """quant_matmul's own choice per batch; `tiled`: the dequantizing tensor-core GEMM (split K) even where the
-    GEMV would be taken, the A/B that sets GEMV_MAX_M."""
+               tiled: dict[str, Any] | None = None) -> None:
+    """quant_matmul's own choice per batch; `tiled`: the dequantizing tensor-core GEMM (split K) with these
+    keyword arguments, even where the GEMV would be taken (the A/B that sets GEMV_MAX_M, and the sweep)."""
     from engine.quant.group_quant import KINDS
     from kernels.quant_gemm import _quant_gemm_tiled
 
@@ -266,12 +266,26 @@ def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], sm
             x = xs[w.in_features]
             if smoke:
                 _triton_matmul(x, w)
-            elif tiled:
+            elif tiled is not None:
                 y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
                 _quant_gemm_tiled(x, w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind), w.group_size,
-                                  w.out_features, y)
+                                  w.out_features, y, **tiled)
             else:
                 quant_matmul(x, w)
+
+
+def _graph_step_ms(fn: Callable[[], Any]) -> float:
+    return _cuda_ms(fn, 10)
+
+
+GEMM_SWEEP: list[dict[str, Any]] = (
+    [{"meta_per_sub": False}, {}]  # the first kernel's per-column scale gathers, then the default
+    + [{"swap_ab": True, "tiles": t, "num_warps": w} for t in ((16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 4),
+                                                              (64, 64, 4), (64, 128, 2), (64, 256, 2))
+       for w in (4, 8)]
+    + [{"tiles": t, "num_warps": w} for t in ((64, 128, 4), (64, 64, 2)) for w in (4, 8)]
+    + [{"swap_ab": True, "tiles": (64, 128, 4), "num_warps": 4, "num_stages": st} for st in (2, 4)]
+)
 
 
 def _step_bf16(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
@@ -306,7 +320,7 @@ def part_int4(smoke: bool) -> dict[str, Any]:
         steps = [("bf16", functools.partial(_step_bf16, bf16, xs)),
                  ("int4", functools.partial(_step_int4, int4, xs, smoke))]
         if batch in (1, 8) and not smoke:
-            steps.append(("int4_tiled_gemm", functools.partial(_step_int4, int4, xs, smoke, True)))
+            steps.append(("int4_tiled_gemm", functools.partial(_step_int4, int4, xs, smoke, {})))
         for name, fn in steps:
             run = fn
             if dev == "cuda":  # one graph per step: launch overhead out of the comparison
@@ -324,6 +338,33 @@ def part_int4(smoke: bool) -> dict[str, Any]:
             row["int4_tiled_gemm_vs_bf16"] = round(row["int4_tiled_gemm_tok_s"] / row["bf16_tok_s"], 3)
         print("int4", row, flush=True)
         out["cases"].append(row)
+    if not smoke:  # the dequantizing GEMM's variants and tiles over the whole step, at decode batch sizes
+        from engine.quant.group_quant import KINDS
+        from kernels.quant_gemm import _quant_gemm_tiled
+
+        out["gemm_sweep"] = []
+        for batch in (8, 16, 64, 256):
+            xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in {k for _, k in shapes}}
+            bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
+            for cfg in GEMM_SWEEP:
+                rec: dict[str, Any] = {"batch": batch, **{k: (list(v) if isinstance(v, tuple) else v)
+                                                          for k, v in cfg.items()}}
+                try:
+                    w = int4[0][2]
+                    check = torch.empty(batch, w.out_features, dtype=torch.bfloat16, device=dev)
+                    _quant_gemm_tiled(xs[w.in_features], w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind),
+                                      w.group_size, w.out_features, check, **cfg)
+                    err = rel_err(check.float(), quant_matmul_ref(xs[w.in_features].float(), w))
+                    if err > 2e-2:
+                        rec["error"] = f"rel err {err:.3g}"
+                    else:
+                        ms = _graph_step_ms(functools.partial(_step_int4, int4, xs, smoke, cfg))
+                        rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3),
+                                   vs_bf16=round(bf16_ms / ms, 3))
+                except Exception as exc:  # a variant that does not compile is recorded, not fatal
+                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                print("int4_gemm_sweep", rec, flush=True)
+                out["gemm_sweep"].append(rec)
     return out
 
 

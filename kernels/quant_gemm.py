@@ -3,8 +3,8 @@ layout of engine/quant/group_quant.py (4-bit: GGUF-ordered nibbles in 32-element
 and a float16 min or uint8 zero per group; 8-bit: int8 with a float16 scale per group), dequantized tile by tile
 in registers: the weight is read once, at 4 (or 8) bits per value.
 
-Two kernels. Decode batches (M <= GEMV_MAX_M) take a GEMV: no tl.dot (whose M tile would pad to 16), products
-accumulated elementwise and reduced once at the end, and K split across programs so that even a 4096-row weight
+Two kernels. Single rows (and fp32 batches up to GEMV_MAX_M) take a GEMV: no tl.dot (whose M tile would pad to
+16), products accumulated elementwise and reduced once at the end, and K split across programs so that even a 4096-row weight
 keeps every SM streaming (the first version, one program per 32 rows walking all of K, read 4-bit weights at
 ~110 GB/s on an H100: 0.13x bf16's tok/s). Split partials land in an fp32 buffer summed afterwards. Larger batches
 take the GEMM. Reference: `engine.quant.group_quant.quant_matmul_ref`.
@@ -56,8 +56,16 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         SUB: tl.constexpr,  # 32-element sub-blocks per iteration
         UPCAST: tl.constexpr,
+        META_PER_SUB: tl.constexpr = True,
+        SWAP_AB: tl.constexpr = False,
     ):
-        """Y [M, N] = X @ W^T, or with K split (program axis 2) each split's fp32 partial at Y + split * stride_ys."""
+        """Y [M, N] = X @ W^T, or with K split (program axis 2) each split's fp32 partial at Y + split * stride_ys.
+
+        META_PER_SUB loads each row's scale (and min / zero) once per 32-element sub-block and broadcasts it over
+        the sub-block's 16 columns of each half-tile (else: gathered per column, 16x the loads). SWAP_AB computes
+        Y^T = W X^T: the dequantized weight tile is the dot's first operand, which Hopper's MMAs may read from
+        registers, so it skips the round trip through shared memory that the second operand takes (and the
+        tile's rows, few at decode, become the MMA's narrow side)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -70,26 +78,32 @@ if HAS_TRITON:
         # both (low nibble, high nibble), at byte offset c of the iteration's packed range.
         offs_c = tl.arange(0, 16 * SUB)
         elem_lo = 32 * (offs_c // 16) + offs_c % 16
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sub = tl.arange(0, SUB)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
         q_rows = Q + offs_n.to(tl.int64)[:, None] * stride_qn
         s_rows = offs_n.to(tl.int64)[:, None] * stride_sn
         w_mask = n_mask[:, None]
         k_start = pid_s * K_PER_SPLIT
         for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), 32 * SUB):
-            grp = (k0 + elem_lo) // GROUP  # [16 * SUB]: both halves of a sub-block share its group
-            d = tl.load(S + s_rows + grp[None, :], mask=w_mask, other=0).to(tl.float16, bitcast=True)
-            d = d.to(tl.float32)
+            # [SUB] per sub-block, or [16 * SUB] per column (both halves of a sub-block share its group)
+            grp = (k0 + 32 * sub) // GROUP if META_PER_SUB else (k0 + elem_lo) // GROUP
+            d = _meta_cols(tl.load(S + s_rows + grp[None, :], mask=w_mask, other=0).to(tl.float16, bitcast=True),
+                           BLOCK_N, SUB, META_PER_SUB)
             x_lo = tl.load(x_rows + k0 + elem_lo[None, :], mask=m_mask[:, None], other=0.0)
             x_hi = tl.load(x_rows + k0 + 16 + elem_lo[None, :], mask=m_mask[:, None], other=0.0)
             lo, hi = _load_codes(q_rows, k0, offs_c, elem_lo, w_mask, BITS)
             if KIND == 0:
                 mn = tl.load(Off + s_rows + grp[None, :], mask=w_mask, other=0).to(tl.float16, bitcast=True)
-                mn = mn.to(tl.float32)
+                mn = _meta_cols(mn, BLOCK_N, SUB, META_PER_SUB)
                 w_lo = d * lo + mn
                 w_hi = d * hi + mn
             elif KIND == 1:
-                z = tl.load(Off + s_rows + grp[None, :], mask=w_mask, other=0).to(tl.float32)
+                z = _meta_cols(tl.load(Off + s_rows + grp[None, :], mask=w_mask, other=0), BLOCK_N, SUB,
+                               META_PER_SUB)
                 w_lo = (lo - z) * d
                 w_hi = (hi - z) * d
             else:
@@ -100,11 +114,24 @@ if HAS_TRITON:
                 x_hi = x_hi.to(tl.float32)
                 acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
                 acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
+            elif SWAP_AB:
+                acc += tl.dot(w_lo.to(x_lo.dtype), tl.trans(x_lo))
+                acc += tl.dot(w_hi.to(x_hi.dtype), tl.trans(x_hi))
             else:
                 acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
                 acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
         y_ptr = Y + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        out = tl.trans(acc) if SWAP_AB else acc
+        tl.store(y_ptr, out.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _meta_cols(v, BLOCK_N: tl.constexpr, SUB: tl.constexpr, PER_SUB: tl.constexpr):
+        """A scale / min / zero tile as float32 per half-tile column: [BLOCK_N, SUB] broadcast over each
+        sub-block's 16 columns, or already per column."""
+        v = v.to(tl.float32)
+        if PER_SUB:
+            v = tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, SUB, 16)), (BLOCK_N, 16 * SUB))
+        return v
 
     @triton.jit
     def _quant_gemv_kernel(
@@ -185,18 +212,30 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, off
     if m == 0:
         return y
     offs = offsets if offsets is not None and offsets.numel() else scales  # unused placeholder for "sym"
-    if m <= GEMV_MAX_M:
+    # A 16-bit batch of 2..8 rows pads the GEMM's MMA to 16 rows and still beats the GEMV's elementwise products
+    # (H100, Llama-8B step at 8 rows: 5.3 vs 10.0 ms); fp32 products (and the interpreter's bf16) stay there.
+    if m == 1 or (m <= GEMV_MAX_M and (x.dtype == torch.float32 or dot_needs_upcast(x.dtype))):
         return _quant_gemv(x, qweight, scales, offs, bits, kind, group_size, out_features, y)
     return _quant_gemm_tiled(x, qweight, scales, offs, bits, kind, group_size, out_features, y)
 
 
-def gemm_tiles(m: int, n: int, k: int, sms: int, fp32: bool) -> tuple[int, int, int, int]:
+def gemm_tiles(m: int, n: int, k: int, sms: int, upcast: bool,
+               tiles: tuple[int, int, int] | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, SUB, split) of the dequantizing GEMM. K is split until about GEMM_PROGRAMS_PER_SM
     programs per SM are in flight: at 64 rows, Llama-8B's 4096-wide outputs are 64 tiles on 132 SMs, and unsplit
     each walked all of K alone (the int4 step took 67 ms against bf16's 5.4 on an H100)."""
-    block_m = 16 if m <= 16 else (32 if fp32 else 64)
-    block_n = 32 if m <= 16 else 64  # decode: more programs over N to keep every SM reading weights
-    sub = next(s for s in (4, 2, 1) if (k // 32) % s == 0)
+    if tiles is None and upcast:  # fp32 products
+        block_m = 16 if m <= 16 else 32
+        block_n = 32 if m <= 16 else 64  # decode: more programs over N to keep every SM reading weights
+        sub = 4
+    elif tiles is None:
+        # 16-bit x, the transposed product (SWAP_AB): an H100 sweep over the Llama-8B step (quant_gpu_h100.json,
+        # int4.gemm_sweep) at 8 / 16 / 64 / 256 rows: 5.3 / 5.5 / 8.8 / 24.8 ms against bf16's 5.3-6.5.
+        block_m, block_n, sub = (16, 64, 4) if m <= 16 else ((32, 128, 4) if m <= 32 else (64, 128, 2))
+    else:  # (BLOCK_M, BLOCK_N, SUB) from a sweep
+        block_m, block_n, sub = tiles
+    while (k // 32) % sub:
+        sub //= 2
     iters = k // (32 * sub)
     programs = -(-m // block_m) * -(-n // block_n)
     split = max(1, min(iters, (GEMM_PROGRAMS_PER_SM * sms) // programs))
@@ -204,10 +243,18 @@ def gemm_tiles(m: int, n: int, k: int, sms: int, fp32: bool) -> tuple[int, int, 
 
 
 def _quant_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor, bits: int,
-                      kind: int, group_size: int, out_features: int, y: torch.Tensor) -> torch.Tensor:
+                      kind: int, group_size: int, out_features: int, y: torch.Tensor, *,
+                      tiles: tuple[int, int, int] | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None, meta_per_sub: bool = True,
+                      swap_ab: bool | None = None) -> torch.Tensor:
+    """The dequantizing GEMM; the keyword arguments override its tiles and variants, for sweeps (defaults: the
+    transposed product for 16-bit x, 8 warps for tiles of more than 16 rows)."""
     m, k = x.shape
-    fp32 = x.dtype == torch.float32
-    block_m, block_n, sub, split = gemm_tiles(m, out_features, k, sm_count(x.device), fp32)
+    upcast = x.dtype == torch.float32 or dot_needs_upcast(x.dtype)
+    block_m, block_n, sub, split = gemm_tiles(m, out_features, k, sm_count(x.device), upcast, tiles)
+    swap_ab = (not upcast) if swap_ab is None else (swap_ab and not upcast)
+    if num_warps is None:
+        num_warps = 8 if block_m > 16 and not upcast else 4
     step = 32 * sub
     per_split = -(-(k // step) // split) * step
     split = -(-k // per_split)
@@ -218,7 +265,8 @@ def _quant_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         x.stride(0), qweight.stride(0), scales.stride(0), out_features if split > 1 else y.stride(0),
         m * out_features,
         GROUP=group_size, BITS=bits, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
-        UPCAST=fp32 or dot_needs_upcast(x.dtype), num_warps=4,
+        UPCAST=upcast, META_PER_SUB=meta_per_sub, SWAP_AB=swap_ab, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split > 1:
         torch.sum(partial, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(partial.sum(dim=0))

@@ -19,8 +19,8 @@ if str(ROOT) not in sys.path:
 
 from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, quant_matmul_ref  # noqa: E402
 from kernels.quant_gemm import (  # noqa: E402
-    GEMV_PROGRAMS_PER_SM,
     GEMM_PROGRAMS_PER_SM,
+    GEMV_PROGRAMS_PER_SM,
     GEMV_PROGRAMS_PER_SM_BATCHED,
     gemm_tiles,
     gemv_tiles,
@@ -52,7 +52,7 @@ def _weights(n: int, k: int, g: torch.Generator) -> list[QuantWeight]:
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("kind", range(3))
 @pytest.mark.parametrize("rows", [1, 5, 20])  # GEMV (K split 3 ways), GEMV with a masked M tile, GEMM
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # fp16: the 16-bit GEMM path here
 def test_quant_gemm_matches_reference(kind: int, rows: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(kind * 10 + rows)
     w = _weights(40, 384, g)[kind]  # 40 rows: a ragged N tile; K = 384: 3 iterations of 4 sub-blocks
@@ -90,11 +90,32 @@ def test_gemv_tiles_split_k_to_fill_the_gpu() -> None:
 
 
 def test_gemm_tiles_split_k_when_tiles_are_few() -> None:
-    # 64 decode rows of Llama-8B on 132 SMs: the 4096-wide outputs are 64 tiles, so K splits (the 4096-row down
-    # projection over K = 14336 too); gate/up's 448 tiles already fill the GPU; a prefill's rows need no split.
-    assert gemm_tiles(64, 4096, 4096, 132, False) == (64, 64, 4, GEMM_PROGRAMS_PER_SM * 132 // 64)
-    assert gemm_tiles(64, 4096, 14336, 132, False)[3] == GEMM_PROGRAMS_PER_SM * 132 // 64
-    assert gemm_tiles(64, 28672, 4096, 132, False)[3] == 1
+    # 64 decode rows of Llama-8B on 132 SMs: the 4096-wide outputs are 32 tiles of 128, so K splits (the
+    # 4096-row down projection over K = 14336 too); gate/up's 224 tiles split in two; a prefill's rows need none.
+    assert gemm_tiles(64, 4096, 4096, 132, False) == (64, 128, 2, GEMM_PROGRAMS_PER_SM * 132 // 32)
+    assert gemm_tiles(64, 4096, 14336, 132, False)[3] == GEMM_PROGRAMS_PER_SM * 132 // 32
+    assert gemm_tiles(64, 28672, 4096, 132, False)[3] == 2
+    assert gemm_tiles(8, 4096, 4096, 132, False)[:3] == (16, 64, 4)
     assert gemm_tiles(4096, 4096, 4096, 132, False)[3] == 1
     assert gemm_tiles(20, 40, 384, 132, True) == (32, 64, 4, 3)  # K = 384: three iterations, one per split
+    assert gemm_tiles(20, 40, 384, 132, False, (16, 32, 4)) == (16, 32, 4, 3)
+    assert gemm_tiles(20, 40, 96, 132, False)[2] == 1  # K = 96: three sub-blocks, one per iteration
 
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("meta_per_sub,swap_ab", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("kind", range(3))
+def test_quant_gemm_variants_match_reference(meta_per_sub: bool, swap_ab: bool, kind: int) -> None:
+    """The GEMM's sweep variants (scales gathered per column; the transposed product), fp16 rows (the interpreter
+    upcasts bf16 dots, which would skip the transposed path), K split 3 ways."""
+    from kernels.quant_gemm import _quant_gemm_tiled
+
+    g = torch.Generator().manual_seed(30 + kind)
+    w = _weights(40, 384, g)[kind]
+    x = torch.randn(20, 384, generator=g).to(torch.float16)
+    off = w.mins if w.mins is not None else w.zeros
+    y = torch.empty(20, 40, dtype=torch.float16)
+    _quant_gemm_tiled(x, w.qweight, w.scales, off if off is not None else w.scales, w.bits, KINDS.index(w.kind),
+                      w.group_size, 40, y, tiles=(16, 32, 4), meta_per_sub=meta_per_sub, swap_ab=swap_ab)
+    ref = quant_matmul_ref(x.float(), w)
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
