@@ -279,12 +279,11 @@ def _graph_step_ms(fn: Callable[[], Any]) -> float:
 
 
 GEMM_SWEEP: list[dict[str, Any]] = (
-    [{"meta_per_sub": False}, {}]  # the first kernel's per-column scale gathers, then the default
-    + [{"swap_ab": True, "tiles": t, "num_warps": w} for t in ((16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 4),
-                                                              (64, 64, 4), (64, 128, 2), (64, 256, 2))
+    [{}]  # quant_gemm's defaults for the tiled GEMM
+    + [{"magic": True, "tiles": t, "num_warps": w}  # MMAs on the raw codes (_q4_mma_kernel)
+       for t in ((16, 64, 4), (16, 128, 4), (16, 256, 4), (16, 64, 8), (32, 128, 4), (64, 128, 2), (64, 128, 4))
        for w in (4, 8)]
-    + [{"tiles": t, "num_warps": w} for t in ((64, 128, 4), (64, 64, 2)) for w in (4, 8)]
-    + [{"swap_ab": True, "tiles": (64, 128, 4), "num_warps": 4, "num_stages": st} for st in (2, 4)]
+    + [{"magic": True, "tiles": (16, 128, 4), "num_warps": 4, "num_stages": st} for st in (2, 4)]
 )
 
 
@@ -343,7 +342,7 @@ def part_int4(smoke: bool) -> dict[str, Any]:
         from kernels.quant_gemm import _quant_gemm_tiled
 
         out["gemm_sweep"] = []
-        for batch in (8, 16, 64, 256):
+        for batch in (1, 8, 16, 64, 256):
             xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in {k for _, k in shapes}}
             bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
             for cfg in GEMM_SWEEP:
