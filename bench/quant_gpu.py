@@ -279,11 +279,12 @@ def _graph_step_ms(fn: Callable[[], Any]) -> float:
 
 
 GEMM_SWEEP: list[dict[str, Any]] = (
-    [{}]  # quant_gemm's defaults for the tiled GEMM
-    + [{"magic": True, "tiles": t, "num_warps": w}  # MMAs on the raw codes (_q4_mma_kernel)
-       for t in ((16, 64, 4), (16, 128, 4), (16, 256, 4), (16, 64, 8), (32, 128, 4), (64, 128, 2), (64, 128, 4))
+    [{"meta_per_sub": False, "swap_ab": False, "tiles": (64, 64, 4), "num_warps": 4}, {}]  # before, the defaults
+    + [{"swap_ab": True, "tiles": t, "num_warps": w} for t in ((16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 4),
+                                                              (64, 128, 2), (64, 256, 2))
        for w in (4, 8)]
-    + [{"magic": True, "tiles": (16, 128, 4), "num_warps": 4, "num_stages": st} for st in (2, 4)]
+    + [{"swap_ab": False, "tiles": (64, 128, 4), "num_warps": w} for w in (4, 8)]
+    + [{"swap_ab": True, "tiles": (64, 128, 2), "num_warps": 8, "num_stages": st} for st in (2, 4)]
 )
 
 

@@ -125,66 +125,6 @@ if HAS_TRITON:
         tl.store(y_ptr, out.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
     @triton.jit
-    def _q4_mma_kernel(
-        X, Q, S, Off, Y,
-        M, N, K, K_PER_SPLIT,
-        stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
-        GROUP: tl.constexpr,
-        KIND: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        SUB: tl.constexpr,
-        F16: tl.constexpr,  # x is float16 (else bfloat16)
-    ):
-        """4-bit Y^T = W X^T without converting codes to floats one by one: OR-ing code q into the mantissa of
-        1024 (fp16, 0x6400) or 128 (bf16, 0x4300) makes the 16-bit float B + q exactly, so the MMA runs on the
-        raw codes, and each sub-block's scale and min / zero apply once to its [BLOCK_N, BLOCK_M] partial:
-        sum_k (d q_k + m) x_k = d S + (m - B d) X, with S = sum (B + q_k) x_k and X = sum x_k (a GEMM the GEMV's
-        int -> float converts and per-weight FMAs made instruction-bound)."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_s = tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        j = tl.arange(0, 16)
-        x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + j[None, :]
-        q_rows = Q + offs_n.to(tl.int64)[:, None] * stride_qn + j[None, :]
-        s_rows = offs_n.to(tl.int64) * stride_sn
-        if F16:
-            bias: tl.constexpr = 1024.0
-            magic: tl.constexpr = 0x6400
-            fdt: tl.constexpr = tl.float16
-        else:
-            bias: tl.constexpr = 128.0
-            magic: tl.constexpr = 0x4300
-            fdt: tl.constexpr = tl.bfloat16
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        k_start = pid_s * K_PER_SPLIT
-        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), 32 * SUB):
-            for s in tl.static_range(SUB):
-                kb = k0 + 32 * s
-                byte = tl.load(q_rows + kb // 2, mask=n_mask[:, None], other=0)  # [BLOCK_N, 16]
-                lo = ((byte & 0xF).to(tl.int16) | magic).to(fdt, bitcast=True)
-                hi = ((byte >> 4).to(tl.int16) | magic).to(fdt, bitcast=True)
-                x_lo = tl.load(x_rows + kb, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, 16]
-                x_hi = tl.load(x_rows + kb + 16, mask=m_mask[:, None], other=0.0)
-                part = tl.dot(lo, tl.trans(x_lo))
-                part = tl.dot(hi, tl.trans(x_hi), part)
-                xsum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-                d = tl.load(S + s_rows + kb // GROUP, mask=n_mask, other=0).to(tl.float16, bitcast=True)
-                d = d.to(tl.float32)
-                if KIND == 0:
-                    mn = tl.load(Off + s_rows + kb // GROUP, mask=n_mask, other=0).to(tl.float16, bitcast=True)
-                    c = mn.to(tl.float32) - bias * d
-                else:
-                    c = -d * (tl.load(Off + s_rows + kb // GROUP, mask=n_mask, other=0).to(tl.float32) + bias)
-                acc += d[:, None] * part + c[:, None] * xsum[None, :]
-        y_ptr = Y + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptr, tl.trans(acc).to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-    @triton.jit
     def _meta_cols(v, BLOCK_N: tl.constexpr, SUB: tl.constexpr, PER_SUB: tl.constexpr):
         """A scale / min / zero tile as float32 per half-tile column: [BLOCK_N, SUB] broadcast over each
         sub-block's 16 columns, or already per column."""
@@ -306,7 +246,7 @@ def _quant_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                       kind: int, group_size: int, out_features: int, y: torch.Tensor, *,
                       tiles: tuple[int, int, int] | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, meta_per_sub: bool = True,
-                      swap_ab: bool | None = None, magic: bool = False) -> torch.Tensor:
+                      swap_ab: bool | None = None) -> torch.Tensor:
     """The dequantizing GEMM; the keyword arguments override its tiles and variants, for sweeps (defaults: the
     transposed product for 16-bit x, 8 warps for tiles of more than 16 rows)."""
     m, k = x.shape
@@ -320,23 +260,14 @@ def _quant_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     split = -(-k // per_split)
     partial = y if split == 1 else torch.empty(split, m, out_features, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n), split)
-    if magic and bits == 4 and kind != KIND_SYM and not upcast:
-        _q4_mma_kernel[grid](
-            x, qweight, scales, offs, partial, m, out_features, k, per_split,
-            x.stride(0), qweight.stride(0), scales.stride(0), out_features if split > 1 else y.stride(0),
-            m * out_features,
-            GROUP=group_size, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub, F16=x.dtype == torch.float16,
-            num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        )
-    else:
-        _quant_gemm_kernel[grid](
-            x, qweight, scales, offs, partial, m, out_features, k, per_split,
-            x.stride(0), qweight.stride(0), scales.stride(0), out_features if split > 1 else y.stride(0),
-            m * out_features,
-            GROUP=group_size, BITS=bits, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
-            UPCAST=upcast, META_PER_SUB=meta_per_sub, SWAP_AB=swap_ab, num_warps=num_warps,
-            **({} if num_stages is None else {"num_stages": num_stages}),
-        )
+    _quant_gemm_kernel[grid](
+        x, qweight, scales, offs, partial, m, out_features, k, per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), out_features if split > 1 else y.stride(0),
+        m * out_features,
+        GROUP=group_size, BITS=bits, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, SUB=sub,
+        UPCAST=upcast, META_PER_SUB=meta_per_sub, SWAP_AB=swap_ab, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
+    )
     if split > 1:
         torch.sum(partial, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(partial.sum(dim=0))
     return y

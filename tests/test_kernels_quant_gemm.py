@@ -103,12 +103,11 @@ def test_gemm_tiles_split_k_when_tiles_are_few() -> None:
 
 
 @pytest.mark.triton_interpreter
-@pytest.mark.parametrize("meta_per_sub,swap_ab,magic", [(False, False, False), (True, True, False),
-                                                         (False, True, False), (True, True, True)])
+@pytest.mark.parametrize("meta_per_sub,swap_ab", [(False, False), (True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("kind", range(3))
-def test_quant_gemm_variants_match_reference(meta_per_sub: bool, swap_ab: bool, magic: bool, kind: int) -> None:
-    """The GEMM's sweep variants (scales gathered per column; the transposed product; MMAs on the raw 4-bit codes),
-    fp16 rows (the interpreter upcasts bf16 dots, which would skip the transposed paths), K split 3 ways."""
+def test_quant_gemm_variants_match_reference(meta_per_sub: bool, swap_ab: bool, kind: int) -> None:
+    """The GEMM's sweep variants (scales gathered per column; the transposed product), fp16 rows (the interpreter
+    upcasts bf16 dots, which would skip the transposed path), K split 3 ways."""
     from kernels.quant_gemm import _quant_gemm_tiled
 
     g = torch.Generator().manual_seed(30 + kind)
@@ -117,7 +116,6 @@ def test_quant_gemm_variants_match_reference(meta_per_sub: bool, swap_ab: bool, 
     off = w.mins if w.mins is not None else w.zeros
     y = torch.empty(20, 40, dtype=torch.float16)
     _quant_gemm_tiled(x, w.qweight, w.scales, off if off is not None else w.scales, w.bits, KINDS.index(w.kind),
-                      w.group_size, 40, y, tiles=(16, 32, 4), meta_per_sub=meta_per_sub, swap_ab=swap_ab,
-                      magic=magic)
+                      w.group_size, 40, y, tiles=(16, 32, 4), meta_per_sub=meta_per_sub, swap_ab=swap_ab)
     ref = quant_matmul_ref(x.float(), w)
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
