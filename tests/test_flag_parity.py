@@ -193,6 +193,33 @@ def test_structured_output_flags_on_every_engine_command(parser: argparse.Argume
                   ) == StructuredOutputsConfig()
     assert config("--guided-decoding-backend", "xgrammar", "--structured-outputs-config",
                   '{"backend": "xgrammar", "disable_any_whitespace": true}').disable_any_whitespace
+    # vLLM's dotted keys, alone or merged over the flag's JSON (the dotted ones win)
+    assert config("--structured-outputs-config.backend", "xgrammar",
+                  "--structured_outputs_config.disable_any_whitespace=true") == StructuredOutputsConfig(
+                      "xgrammar", disable_any_whitespace=True)
+    assert config("--structured-outputs-config", '{"backend": "auto", "disable_fallback": true}',
+                  "--structured-outputs-config.backend", "xgrammar") == StructuredOutputsConfig(
+                      "xgrammar", disable_fallback=True)
+
+
+def test_dotted_json_flag_keys(parser: argparse.ArgumentParser) -> None:
+    argv = prepare_argv(parser, ["generate", "hi", "--speculative-config.method", "ngram",
+                                 "--speculative_config.num_speculative_tokens=4", "--max-tokens", "3",
+                                 "--override-generation-config.temperature", "0.5"])
+    assert argv[:2] == ["generate", "hi"] and "--max-tokens" in argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "ngram",
+                                                                        "num_speculative_tokens": 4}
+    assert json.loads(argv[argv.index("--override-generation-config") + 1]) == {"temperature": 0.5}
+    nested = prepare_argv(parser, ["serve", "--speculative-config.draft.model", "x"])
+    assert json.loads(nested[-1]) == {"draft": {"model": "x"}}
+    with pytest.raises(FlagRefused, match="needs a value"):
+        prepare_argv(parser, ["serve", "--structured-outputs-config.backend"])
+    with pytest.raises(FlagRefused, match="must be a JSON object"):
+        prepare_argv(parser, ["serve", "--structured-outputs-config", "[1]", "--structured-outputs-config.backend",
+                              "auto"])
+    with pytest.raises(FlagRefused) as caught:  # the router has no engine: refused in one line, as the flag itself
+        prepare_argv(parser, ["router", "--structured-outputs-config.backend", "xgrammar"])
+    assert str(caught.value).startswith("`--structured-outputs-config.backend` is not supported by kvflow (")
 
 
 @pytest.mark.parametrize(("flags", "line"), [

@@ -6,6 +6,9 @@
   `--enable-chunked-prefill false`, `--enable-prefix-caching=0` (true/false/1/0/yes/no, any case); `--no-<flag>`
   works for every boolean flag. Only those words are taken as the value, so `generate --chat "a prompt"` still
   reads the prompt.
+- A JSON-valued flag takes its keys one by one, as vLLM's: `--structured-outputs-config.backend xgrammar`,
+  `--speculative-config.num_speculative_tokens=4` (nested keys with more dots); values are read as JSON where they
+  parse (true, 4, "x", {...}) and kept as strings otherwise, and merged over the flag's own JSON if it is given too.
 - A vLLM flag the sub-command does not define and `unsupported_flags` lists is refused with one line, "`--X` is
   not supported by kvflow (reason)", exit code 2, before anything starts. The parser's own flags are looked up
   first, so a flag that a later change defines is simply accepted.
@@ -14,11 +17,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from kvflow.commands.unsupported_flags import reason_for, refusal_line
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+JSON_FLAGS = ("--structured-outputs-config", "--speculative-config", "--override-generation-config")
 
 
 class FlagRefused(Exception):
@@ -93,6 +99,7 @@ def prepare_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[s
         return tokens
     sub, index = command
     out = tokens[: index + 1]
+    dotted: dict[str, dict[str, Any]] = {}
     i = index + 1
     while i < end:
         token = tokens[i]
@@ -101,6 +108,17 @@ def prepare_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[s
             out.append(token)
             continue
         name, eq, value = token.partition("=")
+        base, dot, key = name.partition(".")
+        if dot and base in JSON_FLAGS:  # `--json-flag.key value`
+            if not eq:
+                if i >= end:
+                    raise FlagRefused(f"{name} needs a value")
+                value = tokens[i]
+                i += 1
+            if base not in sub._option_string_actions:
+                raise FlagRefused(refusal_line(name, reason_for(base) or "this command has no such configuration"))
+            _set_key(dotted.setdefault(base, {}), key, value)
+            continue
         flag = _positive(sub, name)
         if flag is not None:  # `--flag [true|false]`, `--flag=false`, `--no-flag`
             word = value if eq else (tokens[i] if i < end and tokens[i].lower() in _BOOL_WORDS else None)
@@ -118,4 +136,49 @@ def prepare_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[s
             if reason is not None:
                 raise FlagRefused(refusal_line(name, reason))
         out.append(token)
+    for base, keys in dotted.items():
+        out = _merge_json_flag(out, base, keys)
     return out + tokens[end:]
+
+
+def _set_key(config: dict[str, Any], dotted_key: str, raw: str) -> None:
+    """config[a][b] = raw read as JSON (a string if it is not JSON) for the key `a.b`; dashes in keys are
+    underscores (the flag's name had its underscores turned into dashes)."""
+    *parents, leaf = [part.replace("-", "_") for part in dotted_key.split(".")]
+    for part in parents:
+        config = config.setdefault(part, {})
+        if not isinstance(config, dict):
+            raise FlagRefused(f"dotted key {dotted_key!r}: {part!r} is both a value and a group of keys")
+    try:
+        config[leaf] = json.loads(raw)
+    except json.JSONDecodeError:
+        config[leaf] = raw
+
+
+def _merge(into: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
+    for key, value in keys.items():
+        into[key] = _merge(into[key], value) if isinstance(value, dict) and isinstance(into.get(key), dict) else value
+    return into
+
+
+def _merge_json_flag(out: list[str], base: str, keys: dict[str, Any]) -> list[str]:
+    """out with `base JSON` holding `keys` merged over the JSON `base` was given (the last one), if any."""
+    given: dict[str, Any] = {}
+    kept: list[str] = []
+    j = 0
+    while j < len(out):
+        name, eq, value = out[j].partition("=")
+        if name == base:
+            raw = value if eq else (out[j + 1] if j + 1 < len(out) else "{}")
+            j += 1 if eq else 2
+            try:
+                parsed = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise FlagRefused(f"{base} must be a JSON object, got {raw!r} ({exc.msg})") from None
+            if not isinstance(parsed, dict):
+                raise FlagRefused(f"{base} must be a JSON object, got {raw!r}")
+            given = parsed
+            continue
+        kept.append(out[j])
+        j += 1
+    return [*kept, base, json.dumps(_merge(given, keys))]
