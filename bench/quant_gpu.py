@@ -255,17 +255,21 @@ def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool,
-               tiled: dict[str, Any] | None = None) -> None:
+               tiled: dict[str, Any] | None = None, gemv: dict[str, Any] | None = None) -> None:
     """quant_matmul's own choice per batch; `tiled`: the dequantizing tensor-core GEMM (split K) with these
     keyword arguments, even where the GEMV would be taken (the A/B that sets GEMV_MAX_M, and the sweep)."""
     from engine.quant.group_quant import KINDS
-    from kernels.quant_gemm import _quant_gemm_tiled
+    from kernels.quant_gemm import _quant_gemm_tiled, _quant_gemv
 
     for ws in weights:
         for w in ws:
             x = xs[w.in_features]
             if smoke:
                 _triton_matmul(x, w)
+            elif gemv is not None:
+                y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
+                _quant_gemv(x, w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind), w.group_size, w.out_features, y,
+                            **gemv)
             elif tiled is not None:
                 y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
                 _quant_gemm_tiled(x, w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind), w.group_size,
@@ -278,6 +282,18 @@ def _graph_step_ms(fn: Callable[[], Any]) -> float:
     return _cuda_ms(fn, 10)
 
 
+# The batch-1 GEMV's tiles (BLOCK_N rows, HALF: half the K elements per iteration, programs per SM) and warps:
+# its default reads 1 KB per program per iteration (16 rows x 64 bytes); the bf16 GEMV that streams at ~3 TB/s
+# reads 8 KB (4 rows x 1,024 weights).
+GEMV_SWEEP: list[dict[str, Any]] = (
+    [{}]
+    + [{"tiles": t, "num_warps": w} for t, w in (((8, 128, 8), 4), ((4, 256, 8), 4), ((4, 512, 8), 4),
+                                                 ((4, 512, 4), 8), ((8, 512, 4), 8), ((2, 512, 8), 4),
+                                                 ((8, 128, 16), 4), ((8, 128, 4), 4), ((4, 128, 8), 4),
+                                                 ((8, 64, 8), 4), ((8, 128, 8), 2), ((4, 128, 16), 2),
+                                                 ((8, 128, 12), 4), ((16, 128, 8), 8), ((8, 256, 8), 8),
+                                                 ((4, 256, 8), 2))]
+)
 GEMM_SWEEP: list[dict[str, Any]] = (
     [{"meta_per_sub": False, "swap_ab": False, "tiles": (64, 64, 4), "num_warps": 4}, {}]  # before, the defaults
     + [{"swap_ab": True, "tiles": t, "num_warps": w} for t in ((16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 4),
@@ -294,7 +310,7 @@ def _step_bf16(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -
             F.linear(xs[w.shape[1]], w)
 
 
-def part_int4(smoke: bool) -> dict[str, Any]:
+def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[str, Any]:
     dev = "cpu" if smoke else "cuda"
     hidden, inter, layers = (64, 128, 2) if smoke else (HIDDEN, INTER, LAYERS)
     q_out = hidden + 2 * (hidden // 4)  # Llama-8B: 4096 + 2 x 1024
@@ -338,12 +354,32 @@ def part_int4(smoke: bool) -> dict[str, Any]:
             row["int4_tiled_gemm_vs_bf16"] = round(row["int4_tiled_gemm_tok_s"] / row["bf16_tok_s"], 3)
         print("int4", row, flush=True)
         out["cases"].append(row)
-    if not smoke:  # the dequantizing GEMM's variants and tiles over the whole step, at decode batch sizes
+    if not smoke and sweeps:  # the GEMV's tiles at batch 1, the GEMM's variants and tiles at larger batches
         from engine.quant.group_quant import KINDS
-        from kernels.quant_gemm import _quant_gemm_tiled
+        from kernels.quant_gemm import _quant_gemm_tiled, _quant_gemv
 
+        out["gemv_sweep"] = []
+        xs = {n: torch.randn(1, n, generator=g, device=dev).to(torch.bfloat16) for n in {k for _, k in shapes}}
+        bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
+        for cfg in GEMV_SWEEP if "gemv" in sweeps else []:
+            rec = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
+            try:
+                w = int4[0][0]
+                check = torch.empty(1, w.out_features, dtype=torch.bfloat16, device=dev)
+                _quant_gemv(xs[w.in_features], w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind), w.group_size,
+                            w.out_features, check, **cfg)
+                err = rel_err(check.float(), quant_matmul_ref(xs[w.in_features].float(), w))
+                if err > 2e-2:
+                    rec["error"] = f"rel err {err:.3g}"
+                else:
+                    ms = _graph_step_ms(functools.partial(_step_int4, int4, xs, smoke, None, cfg))
+                    rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3), vs_bf16=round(bf16_ms / ms, 3))
+            except Exception as exc:  # a config that does not compile is recorded, not fatal
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            print("int4_gemv_sweep", rec, flush=True)
+            out["gemv_sweep"].append(rec)
         out["gemm_sweep"] = []
-        for batch in (1, 8, 16, 64, 256):
+        for batch in (1, 8, 16, 64, 256) if "gemm" in sweeps else ():
             xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in {k for _, k in shapes}}
             bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
             for cfg in GEMM_SWEEP:
@@ -407,6 +443,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm"],
+                        help="int4: which tile sweeps to run after the cases (none: no sweep)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
     parser.add_argument("--smoke", action="store_true")
@@ -419,6 +457,8 @@ def main() -> None:
         try:
             if part == "w8a8":
                 record[part] = part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts, args.w8a8_configs)
+            elif part == "int4":
+                record[part] = part_int4(args.smoke, tuple(args.int4_sweeps))
             else:
                 record[part] = PARTS[part](args.smoke)  # type: ignore[operator]
         except Exception as exc:  # record the failure and go on with the other parts

@@ -273,23 +273,31 @@ def _quant_gemm_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return y
 
 
-def gemv_tiles(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
+def gemv_tiles(m: int, n: int, k: int, sms: int,
+               tiles: tuple[int, int, int] | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, HALF, split): tiles that keep registers bounded as M grows, and the K split that puts
-    about GEMV_PROGRAMS_PER_SM programs on every SM (each split a whole number of iterations)."""
+    about GEMV_PROGRAMS_PER_SM programs on every SM (each split a whole number of iterations). `tiles`:
+    (BLOCK_N, HALF, programs per SM) from a sweep."""
     block_m = 1 if m == 1 else (2 if m == 2 else (4 if m <= 4 else 8))
-    block_n = 16
-    half = next(h for h in (64, 32, 16) if k % (2 * h) == 0)
+    per_sm = GEMV_PROGRAMS_PER_SM if m == 1 else GEMV_PROGRAMS_PER_SM_BATCHED
+    # One row: 8 rows x 256 elements per program and iteration (H100 sweep over the Llama-8B step, quant_gpu_h100.json
+    # int4.gemv_sweep: 3.87 ms against 4.26 for 16 x 128 and 4.2-6.1 for tiles of 512-1,024 elements).
+    block_n, half = (8, 128) if m == 1 else (16, 64)
+    if tiles is not None:
+        block_n, half, per_sm = tiles
+    half = next(h for h in (half, 256, 128, 64, 32, 16) if h <= half and k % (2 * h) == 0)
     iters = k // (2 * half)
     programs_n = -(-n // block_n)
-    per_sm = GEMV_PROGRAMS_PER_SM if m == 1 else GEMV_PROGRAMS_PER_SM_BATCHED
     split = max(1, min(iters, (per_sm * sms) // programs_n))
     return block_m, block_n, half, split
 
 
 def _quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor, bits: int,
-                kind: int, group_size: int, out_features: int, y: torch.Tensor) -> torch.Tensor:
+                kind: int, group_size: int, out_features: int, y: torch.Tensor, *,
+                tiles: tuple[int, int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
+    """The GEMV; `tiles` (BLOCK_N, HALF, programs per SM) and `num_warps` override the defaults, for sweeps."""
     m, k = x.shape
-    block_m, block_n, half, split = gemv_tiles(m, out_features, k, sm_count(x.device))
+    block_m, block_n, half, split = gemv_tiles(m, out_features, k, sm_count(x.device), tiles)
     per_split = -(-(k // (2 * half)) // split) * 2 * half
     split = -(-k // per_split)
     partial = y if split == 1 else torch.empty(split, m, out_features, dtype=torch.float32, device=x.device)
@@ -297,7 +305,7 @@ def _quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
     _quant_gemv_kernel[grid](
         x, qweight, scales, offs, partial, m, out_features, k, per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out_features, m * out_features,
-        GROUP=group_size, BITS=bits, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, HALF=half, num_warps=4,
+        GROUP=group_size, BITS=bits, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, HALF=half, num_warps=num_warps,
     )
     if split > 1:
         torch.sum(partial, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(partial.sum(dim=0))

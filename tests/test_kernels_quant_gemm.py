@@ -82,11 +82,12 @@ def test_quant_gemv_unsplit_matches_reference(rows: int) -> None:
 def test_gemv_tiles_split_k_to_fill_the_gpu() -> None:
     # Llama-8B decode shapes on 132 SMs: a 4096-row weight splits K; the 28672-row gate/up needs no split.
     block_m, block_n, half, split = gemv_tiles(1, 4096, 4096, 132)
-    assert (block_m, block_n, half) == (1, 16, 64)
-    assert split == GEMV_PROGRAMS_PER_SM * 132 // (4096 // 16)
+    assert (block_m, block_n, half) == (1, 8, 128)
+    assert split == GEMV_PROGRAMS_PER_SM * 132 // (4096 // 8)
     assert gemv_tiles(1, 28672, 4096, 132)[3] == 1
     assert gemv_tiles(8, 4096, 14336, 132) == (8, 16, 64, GEMV_PROGRAMS_PER_SM_BATCHED * 132 // (4096 // 16))
-    assert gemv_tiles(1, 40, 96, 132) == (1, 16, 16, 3)  # K = 96: three 32-wide iterations, one per split
+    assert gemv_tiles(1, 40, 96, 132) == (1, 8, 16, 3)  # K = 96: three 32-wide iterations, one per split
+    assert gemv_tiles(1, 40, 96, 132, (4, 256, 8))[1:3] == (4, 16)  # a sweep's tile, narrowed to fit K
 
 
 def test_gemm_tiles_split_k_when_tiles_are_few() -> None:
