@@ -23,10 +23,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import torch
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from engine.routing.registration import WorkerRegistration
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
 GRPC_OPTIONS = [
@@ -209,6 +211,35 @@ class WorkerServicer:
             yield batch
 
 
+async def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a thread of its own that ends with it, awaited.
+
+    Why not asyncio.to_thread: each thread that runs parallel torch ops on the CPU keeps an OpenMP thread pool for
+    as long as it lives, and with more pooled threads than cores libgomp stops spinning between parallel regions,
+    so every region pays a futex wake-up. A model loaded on the executor's long-lived thread made the engine
+    thread's decode step 41-44 -> 51-56 ms (SmolLM2 fp32, batch 8, 2 cores; bench/CPU_PROFILE.md)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"passing-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await done
+
+
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
@@ -264,7 +295,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
                          "workers: KV transfer moves one rank's cache only; run tensor-parallel decode workers, "
                          "which prefill locally (kvflow serve --tensor-parallel-size N --prefill-workers 0)")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
-    llm_engine = await asyncio.to_thread(LLMEngine.from_engine_args, engine_args, True)
+    llm_engine = await in_passing_thread(LLMEngine.from_engine_args, engine_args, True)
     if llm_engine.device.type == "cpu":
         # The engine thread gives up the GIL inside every torch op and needs it back between ops; with Python's
         # 5 ms default a busy asyncio/gRPC thread can hold it that long each time. 0.5 ms measured +2-4 % req/s
