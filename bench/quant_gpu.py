@@ -131,22 +131,10 @@ def part_w8a8(smoke: bool, num_prompts: int, only: list[str] | None = None) -> d
 
 
 def _cuda_ms(fn: Callable[[], Any], reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph of fn."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    """Median ms of one replay of a CUDA graph of fn (bench/gpu_gemv.py's timer)."""
+    from bench.gpu_gemv import graph_seconds
+
+    return graph_seconds(fn, reps) * 1e3
 
 
 def part_w8a8_layers(smoke: bool) -> dict[str, Any]:
