@@ -95,16 +95,21 @@ def batch1_decode(llm: Any, short: int, long: int, prompt_len: int, repeats: int
 
     prompt = {"prompt_token_ids": [(7 * i + 11) % 20000 + 10 for i in range(prompt_len)]}
 
+    ids: list[int] = []
+
     def timed(n: int) -> float:
         t0 = time.perf_counter()
-        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - t0
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        elapsed = time.perf_counter() - t0
+        ids[:] = out[0].outputs[0].token_ids
+        return elapsed
 
     timed(short)  # warm-up
     pairs = [(timed(short), timed(long)) for _ in range(repeats)]
     ms = 1000 * (min(t for _, t in pairs) - min(t for t, _ in pairs)) / (long - short)
+    # The same seeded dummy weights in every job: the greedy ids of offloaded runs must equal the resident run's.
     return {"decode_ms_per_token": round(ms, 3), "decode_tok_s": round(1000 / ms, 2),
-            "decode_tokens_timed": long - short}
+            "decode_tokens_timed": long - short, "greedy_ids": ids}
 
 
 def throughput(llm: Any, num_prompts: int, input_len: int, output_len: int) -> dict[str, Any]:
@@ -179,6 +184,10 @@ def derive(runs: dict[str, dict[str, Any]]) -> None:
             run["predicted_ms_per_gib_from_copy_rate"] = round(1000 * GiB / (rate * 1e9), 3)
         if "output_tok_s" in run and "output_tok_s" in base:
             run["throughput_vs_resident"] = round(run["output_tok_s"] / base["output_tok_s"], 3)
+        if "greedy_ids" in run and "greedy_ids" in base:  # over the tokens both generated (runs differ in length)
+            common = min(len(run["greedy_ids"]), len(base["greedy_ids"]))
+            run["greedy_ids_compared"] = common
+            run["greedy_ids_equal_resident"] = run["greedy_ids"][:common] == base["greedy_ids"][:common]
 
 
 def smoke_refusals() -> dict[str, str]:
