@@ -346,9 +346,9 @@ def paged_decode_attention(
     fp8 = key_cache.dtype == FP8_DTYPE
     if block_n is None:
         # ~16 KB of K per iteration: 64 tokens at D=128, 128 at D=64 (H200 sweep: +10-25%
-        # for Qwen-0.5B's D=64 over 64 tokens). An fp8 cache keeps the token count (8 KB of K): on an H100 at
-        # 32k x 16 sequences, 64 tokens with 2 warps took 427 us against 470 for 128 tokens with 4
-        # (bench/results/quant_kv_fp8_sweep_h100.json).
+        # for Qwen-0.5B's D=64 over 64 tokens). An fp8 cache keeps the token count (8 KB of K): in an H100 sweep
+        # at 32k x 16 sequences (not kept as a file), 64 tokens with 2 warps took 427 us against 470 for 128 tokens
+        # with 4; with these defaults bench/results/quant_gpu_h100.json (kv) has fp8 at 1.60x bf16 there.
         block_n = max(16, min(128, 8192 // head_dim))
     block_n = max(16, next_pow2(block_n))
     if num_warps is None:

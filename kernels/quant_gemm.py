@@ -4,8 +4,8 @@ and a float16 min or uint8 zero per group; 8-bit: int8 with a float16 scale per 
 in registers: the weight is read once, at 4 (or 8) bits per value.
 
 Two kernels. Single rows (and fp32 batches up to GEMV_MAX_M) take a GEMV: no tl.dot (whose M tile would pad to
-16), products accumulated elementwise and reduced once at the end, and K split across programs so that even a 4096-row weight
-keeps every SM streaming (the first version, one program per 32 rows walking all of K, read 4-bit weights at
+16), products accumulated elementwise and reduced once at the end, and K split across programs so that even a
+4096-row weight keeps every SM streaming (the first version, one program per 32 rows walking all of K, read 4-bit weights at
 ~110 GB/s on an H100: 0.13x bf16's tok/s). Split partials land in an fp32 buffer summed afterwards. Larger batches
 take the GEMM. Reference: `engine.quant.group_quant.quant_matmul_ref`.
 """
