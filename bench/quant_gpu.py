@@ -294,12 +294,12 @@ GEMM_SWEEP: list[dict[str, Any]] = (
 
 # The 4-bit single-row GEMV (kernels/q4_gemv.py): (BLOCK_N rows, NSUB 32-element sub-blocks per iteration,
 # programs per SM when K splits, warps) x prefetch. BLOCK_N x NSUB x 16 bytes of codes per program and iteration.
-Q4GEMV_SWEEP: list[tuple[tuple[int, int, int, int], bool]] = [
-    (t, pf)
-    for t in ((16, 8, 8, 4), (16, 8, 4, 4), (16, 8, 16, 4), (16, 8, 2, 4), (32, 8, 8, 4), (32, 8, 4, 4),
-              (32, 8, 2, 4), (64, 8, 4, 8), (32, 8, 8, 8), (16, 16, 8, 4), (32, 16, 4, 4), (8, 8, 16, 2),
-              (8, 16, 8, 4), (64, 4, 4, 4), (16, 4, 16, 2), (128, 4, 2, 8), (64, 8, 1, 8), (8, 32, 8, 4))
-    for pf in (False, True)
+Q4GEMV_SWEEP: list[tuple[tuple[int, int, int, int], dict[str, bool]]] = [
+    (t, dict(prefetch=pf, xperm=xp, asm=asm))
+    for t in ((16, 16, 8, 4), (8, 16, 8, 4), (16, 8, 8, 4), (8, 8, 16, 2), (16, 16, 4, 4), (8, 32, 8, 4),
+              (16, 32, 8, 4), (32, 16, 8, 4))
+    for pf, xp, asm in ((False, False, False), (False, False, True), (False, True, False), (False, True, True),
+                        (True, True, True))
 ]
 
 
@@ -312,14 +312,14 @@ def _q4_zero_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight
 
 
 def _step_q4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], tiles: tuple[int, int, int, int],
-             prefetch: bool) -> None:
+             variant: dict[str, bool]) -> None:
     from engine.quant.group_quant import KINDS
     from kernels.q4_gemv import q4_gemv
 
     for ws in weights:
         for w in ws:
             q4_gemv(xs[w.in_features], w.qweight, w.scales, w.mins if w.mins is not None else w.zeros,
-                    KINDS.index(w.kind), w.group_size, w.out_features, tiles=tiles, prefetch=prefetch)
+                    KINDS.index(w.kind), w.group_size, w.out_features, tiles=tiles, **variant)
 
 
 def _q4_sweep(int4: list[list[QuantWeight]], bf16: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
@@ -339,37 +339,38 @@ def _q4_sweep(int4: list[list[QuantWeight]], bf16: list[list[torch.Tensor]], sha
                            "q4_1_weight_bytes": q4_bytes, "configs": []}
 
     def measure(weights: list[list[QuantWeight]], xin: dict[int, torch.Tensor], tiles: tuple[int, int, int, int],
-                prefetch: bool) -> dict[str, Any]:
-        rec: dict[str, Any] = {"tiles": list(tiles), "prefetch": prefetch}
+                variant: dict[str, bool]) -> dict[str, Any]:
+        rec: dict[str, Any] = {"tiles": list(tiles), **variant}
         try:
             errs = []
             for w in (weights[0][1], weights[0][3]):
                 y = q4_gemv(xin[w.in_features], w.qweight, w.scales, w.mins if w.mins is not None else w.zeros,
-                            KINDS.index(w.kind), w.group_size, w.out_features, tiles=tiles, prefetch=prefetch)
+                            KINDS.index(w.kind), w.group_size, w.out_features, tiles=tiles, **variant)
                 errs.append(rel_err(y.float(), quant_matmul_ref(xin[w.in_features].float(), w)))
             rec["rel_err"] = float(f"{max(errs):.3g}")
             if max(errs) > 2e-2:
                 rec["error"] = "wrong result"
                 return rec
-            ms = _graph_step_ms(functools.partial(_step_q4, weights, xin, tiles, prefetch))
+            ms = _graph_step_ms(functools.partial(_step_q4, weights, xin, tiles, variant))
             nbytes = sum(w.nbytes for ws in weights for w in ws)
             rec.update(step_ms=round(ms, 3), vs_bf16=round(bf16_ms / ms, 3), tb_s=round(nbytes / ms / 1e9, 3))
         except Exception as exc:  # a config that does not compile is recorded, not fatal
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         return rec
 
-    for tiles, prefetch in Q4GEMV_SWEEP:
-        rec = measure(int4, xs, tiles, prefetch)
+    for tiles, variant in Q4GEMV_SWEEP:
+        rec = measure(int4, xs, tiles, variant)
         print("q4gemv", rec, flush=True)
         out["configs"].append(rec)
     ranked = sorted((r for r in out["configs"] if "step_ms" in r), key=lambda r: r["step_ms"])[:3]
     out["best"] = ranked[0] if ranked else None
     awq = [[_q4_zero_weight(n, k, dev, g) for n, k in shapes] for _ in range(len(int4))]
     out["awq_g128_weight_bytes"] = sum(w.nbytes for ws in awq for w in ws)
-    out["awq_g128"] = [measure(awq, xs, tuple(r["tiles"]), r["prefetch"]) for r in ranked]
+    pick = lambda r: {k: r[k] for k in ("prefetch", "xperm", "asm")}  # noqa: E731
+    out["awq_g128"] = [measure(awq, xs, tuple(r["tiles"]), pick(r)) for r in ranked]
     del awq
     xs32 = {n: v.float() for n, v in xs.items()}
-    out["x_fp32"] = [measure(int4, xs32, tuple(r["tiles"]), r["prefetch"]) for r in ranked]
+    out["x_fp32"] = [measure(int4, xs32, tuple(r["tiles"]), pick(r)) for r in ranked]
     print("q4gemv awq", out["awq_g128"], "fp32", out["x_fp32"], flush=True)
     return out
 

@@ -33,14 +33,20 @@ DEFAULT_TILES = (16, 8, 8, 4)
 if HAS_TRITON:
 
     @triton.jit
-    def _unit(word, SHIFT: tl.constexpr):
+    def _unit(word, SHIFT: tl.constexpr, ASM: tl.constexpr):
         """The nibble at bit SHIFT of each int32 word as the float 1 + q / 16 (exact): moved to bits 19-22 (the
-        top of float32's mantissa) and OR-ed into 1.0's bits."""
+        top of float32's mantissa) and OR-ed into 1.0's bits. ASM: the mask and the OR as one LOP3 (ptxas emits
+        two, as LOP3 takes one immediate; PTX's lop3 takes both constants and they get hoisted)."""
         if SHIFT <= 19:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
-            bits = (word << (19 - SHIFT)) & 0x00780000
+            moved = word << (19 - SHIFT)
         else:
-            bits = (word >> (SHIFT - 19)) & 0x00780000
-        return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+            moved = word >> (SHIFT - 19)
+        if ASM:
+            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x780000, 0x3f800000, 0xea;", "=r,r", [moved],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            bits = (moved & 0x00780000) | 0x3F800000
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _q4_gemv_kernel(
@@ -52,6 +58,8 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         NSUB: tl.constexpr,
         PREFETCH: tl.constexpr = False,
+        XPERM: tl.constexpr = False,
+        ASM: tl.constexpr = False,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -62,8 +70,10 @@ if HAS_TRITON:
         rows = offs_n.to(tl.int64)
         # [BLOCK_N, NSUB, 4] words: row n, sub-block `sub` of the iteration, word `word` of the sub-block
         q_ptrs = QW + rows[:, None, None] * stride_qn + (4 * sub)[None, :, None] + word[None, None, :]
-        # element 32 sub + 4 word (+ t for byte t, + 16 for the high nibbles) of the iteration's K range
-        x_ptrs = X + (32 * sub)[:, None] + (4 * word)[None, :]
+        if XPERM:  # x as fp32 [sub-block][t][low/high][word]: each (t, half) is 4 contiguous floats
+            x_ptrs = X + (32 * sub)[:, None] + word[None, :]
+        else:  # element 32 sub + 4 word (+ t for byte t, + 16 for the high nibbles) of the iteration's K range
+            x_ptrs = X + (32 * sub)[:, None] + (4 * word)[None, :]
         s_rows = rows[:, None] * stride_sn
         w_mask = n_mask[:, None, None]
         acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
@@ -77,17 +87,23 @@ if HAS_TRITON:
             if PREFETCH:
                 w = w_next
                 k_next = k0 + 32 * NSUB
-                w_next = tl.load(q_ptrs + k_next // 8, mask=w_mask & (k_next + 32 * sub < k_end)[None, :, None],
-                                 other=0, eviction_policy="evict_first")
+                w_next = tl.load(q_ptrs + tl.multiple_of(k_next // 8, 4),
+                                 mask=w_mask & (k_next + 32 * sub < k_end)[None, :, None], other=0,
+                                 eviction_policy="evict_first")
             else:
-                w = tl.load(q_ptrs + k0 // 8, mask=w_mask, other=0, eviction_policy="evict_first")
+                w = tl.load(q_ptrs + tl.multiple_of(k0 // 8, 4), mask=w_mask, other=0,
+                            eviction_policy="evict_first")
             s_vx = tl.zeros([BLOCK_N, NSUB, 4], dtype=tl.float32)
             s_x = tl.zeros([NSUB, 4], dtype=tl.float32)
             for t in tl.static_range(4):
-                x_lo = tl.load(x_ptrs + k0 + t).to(tl.float32)
-                x_hi = tl.load(x_ptrs + k0 + 16 + t).to(tl.float32)
-                s_vx += _unit(w, 8 * t) * x_lo[None, :, :]
-                s_vx += _unit(w, 8 * t + 4) * x_hi[None, :, :]
+                if XPERM:
+                    x_lo = tl.load(x_ptrs + k0 + 8 * t)
+                    x_hi = tl.load(x_ptrs + k0 + 8 * t + 4)
+                else:
+                    x_lo = tl.load(x_ptrs + k0 + t).to(tl.float32)
+                    x_hi = tl.load(x_ptrs + k0 + 16 + t).to(tl.float32)
+                s_vx += _unit(w, 8 * t, ASM) * x_lo[None, :, :]
+                s_vx += _unit(w, 8 * t + 4, ASM) * x_hi[None, :, :]
                 s_x += x_lo + x_hi
             grp = (k0 + 32 * sub) // GROUP
             d = tl.load(S + s_rows + grp[None, :], mask=n_mask[:, None], other=0).to(tl.float16, bitcast=True)
@@ -128,7 +144,8 @@ def q4_gemv_tiles(n: int, k: int, sms: int,
 
 def q4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
             group_size: int, out_features: int, y: torch.Tensor | None = None, *,
-            tiles: tuple[int, int, int, int] | None = None, prefetch: bool = False) -> torch.Tensor:
+            tiles: tuple[int, int, int, int] | None = None, prefetch: bool = False, xperm: bool = False,
+            asm: bool | None = None) -> torch.Tensor:
     """x [1, K] (fp32 / bf16 / fp16) @ W^T -> y [1, N] in x's dtype. qweight: uint8 [N, K/2], rows contiguous;
     scales (and min offsets) int16 float16-bits [N, K/G]; zero offsets uint8 [N, K/G]; `offsets` is ignored
     (any tensor) for the symmetric kind. `tiles` (BLOCK_N, NSUB, programs per SM, warps) and `prefetch`
@@ -150,12 +167,17 @@ def q4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offset
     per_split = -(-(k // (32 * nsub)) // split) * 32 * nsub
     split = -(-k // per_split)
     words = qweight.view(torch.int32)
+    if xperm:  # [sub-block][low/high][word][t] -> [sub-block][t][low/high][word], fp32: vector loads, no casts
+        x = x.view(k // 32, 2, 4, 4).permute(0, 3, 1, 2).float().contiguous()
+    if asm is None:
+        asm = x.device.type == "cuda"
     partial = y if split == 1 else torch.empty(split, 1, out_features, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(out_features, block_n), split)
     _q4_gemv_kernel[grid](
         x, words, scales, offsets, partial, out_features, k, per_split,
         words.stride(0), scales.stride(0), out_features,
-        GROUP=group_size, KIND=kind, BLOCK_N=block_n, NSUB=nsub, PREFETCH=prefetch, num_warps=warps,
+        GROUP=group_size, KIND=kind, BLOCK_N=block_n, NSUB=nsub, PREFETCH=prefetch, XPERM=xperm, ASM=asm,
+        num_warps=warps,
     )
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(out_features, 1024),)](partial, y, out_features, SPLIT=split, BLOCK=1024)
