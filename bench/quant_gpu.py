@@ -292,89 +292,6 @@ GEMM_SWEEP: list[dict[str, Any]] = (
 )
 
 
-# The 4-bit single-row GEMV (kernels/q4_gemv.py): (BLOCK_N rows, NSUB 32-element sub-blocks per iteration,
-# programs per SM when K splits, warps) x prefetch. BLOCK_N x NSUB x 16 bytes of codes per program and iteration.
-Q4GEMV_SWEEP: list[tuple[tuple[int, int, int, int], dict[str, bool]]] = [
-    (t, dict(prefetch=pf, xperm=xp, asm=asm))
-    for t in ((16, 16, 8, 4), (8, 16, 8, 4), (16, 8, 8, 4), (8, 8, 16, 2), (16, 16, 4, 4), (8, 32, 8, 4),
-              (16, 32, 8, 4), (32, 16, 8, 4))
-    for pf, xp, asm in ((False, False, False), (False, False, True), (False, True, False), (False, True, True),
-                        (True, True, True))
-]
-
-
-def _q4_zero_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight:
-    """AWQ/GPTQ-style: group 128, float16 scales, uint8 zero points (w = (q - z) s)."""
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8, device=dev)
-    return QuantWeight(4, "zero", 128, n, k, pack_int4(q),
-                       fp16_bits(torch.rand(n, k // 128, generator=g, device=dev) * 0.002),
-                       zeros=torch.randint(0, 16, (n, k // 128), generator=g, dtype=torch.uint8, device=dev))
-
-
-def _step_q4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], tiles: tuple[int, int, int, int],
-             variant: dict[str, bool]) -> None:
-    from engine.quant.group_quant import KINDS
-    from kernels.q4_gemv import q4_gemv
-
-    for ws in weights:
-        for w in ws:
-            q4_gemv(xs[w.in_features], w.qweight, w.scales, w.mins if w.mins is not None else w.zeros,
-                    KINDS.index(w.kind), w.group_size, w.out_features, tiles=tiles, **variant)
-
-
-def _q4_sweep(int4: list[list[QuantWeight]], bf16: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
-              g: torch.Generator) -> dict[str, Any]:
-    """kernels/q4_gemv.py at batch 1: every config on the Q4_1-style step (checked on the smallest and the
-    longest-K weight first), then the best few on an AWQ-style step (group 128, zeros) and with fp32 x; bf16 and
-    the general GEMV in the same run."""
-    from engine.quant.group_quant import KINDS
-    from kernels.q4_gemv import q4_gemv
-
-    dev = "cuda"
-    xs = {n: torch.randn(1, n, generator=g, device=dev).to(torch.bfloat16) for n in {k for _, k in shapes}}
-    q4_bytes = sum(w.nbytes for ws in int4 for w in ws)
-    bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
-    general_ms = _graph_step_ms(functools.partial(_step_int4, int4, xs, False))
-    out: dict[str, Any] = {"bf16_step_ms": round(bf16_ms, 3), "general_gemv_step_ms": round(general_ms, 3),
-                           "q4_1_weight_bytes": q4_bytes, "configs": []}
-
-    def measure(weights: list[list[QuantWeight]], xin: dict[int, torch.Tensor], tiles: tuple[int, int, int, int],
-                variant: dict[str, bool]) -> dict[str, Any]:
-        rec: dict[str, Any] = {"tiles": list(tiles), **variant}
-        try:
-            errs = []
-            for w in (weights[0][1], weights[0][3]):
-                y = q4_gemv(xin[w.in_features], w.qweight, w.scales, w.mins if w.mins is not None else w.zeros,
-                            KINDS.index(w.kind), w.group_size, w.out_features, tiles=tiles, **variant)
-                errs.append(rel_err(y.float(), quant_matmul_ref(xin[w.in_features].float(), w)))
-            rec["rel_err"] = float(f"{max(errs):.3g}")
-            if max(errs) > 2e-2:
-                rec["error"] = "wrong result"
-                return rec
-            ms = _graph_step_ms(functools.partial(_step_q4, weights, xin, tiles, variant))
-            nbytes = sum(w.nbytes for ws in weights for w in ws)
-            rec.update(step_ms=round(ms, 3), vs_bf16=round(bf16_ms / ms, 3), tb_s=round(nbytes / ms / 1e9, 3))
-        except Exception as exc:  # a config that does not compile is recorded, not fatal
-            rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        return rec
-
-    for tiles, variant in Q4GEMV_SWEEP:
-        rec = measure(int4, xs, tiles, variant)
-        print("q4gemv", rec, flush=True)
-        out["configs"].append(rec)
-    ranked = sorted((r for r in out["configs"] if "step_ms" in r), key=lambda r: r["step_ms"])[:3]
-    out["best"] = ranked[0] if ranked else None
-    awq = [[_q4_zero_weight(n, k, dev, g) for n, k in shapes] for _ in range(len(int4))]
-    out["awq_g128_weight_bytes"] = sum(w.nbytes for ws in awq for w in ws)
-    pick = lambda r: {k: r[k] for k in ("prefetch", "xperm", "asm")}  # noqa: E731
-    out["awq_g128"] = [measure(awq, xs, tuple(r["tiles"]), pick(r)) for r in ranked]
-    del awq
-    xs32 = {n: v.float() for n, v in xs.items()}
-    out["x_fp32"] = [measure(int4, xs32, tuple(r["tiles"]), pick(r)) for r in ranked]
-    print("q4gemv awq", out["awq_g128"], "fp32", out["x_fp32"], flush=True)
-    return out
-
-
 def _step_bf16(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
     for ws in weights:
         for w in ws:
@@ -425,7 +342,7 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
             row["int4_tiled_gemm_vs_bf16"] = round(row["int4_tiled_gemm_tok_s"] / row["bf16_tok_s"], 3)
         print("int4", row, flush=True)
         out["cases"].append(row)
-    if not smoke and ("gemv" in sweeps or "gemm" in sweeps):  # the GEMV's tiles at batch 1, the GEMM's variants and tiles at larger batches
+    if not smoke and sweeps:  # the GEMV's tiles at batch 1, the GEMM's variants and tiles at larger batches
         from engine.quant.group_quant import KINDS
         from kernels.quant_gemm import _quant_gemm_tiled, _quant_gemv
 
@@ -472,8 +389,6 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 print("int4_gemm_sweep", rec, flush=True)
                 out["gemm_sweep"].append(rec)
-    if not smoke and "q4gemv" in sweeps:
-        out["q4gemv_sweep"] = _q4_sweep(int4, bf16, shapes, g)
     return out
 
 
@@ -516,7 +431,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm", "q4gemv"],
+    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm"],
                         help="int4: which tile sweeps to run after the cases (none: no sweep)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
