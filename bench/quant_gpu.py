@@ -8,8 +8,9 @@ random weights (`--load-format dummy`):
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
          torch reference; and the block count of each KV dtype in one budget.
 - int4:  the decode step's weight GEMMs (32 layers x qkv / o / gate_up / down, distinct weights, one CUDA graph)
-         at batch 1, 8 and 64: Q4_1-style int4 (group 32, the Triton dequant GEMM/GEMV) vs bf16 (cuBLAS); tok/s =
-         batch / step time (weights only: no attention, no head).
+         at batch 1, 8, 16, 64 and 256: Q4_1-style int4 (group 32) vs bf16 (cuBLAS); `int4` is the engine's CUDA path
+         (the kn layout's GEMV / GEMM, kernels/quant_gemm_kn.py), `int4_canonical` the canonical layout's
+         (kernels/quant_gemm.py); tok/s = batch / step time (weights only: no attention, no head).
 - e2e:   SmolLM2 (its GGUF Q4_1) on the GPU: greedy ids of native int4 (`quantization="gguf"`) and of fp8 KV
          against the fp32-dequantized form with fp32 KV (exact matches; any divergence must be within top-5).
 
@@ -49,6 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.quant.fp8_linear import Fp8Linear, fp8_matmul_ref  # noqa: E402
 from engine.quant.group_quant import QuantWeight, fp16_bits, pack_int4, quant_matmul, quant_matmul_ref  # noqa: E402
+from engine.quant.kn_layout import KNWeight, from_kn, to_kn  # noqa: E402
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
@@ -233,6 +235,14 @@ def _q4_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight:
                        mins=fp16_bits(-torch.rand(n, k // 32, generator=g, device=dev) * 0.01))
 
 
+def _kn_out(w: KNWeight, x: torch.Tensor, **overrides: Any) -> torch.Tensor:
+    from engine.quant.group_quant import KINDS
+    from kernels.quant_gemm_kn import quant_gemm_kn
+
+    return quant_gemm_kn(x, w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size, w.out_features,
+                         **overrides)
+
+
 def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The Triton kernel itself (what `quant_matmul` picks on CUDA), for the CPU smoke run under the interpreter."""
     from engine.quant.group_quant import KINDS
@@ -264,6 +274,57 @@ def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], sm
                                   w.out_features, y, **tiled)
             else:
                 quant_matmul(x, w)
+
+
+def _step_kn(weights: list[list[KNWeight]], xs: dict[int, torch.Tensor], **overrides: Any) -> None:
+    """The engine's CUDA path for 4-bit weights: the kn layout's GEMV (1 row) / GEMM (more rows); `overrides`:
+    quant_gemm_kn's sweep arguments."""
+    from engine.quant.group_quant import KINDS
+    from kernels.quant_gemm_kn import quant_gemm_kn
+
+    for ws in weights:
+        for w in ws:
+            quant_gemm_kn(xs[w.in_features], w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size,
+                          w.out_features, **overrides)
+
+
+# The kn GEMM's tiles (BLOCK_M, BLOCK_N, BLOCK_R word rows, warps, SWAP_AB), and the dense path (dequantize W
+# once, then cuBLAS), at several decode batches.
+KN_GEMM_SWEEP: list[dict[str, Any]] = (
+    [{"gemm_tiles": t} for t in ((16, 64, 16, 4, False), (16, 64, 16, 4, True), (16, 128, 16, 4, True),
+                                 (16, 64, 32, 4, True), (16, 128, 32, 4, True), (16, 32, 32, 4, True),
+                                 (16, 64, 64, 4, True), (16, 128, 16, 8, True), (64, 128, 16, 4, False),
+                                 (64, 128, 16, 4, True), (64, 128, 16, 8, True), (64, 64, 16, 4, True),
+                                 (64, 128, 32, 8, True), (32, 128, 16, 4, True), (64, 256, 16, 8, True),
+                                 (32, 64, 32, 4, True))]
+    + [{"dense": True}]
+)
+
+
+def _kn_gemm_sweep(kn: list[list[KNWeight]], bf16: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
+                   g: torch.Generator) -> list[dict[str, Any]]:
+    out = []
+    for batch in (8, 16, 32, 64, 256):
+        xs = {n: torch.randn(batch, n, generator=g, device="cuda").to(torch.bfloat16) for n in {k for _, k in shapes}}
+        bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
+        w = kn[0][3]
+        ref = quant_matmul_ref(xs[w.in_features].float(), from_kn(w))
+        for cfg in KN_GEMM_SWEEP:
+            rec: dict[str, Any] = {"batch": batch, **{k: (list(v) if isinstance(v, tuple) else v)
+                                                      for k, v in cfg.items()}}
+            try:
+                err = rel_err(_kn_out(w, xs[w.in_features], **cfg).float(), ref)
+                rec["rel_err"] = float(f"{err:.3g}")
+                if err > 2e-2:
+                    rec["error"] = "wrong result"
+                else:
+                    ms = _graph_step_ms(functools.partial(_step_kn, kn, xs, **cfg))
+                    rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3), vs_bf16=round(bf16_ms / ms, 3))
+            except Exception as exc:  # a config that does not compile is recorded, not fatal
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print("kn_gemm_sweep", rec, flush=True)
+            out.append(rec)
+    return out
 
 
 def _graph_step_ms(fn: Callable[[], Any]) -> float:
@@ -307,23 +368,34 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
     int4 = [[_q4_weight(n, k, dev, g) for n, k in shapes] for _ in range(layers)]
     bf16 = [[torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
             for _ in range(layers)]
+    kn = [[to_kn(w) for w in ws] for ws in int4]
     x = torch.randn(8, hidden, generator=g, device=dev).to(torch.bfloat16)
     check = (_triton_matmul if smoke else quant_matmul)(x, int4[0][2])
+    ref = quant_matmul_ref(x.float(), int4[0][2])
+    kn_check = {}
+    for rows in (1, 8):
+        xs_c = {hidden: x[:rows].contiguous()}
+        kn_check[rows] = rel_err(_kn_out(kn[0][2], xs_c[hidden]).float(), ref[:rows])
     out: dict[str, Any] = {
         "workload": f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), "
-                    "int4 Q4_1-style group 32 vs bf16",
-        "check_rel_err_vs_ref": rel_err(check.float(), quant_matmul_ref(x.float(), int4[0][2])),
+                    "int4 Q4_1-style group 32 vs bf16; int4 = the engine's CUDA path (kn layout, "
+                    "kernels/quant_gemm_kn.py), int4_canonical = kernels/quant_gemm.py over the canonical layout",
+        "check_rel_err_vs_ref": rel_err(check.float(), ref),
+        "kn_check_rel_err_vs_ref": kn_check,
+        "kn_round_trip_exact": all(torch.equal(from_kn(k).qweight, w.qweight) for k, w in zip(kn[0], int4[0],
+                                                                                            strict=True)),
         "weight_bytes": {"int4": sum(w.nbytes for ws in int4 for w in ws),
                          "bf16": sum(w.numel() * 2 for ws in bf16 for w in ws)},
         "cases": [],
     }
-    for batch in (1, 8, 64):
+    for batch in (1, 8, 16, 64, 256):
         xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in {k for _, k in shapes}}
 
         row: dict[str, Any] = {"batch": batch}
         steps = [("bf16", functools.partial(_step_bf16, bf16, xs)),
-                 ("int4", functools.partial(_step_int4, int4, xs, smoke))]
-        if batch in (1, 8) and not smoke:
+                 ("int4", functools.partial(_step_kn, kn, xs)),
+                 ("int4_canonical", functools.partial(_step_int4, int4, xs, smoke))]
+        if batch in (1, 8) and not smoke and sweeps:
             steps.append(("int4_tiled_gemm", functools.partial(_step_int4, int4, xs, smoke, {})))
         for name, fn in steps:
             run = fn
@@ -338,6 +410,7 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
             row[f"{name}_step_ms"] = round(seconds * 1e3, 3)
             row[f"{name}_tok_s"] = round(batch / seconds, 1)
         row["int4_vs_bf16"] = round(row["int4_tok_s"] / row["bf16_tok_s"], 3)
+        row["int4_canonical_vs_bf16"] = round(row["int4_canonical_tok_s"] / row["bf16_tok_s"], 3)
         if "int4_tiled_gemm_tok_s" in row:
             row["int4_tiled_gemm_vs_bf16"] = round(row["int4_tiled_gemm_tok_s"] / row["bf16_tok_s"], 3)
         print("int4", row, flush=True)
@@ -389,6 +462,8 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 print("int4_gemm_sweep", rec, flush=True)
                 out["gemm_sweep"].append(rec)
+    if not smoke and "kngemm" in sweeps:
+        out["kn_gemm_sweep"] = _kn_gemm_sweep(kn, bf16, shapes, g)
     return out
 
 
@@ -424,14 +499,63 @@ def part_e2e(smoke: bool) -> dict[str, Any]:
     return result
 
 
-PARTS = {"w8a8": part_w8a8, "w8a8_layers": part_w8a8_layers, "kv": part_kv, "int4": part_int4, "e2e": part_e2e}
+def part_awq_e2e(smoke: bool) -> dict[str, Any]:
+    """A tiny AWQ / GPTQ checkpoint (round-to-nearest, built as tests/test_quant_awq_gptq.py does) through the
+    engine on this device: 4-bit linears in the kn layout on CUDA, greedy ids against the dense checkpoint of the
+    same dequantized weights (fp32, and bf16 beside a bf16 dense run)."""
+    import tempfile
+
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from engine.quant.group_quant import QuantLinear
+    from engine.sampling_params import SamplingParams
+    from tests.test_quant_awq_gptq import build
+
+    device = "cpu" if smoke else "cuda"
+    prompts = [[5, 17, 300, 42], [7] * 20, list(range(100, 140)), [1, 2, 3] * 30]
+    result: dict[str, Any] = {"workload": f"tiny Llama preset, AWQ/GPTQ group 32, {len(prompts)} prompts x 16 "
+                                          "greedy tokens vs the dense checkpoint of the same weights"}
+
+    def run(path: Path, dtype: str, logprobs: int | None) -> tuple[LLMEngine, list[Any]]:
+        eng = LLMEngine(EngineArgs(model=str(path), device=device, dtype=dtype, kv_cache_memory_bytes=64 << 20,
+                                   max_model_len=256).create_engine_config())
+        for n, prompt in enumerate(prompts):
+            eng.add_request(f"r{n}", prompt, SamplingParams(max_tokens=16, temperature=0, logprobs=logprobs))
+        outs: dict[str, Any] = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0]
+        return eng, [outs[f"r{n}"] for n in range(len(prompts))]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in ("awq", "gptq"):
+            qpath, dpath, _ = build(Path(tmp) / method, method)
+            for dtype in ("float32", "bfloat16"):
+                eng, ours = run(qpath, dtype, None)
+                layouts = sorted({m.layout for m in eng.runner.model.modules() if isinstance(m, QuantLinear)})
+                del eng
+                _, want = run(dpath, dtype, 5)
+                exact = sum(o.token_ids == w.token_ids for o, w in zip(ours, want, strict=True))
+                top5 = 0
+                for o, w in zip(ours, want, strict=True):
+                    if o.token_ids != w.token_ids:
+                        k = next(j for j, (a, b) in enumerate(zip(o.token_ids, w.token_ids, strict=False)) if a != b)
+                        top5 += o.token_ids[k] in w.logprobs[k]
+                result[f"{method}_{dtype}"] = {"layouts": layouts, "exact": exact, "diverged_within_top5": top5,
+                                               "prompts": len(prompts)}
+                print("awq_e2e", method, dtype, result[f"{method}_{dtype}"], flush=True)
+    return result
+
+
+PARTS = {"awq_e2e": part_awq_e2e, "w8a8": part_w8a8, "w8a8_layers": part_w8a8_layers, "kv": part_kv, "int4": part_int4, "e2e": part_e2e}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm"],
+    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm", "kngemm"],
                         help="int4: which tile sweeps to run after the cases (none: no sweep)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")

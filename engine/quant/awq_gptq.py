@@ -106,9 +106,7 @@ def load_awq_gptq(model: nn.Module, state: dict[str, torch.Tensor], method: str,
             parent = getattr(layer, block)
             old = getattr(parent, attr)
             w = QuantWeight.cat([quant[b] for b in bases])
-            device = old.weight.device
-            w = QuantWeight(w.bits, w.kind, w.group_size, w.out_features, w.in_features, w.qweight.to(device),
-                            w.scales.to(device), None, w.zeros.to(device) if w.zeros is not None else None)
+            w = w.to(old.weight.device)
             bias = None if old.bias is None else old.bias.detach()
             setattr(parent, attr, QuantLinear(w, bias))
         layer.small_gemm = False  # the fused single-row GEMVs read dense `.weight`s

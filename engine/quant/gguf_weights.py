@@ -127,8 +127,9 @@ def _fused(parts: list[GGUFTensor], what: str) -> QuantWeight | torch.Tensor:
 
 def _set_linear(parent: nn.Module, attr: str, weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None) -> None:
     old = getattr(parent, attr)
-    if isinstance(weight, QuantWeight):
-        setattr(parent, attr, QuantLinear(weight, None if bias is None else bias.to(old.weight.dtype)))
+    if isinstance(weight, QuantWeight):  # read on the host; held where the model is (kn layout on CUDA)
+        setattr(parent, attr, QuantLinear(weight.to(old.weight.device),
+                                          None if bias is None else bias.to(old.weight.device, old.weight.dtype)))
         return
     with torch.no_grad():
         old.weight.copy_(weight)
@@ -160,7 +161,7 @@ def load_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> None:
 
     embed = take("model.embed_tokens.weight")
     if embed.quant is not None:
-        model.embed_tokens = QuantEmbedding(embed.quant, dtype)  # type: ignore[assignment]
+        model.embed_tokens = QuantEmbedding(embed.quant.to(model.norm.weight.device), dtype)  # type: ignore[assignment, union-attr]
     else:
         copy(model.embed_tokens.weight, embed.name)  # type: ignore[union-attr]
     copy(model.norm.weight, "model.norm.weight")  # type: ignore[union-attr]

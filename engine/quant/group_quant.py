@@ -20,12 +20,16 @@ a 4- or 8-bit integer needs at most 19 mantissa bits):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.quant.kn_layout import KNWeight
 
 Kind = Literal["min", "zero", "sym"]
 KINDS: tuple[str, ...] = ("min", "zero", "sym")
@@ -101,6 +105,11 @@ class QuantWeight:
                            pick(self.scales), None if self.mins is None else pick(self.mins),
                            None if self.zeros is None else pick(self.zeros))
 
+    def to(self, device: torch.device | str) -> QuantWeight:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QuantWeight(self.bits, self.kind, self.group_size, self.out_features, self.in_features,
+                           self.qweight.to(device), self.scales.to(device), move(self.mins), move(self.zeros))
+
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Stack weights along the output dim (q|k|v, gate|up): same K, bits, kind and group size."""
@@ -154,34 +163,65 @@ def quant_matmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W kept quantized. CPU fp32: the compiled kernel (kernels/cpu_quant_gemm.py) for small
-    batches and its dequantized tiles for larger ones; CUDA: the Triton dequant GEMM/GEMV (kernels/quant_gemm.py);
-    elsewhere (or without a compiler / Triton) the torch reference."""
+    batches and its dequantized tiles for larger ones; CUDA: the Triton dequant GEMM/GEMV (kernels/quant_gemm.py),
+    and for 4-bit weights the kn layout (engine/quant/kn_layout.py) with its own kernels
+    (kernels/quant_gemm_kn.py); elsewhere (or without a compiler / Triton) the torch reference.
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+    `layout`: "auto" picks kn for 4-bit weights on CUDA, else the canonical layout; "kn" on CPU is for tests of
+    the Triton kernels under the interpreter."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
+                 layout: Literal["auto", "canonical", "kn"] = "auto") -> None:
         super().__init__()
         self.bits, self.kind, self.group_size = weight.bits, weight.kind, weight.group_size
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.register_buffer("qweight", weight.qweight)
-        self.register_buffer("scales", weight.scales)
-        self.register_buffer("mins", weight.mins)
-        self.register_buffer("zeros", weight.zeros)
+        if layout == "auto":
+            layout = "kn" if weight.bits == 4 and weight.qweight.is_cuda else "canonical"
+        self.layout = layout
+        stored: QuantWeight | KNWeight = weight
+        if layout == "kn":
+            from engine.quant.kn_layout import to_kn
+
+            stored = to_kn(weight)
+        self.register_buffer("qweight", stored.qweight)
+        self.register_buffer("scales", stored.scales)
+        self.register_buffer("mins", stored.mins)
+        self.register_buffer("zeros", stored.zeros)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.use_kernel = True  # tests turn it off to run the torch reference
 
     def quant_weight(self) -> QuantWeight:
+        """The weight in the canonical layout (rebuilt from the kn layout when that is what is held)."""
+        if self.layout == "kn":
+            from engine.quant.kn_layout import from_kn
+
+            return from_kn(self._kn_weight())
         return QuantWeight(self.bits, self.kind, self.group_size, self.out_features, self.in_features,  # type: ignore[arg-type]
                            self.qweight, self.scales, self.mins, self.zeros)
 
+    def _kn_weight(self) -> KNWeight:
+        from engine.quant.kn_layout import KNWeight
+
+        return KNWeight(self.kind, self.group_size, self.out_features, self.in_features,  # type: ignore[arg-type]
+                        self.qweight, self.scales, self.mins, self.zeros)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = quant_matmul(flat, self.quant_weight(), self.use_kernel)
+        if self.layout == "kn" and self.use_kernel and (flat.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            from kernels.quant_gemm_kn import quant_gemm_kn
+
+            kn = self._kn_weight()
+            out = quant_gemm_kn(flat.contiguous(), kn.qweight, kn.scales, kn.offsets, KINDS.index(self.kind),
+                                self.group_size, self.out_features)
+        else:
+            out = quant_matmul(flat, self.quant_weight(), self.use_kernel)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"kind={self.kind}, group_size={self.group_size}")
+                f"kind={self.kind}, group_size={self.group_size}, layout={self.layout}")
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, use_kernel: bool = True) -> torch.Tensor:
@@ -229,7 +269,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.linear = QuantLinear(weight)
+        self.linear = QuantLinear(weight, layout="canonical")  # looked-up rows are dequantized from it
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
         # Follows module-wide casts (model.to(dtype)): the dtype the looked-up rows are returned in.
         self.register_buffer("dtype_ref", torch.empty(0, dtype=dtype), persistent=False)

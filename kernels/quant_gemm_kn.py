@@ -1,0 +1,266 @@
+"""4-bit weight-only GEMV/GEMM on the GPU (Triton) over the kn layout of engine/quant/kn_layout.py: y[M, N] =
+x[M, K] W^T with W's codes packed [K/8, N] (N contiguous), float16 scales and mins / uint8 zeros [K/G, N].
+
+One row (decode at batch 1) takes a GEMV: each thread owns whole output columns, so x is a warp-wide broadcast
+and the group scales load in the accumulator's own layout. A code becomes a float without a conversion: shifted
+to bits 19-22 and OR-ed into the bits of 1.0 it reads as v = 1 + q / 16 exactly (one shift and, on CUDA, one
+PTX lop3 that takes both constants; ptxas alone emits two LOP3s, 25 % slower). The group's affine map is
+applied once per 32-element sub-block: with w = d q + c (c = min, -z d, or 0),
+sum_j w_j x_j = 16 d S_vx + (c - 16 d) S_x, S_vx = sum_j v_j x_j and S_x = sum_j x_j (terms of one size, v in
+[1, 2): nothing cancels). K splits across programs (fp32 partials summed by one more launch) until every SM has
+about GEMV_PROGRAMS_PER_SM programs. H100 sweep over the Llama-8B decode step
+(bench/results/int4_gemv_layout_h100.json): 32 columns x 4 sub-blocks on one warp, 16 programs per SM,
+2.57 ms against 3.73 for the canonical-layout GEMV and 5.18 for bf16.
+
+Up to DEQUANT_MIN_M rows take a GEMM: per iteration a [BLOCK_R words, BLOCK_N] tile of codes, dequantized one
+nibble position j at a time into an operand that meets x's columns 8 r + j (a sum over K in any order), so
+eight MMAs per tile and no register shuffles. More rows (prefill) dequantize W once into a dense temporary and
+run cuBLAS. Reference: `engine.quant.group_quant.quant_matmul_ref` of `engine.quant.kn_layout.from_kn(w)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import HAS_TRITON, dot_needs_upcast, require_triton, sm_count, tl, triton
+
+__all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn"]
+
+KIND_MIN, KIND_ZERO, KIND_SYM = 0, 1, 2
+# GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
+GEMV_TILES = (32, 4, 16, 1)
+GEMM_PROGRAMS_PER_SM = 4
+# GEMM tiles by the largest row count they serve: (BLOCK_M, BLOCK_N, BLOCK_R, warps, SWAP_AB). H100 sweep over the
+# Llama-8B decode step (quant_gpu_h100.json int4.kn_gemm_sweep, 16 tiles): the transposed product wins everywhere
+# (7.4 vs 26.1 ms at 64 rows); 4.3 / 4.4 / 4.9 / 7.4 ms at 8 / 16 / 32 / 64 rows against bf16's 5.2-5.4.
+GEMM_TILES: dict[int, tuple[int, int, int, int, bool]] = {16: (16, 128, 16, 4, True), 32: (32, 128, 16, 4, True),
+                                                         1 << 62: (64, 128, 16, 4, True)}
+# From this many rows on, W is dequantized once (one launch) and multiplied densely by cuBLAS: a flat ~11.8 ms
+# per Llama-8B step for the dequantization, against the GEMM's 7.4 ms at 64 rows and 22.5 at 256.
+DEQUANT_MIN_M = 128
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _unit(word, SHIFT: tl.constexpr, ASM: tl.constexpr):
+        """The nibble at bit SHIFT of each int32 word as the float 1 + q / 16 (exact)."""
+        if SHIFT <= 19:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+            moved = word << (19 - SHIFT)
+        else:
+            moved = word >> (SHIFT - 19)
+        if ASM:  # (moved & 0x780000) | 0x3f800000 as one instruction
+            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x780000, 0x3f800000, 0xea;", "=r,r", [moved],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            bits = (moved & 0x00780000) | 0x3F800000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _group_affine(S, Off, m_ptrs, mask, KIND: tl.constexpr):
+        """(d, c) of w = d q + c for a tile of group entries, as float32."""
+        d = tl.load(S + m_ptrs, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        if KIND == 0:
+            c = tl.load(Off + m_ptrs, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        elif KIND == 1:
+            c = -tl.load(Off + m_ptrs, mask=mask, other=0).to(tl.float32) * d
+        else:
+            c = tl.zeros_like(d)
+        return d, c
+
+    @triton.jit
+    def _kn_gemv_kernel(X, QW, S, Off, Y, N, K, K_PER_SPLIT, GROUP: tl.constexpr, KIND: tl.constexpr,
+                        BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        sub = tl.arange(0, NSUB)
+        word = tl.arange(0, 4)
+        # [NSUB, 4, BLOCK_N] words: word row 4 sub + word of the iteration (elements 32 sub + 8 word + j), column n
+        q_ptrs = QW + ((4 * sub)[:, None] + word[None, :])[:, :, None] * N + offs_n[None, None, :]
+        x_ptrs = X + (32 * sub)[:, None] + (8 * word)[None, :]
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        k_start = pid_s * K_PER_SPLIT
+        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), 32 * NSUB):
+            w = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[None, None, :], other=0, eviction_policy="evict_first")
+            s_vx = tl.zeros([NSUB, 4, BLOCK_N], dtype=tl.float32)
+            s_x = tl.zeros([NSUB, 4], dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptrs + k0 + j).to(tl.float32)
+                s_vx += _unit(w, 4 * j, ASM) * xj[:, :, None]
+                s_x += xj
+            grp = (k0 + 32 * sub) // GROUP
+            d, c = _group_affine(S, Off, grp[:, None] * N + offs_n[None, :], n_mask[None, :], KIND)
+            acc += tl.sum((16.0 * d) * tl.sum(s_vx, axis=1) + (c - 16.0 * d) * tl.sum(s_x, axis=1)[:, None], axis=0)
+        tl.store(Y + pid_s.to(tl.int64) * N + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+
+    @triton.jit
+    def _kn_gemm_kernel(X, QW, S, Off, Y, M, N, K, K_PER_SPLIT, stride_xm, stride_ym, stride_ys,
+                        GROUP: tl.constexpr, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
+        """Y = X W^T, or each K split's fp32 partial at Y + split * stride_ys. SWAP_AB computes Y^T = W X^T with
+        the dequantized tile as the dot's first operand (Hopper's MMA may read it from registers; the second
+        operand goes through shared memory)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        r = tl.arange(0, BLOCK_R)  # word rows of the iteration: elements 8 r + j
+        x_base = X + offs_m.to(tl.int64) * stride_xm
+        k_start = pid_s * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        if SWAP_AB:  # tiles [BLOCK_N, BLOCK_R] of the weight, [BLOCK_R, BLOCK_M] of x
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for k0 in range(k_start, k_end, 8 * BLOCK_R):
+                r_mask = k0 + 8 * r < k_end
+                wmask = n_mask[:, None] & r_mask[None, :]
+                w_off = (k0 // 8 + r)[None, :] * N + offs_n[:, None]
+                w = tl.load(QW + w_off, mask=wmask, other=0)
+                grp = (k0 + 8 * r) // GROUP
+                d, c = _group_affine(S, Off, grp[None, :] * N + offs_n[:, None], wmask, KIND)
+                for j in tl.static_range(8):
+                    b = ((w >> (4 * j)) & 0xF).to(tl.float32) * d + c
+                    xj = tl.load(x_base[None, :] + k0 + 8 * r[:, None] + j, mask=r_mask[:, None] & m_mask[None, :],
+                                 other=0.0)
+                    if UPCAST:
+                        acc += tl.dot(b, xj.to(tl.float32), input_precision="ieee")
+                    else:
+                        acc += tl.dot(b.to(xj.dtype), xj)
+            out = tl.trans(acc)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_start, k_end, 8 * BLOCK_R):
+                r_mask = k0 + 8 * r < k_end
+                wmask = r_mask[:, None] & n_mask[None, :]
+                w = tl.load(QW + (k0 // 8 + r)[:, None] * N + offs_n[None, :], mask=wmask, other=0)
+                grp = (k0 + 8 * r) // GROUP
+                d, c = _group_affine(S, Off, grp[:, None] * N + offs_n[None, :], wmask, KIND)
+                for j in tl.static_range(8):
+                    b = ((w >> (4 * j)) & 0xF).to(tl.float32) * d + c
+                    xj = tl.load(x_base[:, None] + k0 + 8 * r[None, :] + j, mask=m_mask[:, None] & r_mask[None, :],
+                                 other=0.0)
+                    if UPCAST:
+                        acc += tl.dot(xj.to(tl.float32), b, input_precision="ieee")
+                    else:
+                        acc += tl.dot(xj, b.to(xj.dtype))
+            out = acc
+        y_ptr = Y + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptr, out.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _kn_dequant_kernel(QW, S, Off, W, N, K, GROUP: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+        """W^T [K, N] (N contiguous, W's dtype) from the kn layout: for batches large enough that one dense matmul
+        beats dequantizing in every output tile."""
+        offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_r < K // 8)[:, None] & (offs_n < N)[None, :]
+        w = tl.load(QW + offs_r[:, None] * N + offs_n[None, :], mask=mask, other=0)
+        d, c = _group_affine(S, Off, ((8 * offs_r) // GROUP)[:, None] * N + offs_n[None, :], mask, KIND)
+        out = W + (8 * offs_r).to(tl.int64)[:, None] * N + offs_n[None, :]
+        for j in tl.static_range(8):
+            b = ((w >> (4 * j)) & 0xF).to(tl.float32) * d + c
+            tl.store(out + j * N, b.to(W.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _sum_splits_kernel(P, Y, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        """y = the sum over splits of the fp32 partials [SPLIT, NUMEL], in y's dtype (one launch)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < NUMEL
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            total += tl.load(P + s * NUMEL + offs, mask=mask, other=0.0)
+        tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
+
+
+def kn_gemv_tiles(n: int, k: int, sms: int,
+                  tiles: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, NSUB, split, warps): NSUB narrows until it divides K's sub-blocks; K splits (whole iterations per
+    split) until about `programs per SM` programs are in flight on every SM."""
+    block_n, nsub, per_sm, warps = tiles or GEMV_TILES
+    while (k // 32) % nsub:
+        nsub //= 2
+    iters = k // (32 * nsub)
+    split = max(1, min(iters, (per_sm * sms) // -(-n // block_n)))
+    return block_n, nsub, split, warps
+
+
+def kn_gemm_tiles(m: int, n: int, k: int, sms: int,
+                  tiles: tuple[int, int, int, int, bool] | None = None) -> tuple[int, int, int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_R, warps, SWAP_AB, split) of the GEMM: BLOCK_R word rows (8 BLOCK_R elements) per
+    iteration, at least 16 (the MMA's K); K splits until about GEMM_PROGRAMS_PER_SM programs per SM. `tiles`:
+    (BLOCK_M, BLOCK_N, BLOCK_R, warps, SWAP_AB) from a sweep."""
+    block_m, block_n, block_r, warps, swap = tiles or GEMM_TILES[next(t for t in GEMM_TILES if m <= t)]
+    iters = -(-k // (8 * block_r))
+    programs = -(-m // block_m) * -(-n // block_n)
+    split = max(1, min(iters, (GEMM_PROGRAMS_PER_SM * sms) // programs))
+    return block_m, block_n, block_r, warps, swap, split
+
+
+def dequantize_kn(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int, group_size: int,
+                  out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] in `dtype` (one launch)."""
+    require_triton("quant_gemm_kn")
+    rows = qweight.shape[0]
+    wt = torch.empty(rows * 8, out_features, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(rows, 16), triton.cdiv(out_features, 128))
+    _kn_dequant_kernel[grid](qweight, scales, offsets, wt, out_features, rows * 8, GROUP=group_size, KIND=kind,
+                             BLOCK_R=16, BLOCK_N=128, num_warps=4)
+    return wt
+
+
+def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
+                  group_size: int, out_features: int, *, gemv_tiles: tuple[int, int, int, int] | None = None,
+                  asm: bool | None = None, gemm_tiles: tuple[int, int, int, int, bool] | None = None,
+                  dense: bool | None = None) -> torch.Tensor:
+    """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
+    scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
+    The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
+    `gemm_tiles`, and `dense` (several rows: dequantize W once and run a dense matmul; default from
+    DEQUANT_MIN_M)."""
+    require_triton("quant_gemm_kn")
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
+    m, k = x.shape
+    if k % 32 or group_size % 32 or k % group_size:
+        raise ValueError(f"K={k} and group_size={group_size} must be multiples of 32 (group_size dividing K)")
+    if qweight.dtype != torch.int32 or qweight.shape != (k // 8, out_features) or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be contiguous int32 [{k // 8}, {out_features}], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    if kind not in (KIND_MIN, KIND_ZERO, KIND_SYM):
+        raise ValueError(f"unsupported kind {kind}")
+    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    sms = sm_count(x.device)
+    if m == 1:
+        block_n, nsub, split, warps = kn_gemv_tiles(out_features, k, sms, gemv_tiles)
+        step = 32 * nsub
+        per_split = -(-(k // step) // split) * step
+        split = -(-k // per_split)
+        partial = y if split == 1 else torch.empty(split, out_features, dtype=torch.float32, device=x.device)
+        _kn_gemv_kernel[(triton.cdiv(out_features, block_n), split)](
+            x, qweight, scales, offsets, partial, out_features, k, per_split, GROUP=group_size, KIND=kind,
+            BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm, num_warps=warps)
+    elif (m >= DEQUANT_MIN_M) if dense is None else dense:
+        return torch.mm(x, dequantize_kn(qweight, scales, offsets, kind, group_size, out_features, x.dtype), out=y)
+    else:
+        block_m, block_n, block_r, warps, swap, split = kn_gemm_tiles(m, out_features, k, sms, gemm_tiles)
+        step = 8 * block_r
+        iters = -(-k // step)
+        per_split = -(-iters // split) * step
+        split = -(-k // per_split)
+        partial = y if split == 1 else torch.empty(split, m, out_features, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n), split)
+        upcast = x.dtype == torch.float32 or dot_needs_upcast(x.dtype)
+        _kn_gemm_kernel[grid](
+            x, qweight, scales, offsets, partial, m, out_features, k, per_split, x.stride(0), out_features,
+            m * out_features, GROUP=group_size, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+            UPCAST=upcast, SWAP_AB=swap and not upcast, num_warps=warps)
+    if split > 1:
+        numel = m * out_features
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](partial, y, numel, SPLIT=split, BLOCK=1024)
+    return y
