@@ -22,7 +22,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, dot_needs_upcast, require_triton, sm_count, tl, triton
+from kernels._triton import (
+    HAS_TRITON,
+    dot_needs_upcast,
+    pdl_launch,
+    pdl_wait,
+    require_triton,
+    sm_count,
+    tl,
+    triton,
+)
 
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn"]
 
@@ -69,7 +78,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _kn_gemv_kernel(X, QW, S, Off, Y, N, K, K_PER_SPLIT, GROUP: tl.constexpr, KIND: tl.constexpr,
-                        BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr):
+                        BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+        """Each iteration's codes load at the end of the one before, so the first load comes before `pdl_wait`:
+        weights are never written during a step, and under PDL they stream while the previous kernel drains."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,8 +92,13 @@ if HAS_TRITON:
         x_ptrs = X + (32 * sub)[:, None] + (8 * word)[None, :]
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
-        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), 32 * NSUB):
-            w = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[None, None, :], other=0, eviction_policy="evict_first")
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        # (splits and K hold whole iterations: an iteration is inside [k_start, k_end) or wholly past it)
+        w = tl.load(q_ptrs + (k_start // 8) * N,
+                    mask=n_mask[None, None, :] & (k_start + 32 * sub < k_end)[:, None, None], other=0,
+                    eviction_policy="evict_first")
+        pdl_wait(PDL)
+        for k0 in range(k_start, k_end, 32 * NSUB):
             s_vx = tl.zeros([NSUB, 4, BLOCK_N], dtype=tl.float32)
             s_x = tl.zeros([NSUB, 4], dtype=tl.float32)
             for j in tl.static_range(8):
@@ -92,6 +108,10 @@ if HAS_TRITON:
             grp = (k0 + 32 * sub) // GROUP
             d, c = _group_affine(S, Off, grp[:, None] * N + offs_n[None, :], n_mask[None, :], KIND)
             acc += tl.sum((16.0 * d) * tl.sum(s_vx, axis=1) + (c - 16.0 * d) * tl.sum(s_x, axis=1)[:, None], axis=0)
+            k_next = k0 + 32 * NSUB
+            w = tl.load(q_ptrs + (k_next // 8) * N,
+                        mask=n_mask[None, None, :] & (k_next + 32 * sub < k_end)[:, None, None], other=0,
+                        eviction_policy="evict_first")
         tl.store(Y + pid_s.to(tl.int64) * N + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
     @triton.jit
@@ -166,8 +186,9 @@ if HAS_TRITON:
             tl.store(out + j * N, b.to(W.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _sum_splits_kernel(P, Y, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(P, Y, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """y = the sum over splits of the fp32 partials [SPLIT, NUMEL], in y's dtype (one launch)."""
+        pdl_wait(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < NUMEL
         total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -244,7 +265,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         partial = y if split == 1 else torch.empty(split, out_features, dtype=torch.float32, device=x.device)
         _kn_gemv_kernel[(triton.cdiv(out_features, block_n), split)](
             x, qweight, scales, offsets, partial, out_features, k, per_split, GROUP=group_size, KIND=kind,
-            BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm, num_warps=warps)
+            BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm, num_warps=warps,
+            **pdl_launch(x.device))
     elif (m >= DEQUANT_MIN_M) if dense is None else dense:
         return torch.mm(x, dequantize_kn(qweight, scales, offsets, kind, group_size, out_features, x.dtype), out=y)
     else:
@@ -262,5 +284,7 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             UPCAST=upcast, SWAP_AB=swap and not upcast, num_warps=warps)
     if split > 1:
         numel = m * out_features
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](partial, y, numel, SPLIT=split, BLOCK=1024)
+        # after the GEMM (no PDL there) the wait is immediate; after the GEMV it orders the partials' reads
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](partial, y, numel, SPLIT=split, BLOCK=1024,
+                                                        **pdl_launch(x.device))
     return y
