@@ -301,6 +301,44 @@ KN_GEMM_SWEEP: list[dict[str, Any]] = (
 )
 
 
+# The kn GEMV at batch 1: (BLOCK_N, NSUB, programs per SM, warps) x loads one iteration ahead.
+KN_GEMV_SWEEP: list[dict[str, Any]] = [
+    {"gemv_tiles": t, "pipeline": pl}
+    for t in ((32, 4, 16, 1), (32, 4, 12, 1), (32, 4, 20, 1), (16, 4, 16, 1), (16, 4, 32, 1), (32, 4, 32, 1),
+              (32, 2, 24, 1), (16, 8, 16, 1), (64, 2, 16, 1), (32, 8, 8, 1))
+    for pl in (False, True)
+]
+# (an earlier H100 round, kn_gemv_sweep in quant_gpu_h100.json: (32, 8 | 2, 16), (32, 4, 8 | 24), (64, 4 | 8, ...),
+# (128, 4, 8, 4) all slower than (32, 4, 16, 1); pipelined loads 2.30 vs 2.43 ms there)
+
+
+def _kn_gemv_sweep(kn: list[list[KNWeight]], bf16: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
+                   g: torch.Generator) -> list[dict[str, Any]]:
+    xs = {n: torch.randn(1, n, generator=g, device="cuda").to(torch.bfloat16) for n in {k for _, k in shapes}}
+    bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
+    w = kn[0][3]
+    ref = quant_matmul_ref(xs[w.in_features].float(), from_kn(w))
+    out = []
+    for cfg in KN_GEMV_SWEEP:
+        rec: dict[str, Any] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
+        try:
+            err = rel_err(_kn_out(w, xs[w.in_features], **cfg).float(), ref)
+            rec["rel_err"] = float(f"{err:.3g}")
+            if err > 2e-2:
+                rec["error"] = "wrong result"
+            else:
+                ms = _graph_step_ms(functools.partial(_step_kn, kn, xs, **cfg))
+                nbytes = sum(t.numel() * t.element_size() for ws in kn for w_ in ws
+                             for t in (w_.qweight, w_.scales, w_.mins, w_.zeros) if t is not None)
+                rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3), vs_bf16=round(bf16_ms / ms, 3),
+                           tb_s=round(nbytes / ms / 1e9, 3))
+        except Exception as exc:  # a config that does not compile is recorded, not fatal
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print("kn_gemv_sweep", rec, flush=True)
+        out.append(rec)
+    return out
+
+
 def _kn_gemm_sweep(kn: list[list[KNWeight]], bf16: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
                    g: torch.Generator) -> list[dict[str, Any]]:
     out = []
@@ -462,6 +500,8 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 print("int4_gemm_sweep", rec, flush=True)
                 out["gemm_sweep"].append(rec)
+    if not smoke and "kngemv" in sweeps:
+        out["kn_gemv_sweep"] = _kn_gemv_sweep(kn, bf16, shapes, g)
     if not smoke and "kngemm" in sweeps:
         out["kn_gemm_sweep"] = _kn_gemm_sweep(kn, bf16, shapes, g)
     return out
@@ -555,7 +595,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm", "kngemm"],
+    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm", "kngemv", "kngemm"],
                         help="int4: which tile sweeps to run after the cases (none: no sweep)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")

@@ -8,9 +8,10 @@ PTX lop3 that takes both constants; ptxas alone emits two LOP3s, 25 % slower). T
 applied once per 32-element sub-block: with w = d q + c (c = min, -z d, or 0),
 sum_j w_j x_j = 16 d S_vx + (c - 16 d) S_x, S_vx = sum_j v_j x_j and S_x = sum_j x_j (terms of one size, v in
 [1, 2): nothing cancels). K splits across programs (fp32 partials summed by one more launch) until every SM has
-about GEMV_PROGRAMS_PER_SM programs. H100 sweep over the Llama-8B decode step
-(bench/results/int4_gemv_layout_h100.json): 32 columns x 4 sub-blocks on one warp, 16 programs per SM,
-2.57 ms against 3.73 for the canonical-layout GEMV and 5.18 for bf16.
+about 16 programs. H100 sweeps over the Llama-8B decode step (bench/results/int4_gemv_layout_h100.json,
+quant_gpu_h100.json int4.kn_gemv_sweep): 32 columns x 4 sub-blocks on one warp, 16 programs per SM, the next
+iteration's codes loaded before this one's are used: 2.27-2.30 ms against 3.86 for the canonical-layout GEMV and
+5.19 for bf16 (cuBLAS).
 
 Up to DEQUANT_MIN_M rows take a GEMM: per iteration a [BLOCK_R words, BLOCK_N] tile of codes, dequantized one
 nibble position j at a time into an operand that meets x's columns 8 r + j (a sum over K in any order), so
@@ -38,6 +39,7 @@ __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn"]
 KIND_MIN, KIND_ZERO, KIND_SYM = 0, 1, 2
 # GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
 GEMV_TILES = (32, 4, 16, 1)
+GEMV_PIPELINE = True
 GEMM_PROGRAMS_PER_SM = 4
 # GEMM tiles by the largest row count they serve: (BLOCK_M, BLOCK_N, BLOCK_R, warps, SWAP_AB). H100 sweep over the
 # Llama-8B decode step (quant_gpu_h100.json int4.kn_gemm_sweep, 16 tiles): the transposed product wins everywhere
@@ -78,9 +80,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _kn_gemv_kernel(X, QW, S, Off, Y, N, K, K_PER_SPLIT, GROUP: tl.constexpr, KIND: tl.constexpr,
-                        BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        """Each iteration's codes load at the end of the one before, so the first load comes before `pdl_wait`:
-        weights are never written during a step, and under PDL they stream while the previous kernel drains."""
+                        BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                        PIPELINE: tl.constexpr):
+        """The first iteration's codes load before `pdl_wait`: weights are never written during a step, and under
+        PDL they stream while the previous kernel drains. Each next iteration's codes load at the end of this one,
+        or with PIPELINE at its start (two iterations of loads in flight per program)."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,6 +103,11 @@ if HAS_TRITON:
                     eviction_policy="evict_first")
         pdl_wait(PDL)
         for k0 in range(k_start, k_end, 32 * NSUB):
+            k_next = k0 + 32 * NSUB
+            if PIPELINE:
+                w_next = tl.load(q_ptrs + (k_next // 8) * N,
+                                 mask=n_mask[None, None, :] & (k_next + 32 * sub < k_end)[:, None, None], other=0,
+                                 eviction_policy="evict_first")
             s_vx = tl.zeros([NSUB, 4, BLOCK_N], dtype=tl.float32)
             s_x = tl.zeros([NSUB, 4], dtype=tl.float32)
             for j in tl.static_range(8):
@@ -108,10 +117,12 @@ if HAS_TRITON:
             grp = (k0 + 32 * sub) // GROUP
             d, c = _group_affine(S, Off, grp[:, None] * N + offs_n[None, :], n_mask[None, :], KIND)
             acc += tl.sum((16.0 * d) * tl.sum(s_vx, axis=1) + (c - 16.0 * d) * tl.sum(s_x, axis=1)[:, None], axis=0)
-            k_next = k0 + 32 * NSUB
-            w = tl.load(q_ptrs + (k_next // 8) * N,
-                        mask=n_mask[None, None, :] & (k_next + 32 * sub < k_end)[:, None, None], other=0,
-                        eviction_policy="evict_first")
+            if PIPELINE:
+                w = w_next
+            else:
+                w = tl.load(q_ptrs + (k_next // 8) * N,
+                            mask=n_mask[None, None, :] & (k_next + 32 * sub < k_end)[:, None, None], other=0,
+                            eviction_policy="evict_first")
         tl.store(Y + pid_s.to(tl.int64) * N + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
     @triton.jit
@@ -235,12 +246,13 @@ def dequantize_kn(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Te
 
 def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                   group_size: int, out_features: int, *, gemv_tiles: tuple[int, int, int, int] | None = None,
-                  asm: bool | None = None, gemm_tiles: tuple[int, int, int, int, bool] | None = None,
+                  asm: bool | None = None, pipeline: bool | None = None,
+                  gemm_tiles: tuple[int, int, int, int, bool] | None = None,
                   dense: bool | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
-    `gemm_tiles`, and `dense` (several rows: dequantize W once and run a dense matmul; default from
+    `pipeline` (GEMV loads one iteration ahead; default GEMV_PIPELINE), `gemm_tiles`, and `dense` (several rows: dequantize W once and run a dense matmul; default from
     DEQUANT_MIN_M)."""
     require_triton("quant_gemm_kn")
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -265,7 +277,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         partial = y if split == 1 else torch.empty(split, out_features, dtype=torch.float32, device=x.device)
         _kn_gemv_kernel[(triton.cdiv(out_features, block_n), split)](
             x, qweight, scales, offsets, partial, out_features, k, per_split, GROUP=group_size, KIND=kind,
-            BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm, num_warps=warps,
+            BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm,
+            PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, num_warps=warps,
             **pdl_launch(x.device))
     elif (m >= DEQUANT_MIN_M) if dense is None else dense:
         return torch.mm(x, dequantize_kn(qweight, scales, offsets, kind, group_size, out_features, x.dtype), out=y)

@@ -115,13 +115,16 @@ def test_kn_gemv_matches_reference(kind: str, group: int, monkeypatch: pytest.Mo
 
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("tiles", [(16, 1, 8, 1), (64, 8, 1, 2), (32, 2, 4, 1), None])
-def test_kn_gemv_sweep_tiles(tiles: tuple[int, int, int, int] | None) -> None:
-    """Other tiles (NSUB narrows to divide K's 12 sub-blocks: 8 -> 4), and the default tiles on 132 SMs."""
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_kn_gemv_sweep_tiles(tiles: tuple[int, int, int, int] | None, pipeline: bool) -> None:
+    """Other tiles (NSUB narrows to divide K's 12 sub-blocks: 8 -> 4), the default tiles on 132 SMs, and loads
+    one iteration ahead (the last one masked off)."""
     g = torch.Generator().manual_seed(sum(tiles or ()))
     w = _weight("zero", 40, 384, 128, g)
     x = torch.randn(1, 384, generator=g)
     kn = to_kn(w)
-    y = kn_kernels.quant_gemm_kn(x, kn.qweight, kn.scales, kn.offsets, 1, 128, 40, gemv_tiles=tiles)
+    y = kn_kernels.quant_gemm_kn(x, kn.qweight, kn.scales, kn.offsets, 1, 128, 40, gemv_tiles=tiles,
+                                 pipeline=pipeline)
     assert _rel(y, quant_matmul_ref(x, w)) < 1e-5
 
 
