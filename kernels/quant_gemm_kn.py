@@ -49,6 +49,7 @@ GEMM_TILES: dict[int, tuple[int, int, int, int, bool]] = {16: (16, 128, 16, 4, T
 # From this many rows on, W is dequantized once (one launch) and multiplied densely by cuBLAS: a flat ~11.8 ms
 # per Llama-8B step for the dequantization, against the GEMM's 7.4 ms at 64 rows and 22.5 at 256.
 DEQUANT_MIN_M = 128
+DEQUANT_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_N, warps): 7 tiles within 4 % of each other on the H100
 
 if HAS_TRITON:
 
@@ -131,7 +132,8 @@ if HAS_TRITON:
                         BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
         """Y = X W^T, or each K split's fp32 partial at Y + split * stride_ys. SWAP_AB computes Y^T = W X^T with
         the dequantized tile as the dot's first operand (Hopper's MMA may read it from registers; the second
-        operand goes through shared memory)."""
+        operand goes through shared memory). Loading the next iteration's codes ahead, as the GEMV does, was
+        slower at every tile and batch (H100 sweep, kn_gemm_sweep.round_2)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -145,11 +147,11 @@ if HAS_TRITON:
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         if SWAP_AB:  # tiles [BLOCK_N, BLOCK_R] of the weight, [BLOCK_R, BLOCK_M] of x
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            w_rows = QW + r[None, :] * N + offs_n[:, None]  # + (k0 // 8) * N: the iteration's word rows
             for k0 in range(k_start, k_end, 8 * BLOCK_R):
                 r_mask = k0 + 8 * r < k_end
                 wmask = n_mask[:, None] & r_mask[None, :]
-                w_off = (k0 // 8 + r)[None, :] * N + offs_n[:, None]
-                w = tl.load(QW + w_off, mask=wmask, other=0)
+                w = tl.load(w_rows + (k0 // 8) * N, mask=wmask, other=0)
                 grp = (k0 + 8 * r) // GROUP
                 d, c = _group_affine(S, Off, grp[None, :] * N + offs_n[:, None], wmask, KIND)
                 for j in tl.static_range(8):
@@ -233,27 +235,27 @@ def kn_gemm_tiles(m: int, n: int, k: int, sms: int,
 
 
 def dequantize_kn(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int, group_size: int,
-                  out_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """W^T [K, N] in `dtype` (one launch)."""
+                  out_features: int, dtype: torch.dtype, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """W^T [K, N] in `dtype` (one launch); `tiles`: (BLOCK_R word rows, BLOCK_N, warps) from a sweep."""
     require_triton("quant_gemm_kn")
     rows = qweight.shape[0]
+    block_r, block_n, warps = tiles or DEQUANT_TILES
     wt = torch.empty(rows * 8, out_features, dtype=dtype, device=qweight.device)
-    grid = (triton.cdiv(rows, 16), triton.cdiv(out_features, 128))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(out_features, block_n))
     _kn_dequant_kernel[grid](qweight, scales, offsets, wt, out_features, rows * 8, GROUP=group_size, KIND=kind,
-                             BLOCK_R=16, BLOCK_N=128, num_warps=4)
+                             BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
     return wt
 
 
 def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                   group_size: int, out_features: int, *, gemv_tiles: tuple[int, int, int, int] | None = None,
                   asm: bool | None = None, pipeline: bool | None = None,
-                  gemm_tiles: tuple[int, int, int, int, bool] | None = None,
-                  dense: bool | None = None) -> torch.Tensor:
+                  gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None, dequant_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
-    `pipeline` (GEMV loads one iteration ahead; default GEMV_PIPELINE), `gemm_tiles`, and `dense` (several rows: dequantize W once and run a dense matmul; default from
-    DEQUANT_MIN_M)."""
+    `pipeline` (the GEMV loads one iteration ahead), `gemm_tiles`, `dense` (several rows:
+    dequantize W once and run a dense matmul; default from DEQUANT_MIN_M) and `dequant_tiles`."""
     require_triton("quant_gemm_kn")
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
@@ -281,7 +283,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, num_warps=warps,
             **pdl_launch(x.device))
     elif (m >= DEQUANT_MIN_M) if dense is None else dense:
-        return torch.mm(x, dequantize_kn(qweight, scales, offsets, kind, group_size, out_features, x.dtype), out=y)
+        wt = dequantize_kn(qweight, scales, offsets, kind, group_size, out_features, x.dtype, dequant_tiles)
+        return torch.mm(x, wt, out=y)
     else:
         block_m, block_n, block_r, warps, swap, split = kn_gemm_tiles(m, out_features, k, sms, gemm_tiles)
         step = 8 * block_r

@@ -156,7 +156,8 @@ def test_kn_gemm_matches_reference(kind: str, rows: int) -> None:
 @pytest.mark.parametrize("tiles", [(16, 32, 16, 4, True), (32, 64, 32, 4, True), (16, 64, 16, 2, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kn_gemm_sweep_tiles(tiles: tuple[int, int, int, int, bool], dtype: torch.dtype) -> None:
-    """A sweep's tiles; SWAP_AB (the transposed product) runs for 16-bit rows (fp32 rows upcast, unswapped)."""
+    """A sweep's tiles; SWAP_AB (the transposed product) runs for 16-bit rows (fp32 rows upcast, unswapped).
+    K = 384: three iterations of 128 (16 word rows) or two of 256, the last half masked."""
     g = torch.Generator().manual_seed(20 + tiles[2])
     w = _weight("min", 72, 384, 32, g)
     x = torch.randn(5, 384, generator=g).to(dtype)
@@ -171,8 +172,10 @@ def test_kn_dense_path_dequantizes_exactly(kind: str) -> None:
     g = torch.Generator().manual_seed(30 + KINDS.index(kind))
     w = _weight(kind, 40, 256, 64, g)
     kn = to_kn(w)
-    wt = kn_kernels.dequantize_kn(kn.qweight, kn.scales, kn.offsets, KINDS.index(kind), 64, 40, torch.float32)
-    assert torch.equal(wt, dequantize(w).t())
+    for tiles in (None, (8, 32, 1), (32, 64, 2)):  # ragged row and column tiles
+        wt = kn_kernels.dequantize_kn(kn.qweight, kn.scales, kn.offsets, KINDS.index(kind), 64, 40, torch.float32,
+                                      tiles)
+        assert torch.equal(wt, dequantize(w).t())
     x = torch.randn(7, 256, generator=g)
     y = kn_kernels.quant_gemm_kn(x, kn.qweight, kn.scales, kn.offsets, KINDS.index(kind), 64, 40, dense=True)
     assert _rel(y, quant_matmul_ref(x, w)) < 1e-5
