@@ -276,16 +276,24 @@ def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], sm
                 quant_matmul(x, w)
 
 
-def _step_kn(weights: list[list[KNWeight]], xs: dict[int, torch.Tensor], **overrides: Any) -> None:
-    """The engine's CUDA path for 4-bit weights: the kn layout's GEMV (1 row) / GEMM (more rows); `overrides`:
-    quant_gemm_kn's sweep arguments."""
+def _arrivals(weights: list[list[KNWeight]]) -> list[list[torch.Tensor]]:
+    """Each weight's split-arrival counters, as a QuantLinear holds them."""
+    return [[torch.zeros(-(-w.out_features // 16), dtype=torch.int32, device=w.qweight.device) for w in ws]
+            for ws in weights]
+
+
+def _step_kn(weights: list[list[KNWeight]], xs: dict[int, torch.Tensor], arrivals: list[list[torch.Tensor]] | None,
+             **overrides: Any) -> None:
+    """The engine's CUDA path for 4-bit weights: the kn layout's GEMV (1 row) / GEMM (more rows); `arrivals`: the
+    one-row GEMV sums its K split in the same launch (as QuantLinear runs it), None: a second launch sums;
+    `overrides`: quant_gemm_kn's sweep arguments."""
     from engine.quant.group_quant import KINDS
     from kernels.quant_gemm_kn import quant_gemm_kn
 
-    for ws in weights:
-        for w in ws:
+    for i, ws in enumerate(weights):
+        for j, w in enumerate(ws):
             quant_gemm_kn(xs[w.in_features], w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size,
-                          w.out_features, **overrides)
+                          w.out_features, arrivals=None if arrivals is None else arrivals[i][j], **overrides)
 
 
 # The kn GEMM's tiles (BLOCK_M, BLOCK_N, BLOCK_R word rows, warps, SWAP_AB), and the dense path (dequantize W once,
@@ -301,13 +309,12 @@ KN_GEMM_SWEEP: list[dict[str, Any]] = (
 
 # The kn GEMV at batch 1: (BLOCK_N, NSUB, programs per SM, warps) x loads one iteration ahead.
 KN_GEMV_SWEEP: list[dict[str, Any]] = [
-    {"gemv_tiles": t, "pipeline": pl}
-    for t in ((32, 4, 16, 1), (32, 4, 12, 1), (32, 4, 20, 1), (16, 4, 16, 1), (16, 4, 32, 1), (32, 4, 32, 1),
-              (32, 2, 24, 1), (16, 8, 16, 1), (64, 2, 16, 1), (32, 8, 8, 1))
-    for pl in (False, True)
+    {"gemv_tiles": t, "pipeline": True, "sum_here": sh}
+    for t in ((32, 4, 16, 1), (32, 4, 24, 1), (32, 4, 32, 1), (16, 8, 16, 1), (32, 8, 16, 1), (32, 4, 8, 1))
+    for sh in (False, True)
 ]
-# (an earlier H100 round, kn_gemv_sweep in quant_gpu_h100.json: (32, 8 | 2, 16), (32, 4, 8 | 24), (64, 4 | 8, ...),
-# (128, 4, 8, 4) all slower than (32, 4, 16, 1); pipelined loads 2.30 vs 2.43 ms there)
+# (earlier H100 rounds, kn_gemv_sweep.round_1 / round_2 in quant_gpu_h100.json: (32, 4, 16, 1) fastest of 20 tiles;
+# loads one iteration ahead 2.27 vs 2.44 ms; round 3: the K split summed in the same launch or by a second one)
 
 
 def _kn_gemv_sweep(kn: list[list[KNWeight]], bf16: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
@@ -317,15 +324,19 @@ def _kn_gemv_sweep(kn: list[list[KNWeight]], bf16: list[list[torch.Tensor]], sha
     w = kn[0][3]
     ref = quant_matmul_ref(xs[w.in_features].float(), from_kn(w))
     out = []
+    arrivals = _arrivals(kn)
     for cfg in KN_GEMV_SWEEP:
         rec: dict[str, Any] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
+        cfg = {k: v for k, v in cfg.items() if k != "sum_here"}
+        step_arrivals = arrivals if rec["sum_here"] else None
         try:
-            err = rel_err(_kn_out(w, xs[w.in_features], **cfg).float(), ref)
+            err = rel_err(_kn_out(w, xs[w.in_features], arrivals=None if step_arrivals is None
+                                  else step_arrivals[0][3], **cfg).float(), ref)
             rec["rel_err"] = float(f"{err:.3g}")
             if err > 2e-2:
                 rec["error"] = "wrong result"
             else:
-                ms = _graph_step_ms(functools.partial(_step_kn, kn, xs, **cfg))
+                ms = _graph_step_ms(functools.partial(_step_kn, kn, xs, step_arrivals, **cfg))
                 nbytes = sum(t.numel() * t.element_size() for ws in kn for w_ in ws
                              for t in (w_.qweight, w_.scales, w_.mins, w_.zeros) if t is not None)
                 rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3), vs_bf16=round(bf16_ms / ms, 3),
@@ -354,7 +365,7 @@ def _kn_gemm_sweep(kn: list[list[KNWeight]], bf16: list[list[torch.Tensor]], sha
                 if err > 2e-2:
                     rec["error"] = "wrong result"
                 else:
-                    ms = _graph_step_ms(functools.partial(_step_kn, kn, xs, **cfg))
+                    ms = _graph_step_ms(functools.partial(_step_kn, kn, xs, None, **cfg))
                     rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3), vs_bf16=round(bf16_ms / ms, 3))
             except Exception as exc:  # a config that does not compile is recorded, not fatal
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -405,6 +416,7 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
     bf16 = [[torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
             for _ in range(layers)]
     kn = [[to_kn(w) for w in ws] for ws in int4]
+    kn_arrivals = _arrivals(kn)
     x = torch.randn(8, hidden, generator=g, device=dev).to(torch.bfloat16)
     check = (_triton_matmul if smoke else quant_matmul)(x, int4[0][2])
     ref = quant_matmul_ref(x.float(), int4[0][2])
@@ -429,7 +441,7 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
 
         row: dict[str, Any] = {"batch": batch}
         steps = [("bf16", functools.partial(_step_bf16, bf16, xs)),
-                 ("int4", functools.partial(_step_kn, kn, xs)),
+                 ("int4", functools.partial(_step_kn, kn, xs, kn_arrivals)),
                  ("int4_canonical", functools.partial(_step_int4, int4, xs, smoke))]
         if batch in (1, 8) and not smoke and sweeps:
             steps.append(("int4_tiled_gemm", functools.partial(_step_int4, int4, xs, smoke, {})))

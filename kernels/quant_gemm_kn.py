@@ -7,11 +7,12 @@ to bits 19-22 and OR-ed into the bits of 1.0 it reads as v = 1 + q / 16 exactly 
 PTX lop3 that takes both constants; ptxas alone emits two LOP3s, 25 % slower). The group's affine map is
 applied once per 32-element sub-block: with w = d q + c (c = min, -z d, or 0),
 sum_j w_j x_j = 16 d S_vx + (c - 16 d) S_x, S_vx = sum_j v_j x_j and S_x = sum_j x_j (terms of one size, v in
-[1, 2): nothing cancels). K splits across programs (fp32 partials summed by one more launch) until every SM has
-about 16 programs. H100 sweeps over the Llama-8B decode step (bench/results/int4_gemv_layout_h100.json,
-quant_gpu_h100.json int4.kn_gemv_sweep): 32 columns x 4 sub-blocks on one warp, 16 programs per SM, the next
-iteration's codes loaded before this one's are used: 2.27-2.30 ms against 3.86 for the canonical-layout GEMV and
-5.19 for bf16 (cuBLAS).
+[1, 2): nothing cancels). K splits across programs until every SM has about 16; the last program of each column
+tile to finish sums the fp32 partials (with the caller's arrival counters; else one more launch does). H100 sweeps
+over the Llama-8B decode step (bench/results/int4_gemv_layout_h100.json, quant_gpu_h100.json int4.kn_gemv_sweep):
+32 columns x 4 sub-blocks on one warp, 16 programs per SM, the next iteration's codes loaded before this one's are
+used, the split summed in the same launch: 2.19-2.21 ms against 3.87 for the canonical-layout GEMV and 5.19 for
+bf16 (cuBLAS).
 
 Up to DEQUANT_MIN_M rows take a GEMM: per iteration a [BLOCK_R words, BLOCK_N] tile of codes, dequantized one
 nibble position j at a time into an operand that meets x's columns 8 r + j (a sum over K in any order), so
@@ -80,12 +81,17 @@ if HAS_TRITON:
         return d, c
 
     @triton.jit
-    def _kn_gemv_kernel(X, QW, S, Off, Y, N, K, K_PER_SPLIT, GROUP: tl.constexpr, KIND: tl.constexpr,
-                        BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                        PIPELINE: tl.constexpr):
+    def _kn_gemv_kernel(X, QW, S, Off, Y, P, Arrivals, N, K, K_PER_SPLIT, NUM_SPLITS, GROUP: tl.constexpr,
+                        KIND: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr,
+                        PDL: tl.constexpr, PIPELINE: tl.constexpr, SUM_HERE: tl.constexpr):
         """The first iteration's codes load before `pdl_wait`: weights are never written during a step, and under
         PDL they stream while the previous kernel drains. Each next iteration's codes load at the end of this one,
-        or with PIPELINE at its start (two iterations of loads in flight per program)."""
+        or with PIPELINE at its start (two iterations of loads in flight per program).
+
+        With K split, each program writes its fp32 partial to P [NUM_SPLITS, N]. SUM_HERE: the last program of a
+        column tile to arrive (an acq_rel counter per tile in Arrivals, zero between calls) sums the partials in
+        split order, writes Y and resets its counter, so no second launch is needed; else Y is written by
+        `_sum_splits_kernel`."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +130,19 @@ if HAS_TRITON:
                 w = tl.load(q_ptrs + (k_next // 8) * N,
                             mask=n_mask[None, None, :] & (k_next + 32 * sub < k_end)[:, None, None], other=0,
                             eviction_policy="evict_first")
-        tl.store(Y + pid_s.to(tl.int64) * N + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+        if NUM_SPLITS == 1:
+            tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+        else:
+            tl.store(P + pid_s.to(tl.int64) * N + offs_n, acc, mask=n_mask)
+            if SUM_HERE:
+                tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+                arrived = tl.atomic_add(Arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == NUM_SPLITS - 1:
+                    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    for split in range(NUM_SPLITS):  # L2 reads (.cg): other SMs wrote them, L1 may hold stale lines
+                        total += tl.load(P + split * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=n_mask)
+                    tl.atomic_xchg(Arrivals + pid_n, 0)
 
     @triton.jit
     def _kn_gemm_kernel(X, QW, S, Off, Y, M, N, K, K_PER_SPLIT, stride_xm, stride_ym, stride_ys,
@@ -250,12 +268,18 @@ def dequantize_kn(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Te
 def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                   group_size: int, out_features: int, *, gemv_tiles: tuple[int, int, int, int] | None = None,
                   asm: bool | None = None, pipeline: bool | None = None,
-                  gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None, dequant_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                  gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None,
+                  dequant_tiles: tuple[int, int, int] | None = None,
+                  arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
     `pipeline` (the GEMV loads one iteration ahead), `gemm_tiles`, `dense` (several rows:
-    dequantize W once and run a dense matmul; default from DEQUANT_MIN_M) and `dequant_tiles`."""
+    dequantize W once and run a dense matmul; default from DEQUANT_MIN_M) and `dequant_tiles`.
+
+    `arrivals`: int32 zeros, at least ceil(N / 16) of them, owned by the caller (a layer) and used by one call at a
+    time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
+    zero again when it returns."""
     require_triton("quant_gemm_kn")
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
@@ -276,12 +300,18 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         step = 32 * nsub
         per_split = -(-(k // step) // split) * step
         split = -(-k // per_split)
+        tiles_n = triton.cdiv(out_features, block_n)
+        if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < tiles_n):
+            raise ValueError(f"arrivals must be int32 with at least {tiles_n} entries")
         partial = y if split == 1 else torch.empty(split, out_features, dtype=torch.float32, device=x.device)
-        _kn_gemv_kernel[(triton.cdiv(out_features, block_n), split)](
-            x, qweight, scales, offsets, partial, out_features, k, per_split, GROUP=group_size, KIND=kind,
-            BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm,
-            PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, num_warps=warps,
+        sum_here = split > 1 and arrivals is not None
+        _kn_gemv_kernel[(tiles_n, split)](
+            x, qweight, scales, offsets, y, partial, arrivals if sum_here else y, out_features, k, per_split, split,
+            GROUP=group_size, KIND=kind, BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm,
+            PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, SUM_HERE=sum_here, num_warps=warps,
             **pdl_launch(x.device))
+        if sum_here:
+            return y
     elif (m >= DEQUANT_MIN_M) if dense is None else dense:
         wt = dequantize_kn(qweight, scales, offsets, kind, group_size, out_features, x.dtype, dequant_tiles)
         return torch.mm(x, wt, out=y)

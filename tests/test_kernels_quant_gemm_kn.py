@@ -114,6 +114,28 @@ def test_kn_gemv_matches_reference(kind: str, group: int, monkeypatch: pytest.Mo
 
 
 @pytest.mark.triton_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+def test_kn_gemv_sums_its_splits_in_the_same_launch(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `arrivals`, the last program of each column tile sums the K split's partials: same result as the
+    separate sum (same order), counters back to zero, so the next call (a CUDA graph replay) starts clean."""
+    monkeypatch.setattr(kn_kernels, "sm_count", lambda device: 1)
+    tiles = (32, 4, 6, 1)  # 2 column tiles, K split 3 ways (see test_kn_gemv_matches_reference)
+    g = torch.Generator().manual_seed(40 + KINDS.index(kind))
+    w = _weight(kind, 40, 768, 32, g)
+    kn = to_kn(w)
+    arrivals = torch.zeros(3, dtype=torch.int32)
+    for _ in range(2):
+        x = torch.randn(1, 768, generator=g)
+        args = (x, kn.qweight, kn.scales, kn.offsets, KINDS.index(kind), 32, 40)
+        fused = kn_kernels.quant_gemm_kn(*args, gemv_tiles=tiles, arrivals=arrivals)
+        assert torch.equal(fused, kn_kernels.quant_gemm_kn(*args, gemv_tiles=tiles))
+        assert _rel(fused, quant_matmul_ref(x, w)) < 1e-5
+        assert not arrivals.any()
+    with pytest.raises(ValueError, match="arrivals"):
+        kn_kernels.quant_gemm_kn(*args, gemv_tiles=tiles, arrivals=torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("tiles", [(16, 1, 8, 1), (64, 8, 1, 2), (32, 2, 4, 1), None])
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_kn_gemv_sweep_tiles(tiles: tuple[int, int, int, int] | None, pipeline: bool) -> None:

@@ -187,6 +187,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", stored.scales)
         self.register_buffer("mins", stored.mins)
         self.register_buffer("zeros", stored.zeros)
+        # kn one-row calls count the K split's arrivals per column tile here and sum in the same launch
+        arrivals = None
+        if layout == "kn":
+            arrivals = torch.zeros(-(-self.out_features // 16), dtype=torch.int32, device=weight.qweight.device)
+        self.register_buffer("arrivals", arrivals, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.use_kernel = True  # tests turn it off to run the torch reference
 
@@ -212,7 +217,7 @@ class QuantLinear(nn.Module):
 
             kn = self._kn_weight()
             out = quant_gemm_kn(flat.contiguous(), kn.qweight, kn.scales, kn.offsets, KINDS.index(self.kind),
-                                self.group_size, self.out_features)
+                                self.group_size, self.out_features, arrivals=self.arrivals)
         else:
             out = quant_matmul(flat, self.quant_weight(), self.use_kernel)
         if self.bias is not None:
