@@ -278,8 +278,9 @@ def _step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], sm
 
 def _arrivals(weights: list[list[KNWeight]]) -> list[list[torch.Tensor]]:
     """Each weight's split-arrival counters, as a QuantLinear holds them."""
-    return [[torch.zeros(-(-w.out_features // 16), dtype=torch.int32, device=w.qweight.device) for w in ws]
-            for ws in weights]
+    from kernels.quant_gemm_kn import new_arrivals
+
+    return [[new_arrivals(w.out_features, w.qweight.device) for w in ws] for ws in weights]
 
 
 def _step_kn(weights: list[list[KNWeight]], xs: dict[int, torch.Tensor], arrivals: list[list[torch.Tensor]] | None,

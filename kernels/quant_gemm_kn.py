@@ -35,11 +35,12 @@ from kernels._triton import (
     triton,
 )
 
-__all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn"]
+__all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
 
 KIND_MIN, KIND_ZERO, KIND_SYM = 0, 1, 2
 # GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
 GEMV_TILES = (32, 4, 16, 1)
+MIN_GEMV_BLOCK_N = 16
 GEMV_PIPELINE = True
 GEMM_PROGRAMS_PER_SM = 4
 # GEMM tiles by the largest row count they serve: (BLOCK_M, BLOCK_N, BLOCK_R, warps, SWAP_AB). H100 sweep over the
@@ -228,11 +229,19 @@ if HAS_TRITON:
         tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
 
 
+def new_arrivals(out_features: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed split-arrival counters for one weight's one-row calls (`quant_gemm_kn(arrivals=...)`): one per
+    column tile of the narrowest GEMV tile allowed (MIN_GEMV_BLOCK_N)."""
+    return torch.zeros(-(-out_features // MIN_GEMV_BLOCK_N), dtype=torch.int32, device=device)
+
+
 def kn_gemv_tiles(n: int, k: int, sms: int,
                   tiles: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, NSUB, split, warps): NSUB narrows until it divides K's sub-blocks; K splits (whole iterations per
     split) until about `programs per SM` programs are in flight on every SM."""
     block_n, nsub, per_sm, warps = tiles or GEMV_TILES
+    if block_n < MIN_GEMV_BLOCK_N:
+        raise ValueError(f"GEMV tiles need at least {MIN_GEMV_BLOCK_N} columns, got {block_n}")
     while (k // 32) % nsub:
         nsub //= 2
     iters = k // (32 * nsub)
@@ -277,8 +286,7 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     `pipeline` (the GEMV loads one iteration ahead), `gemm_tiles`, `dense` (several rows:
     dequantize W once and run a dense matmul; default from DEQUANT_MIN_M) and `dequant_tiles`.
 
-    `arrivals`: int32 zeros, at least ceil(N / 16) of them, owned by the caller (a layer) and used by one call at a
-    time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
+    `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
     zero again when it returns."""
     require_triton("quant_gemm_kn")
     if x.dim() != 2 or x.stride(-1) != 1:

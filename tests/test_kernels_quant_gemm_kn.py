@@ -123,7 +123,8 @@ def test_kn_gemv_sums_its_splits_in_the_same_launch(kind: str, monkeypatch: pyte
     g = torch.Generator().manual_seed(40 + KINDS.index(kind))
     w = _weight(kind, 40, 768, 32, g)
     kn = to_kn(w)
-    arrivals = torch.zeros(3, dtype=torch.int32)
+    arrivals = kn_kernels.new_arrivals(40, "cpu")
+    assert arrivals.shape == (3,) and not arrivals.any()
     for _ in range(2):
         x = torch.randn(1, 768, generator=g)
         args = (x, kn.qweight, kn.scales, kn.offsets, KINDS.index(kind), 32, 40)
@@ -246,7 +247,12 @@ def test_quant_linear_in_kn_layout(rows: int) -> None:
 def test_quant_linear_layout_choice() -> None:
     w = _weight("min", 8, 64, 32, torch.Generator().manual_seed(12))
     assert QuantLinear(w).layout == "canonical"  # CPU: the compiled CPU kernel reads the canonical layout
+    assert QuantLinear(w).arrivals is None
     assert QuantEmbedding(w).linear.layout == "canonical"
+    with pytest.raises(ValueError, match="layout"):
+        QuantLinear(w, layout="nk")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least 16 columns"):
+        kn_kernels.kn_gemv_tiles(64, 64, 132, (8, 2, 8, 1))
 
 
 def test_quant_gemm_kn_refuses_bad_inputs() -> None:

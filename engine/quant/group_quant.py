@@ -177,6 +177,8 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         if layout == "auto":
             layout = "kn" if weight.bits == 4 and weight.qweight.is_cuda else "canonical"
+        if layout not in ("canonical", "kn"):
+            raise ValueError(f"unknown quantized weight layout {layout!r}; choose 'auto', 'canonical' or 'kn'")
         self.layout = layout
         stored: QuantWeight | KNWeight = weight
         if layout == "kn":
@@ -190,7 +192,9 @@ class QuantLinear(nn.Module):
         # kn one-row calls count the K split's arrivals per column tile here and sum in the same launch
         arrivals = None
         if layout == "kn":
-            arrivals = torch.zeros(-(-self.out_features // 16), dtype=torch.int32, device=weight.qweight.device)
+            from kernels.quant_gemm_kn import new_arrivals
+
+            arrivals = new_arrivals(self.out_features, weight.qweight.device)
         self.register_buffer("arrivals", arrivals, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.use_kernel = True  # tests turn it off to run the torch reference
