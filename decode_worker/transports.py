@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -38,7 +38,7 @@ from kvflow.wire import (
 )
 from kvflow.worker.faults import FaultInjector
 from kvflow.worker.kv_link import DecodeLinks, link_backend_available, link_backend_for
-from kvflow.worker.runtime import ChannelPool
+from kvflow.worker.runtime import ChannelPool, in_passing_thread
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -132,7 +132,8 @@ def _rpc_error(address: str, exc: grpc.aio.AioRpcError) -> KVTransferError:
 
 
 class GrpcKVTransport:
-    """KV bytes inside the `Prefill` stream; writes on one transfer thread (its own CUDA stream on GPUs)."""
+    """KV bytes inside the `Prefill` stream; each write on a thread that ends with it, one write at a time (its own
+    CUDA stream on GPUs, the same for every write)."""
 
     backend = "grpc"
 
@@ -140,14 +141,15 @@ class GrpcKVTransport:
         self.port = port
         self.worker_id = worker_id
         self._channels = channels
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-grpc-writer")
+        self._write_lock = threading.Lock()  # one write at a time (and one CUDA stream user), as before
         self._stream: torch.cuda.Stream | None = None
 
     def _write(self, block_ids: list[int], part: KVSlice, data: bytes) -> None:
-        if self.port.on_cuda and self._stream is None:
-            self._stream = self.port.new_stream()
-        with self.port.transfer_stream(self._stream):
-            self.port.import_(block_ids, part, self.port.wire_from_bytes(part, data)).wait()
+        with self._write_lock:
+            if self.port.on_cuda and self._stream is None:
+                self._stream = self.port.new_stream()
+            with self.port.transfer_stream(self._stream):
+                self.port.import_(block_ids, part, self.port.wire_from_bytes(part, data)).wait()
 
     async def pull(self, address: str, job: PullJob, on_first_token: FirstTokenCallback | None = None
                    ) -> PullResult:
@@ -160,7 +162,6 @@ class GrpcKVTransport:
         expected = self.port.layout.payload_bytes(total_blocks - job.skip_blocks, self.port.layout.num_layers)
         received = 0
         wire_seconds = 0.0
-        loop = asyncio.get_running_loop()
         try:
             async for response in call:
                 kind = response.WhichOneof("response")
@@ -174,9 +175,11 @@ class GrpcKVTransport:
                     part = KVSlice(chunk.first_block, chunk.num_blocks, chunk.first_layer, chunk.num_layers)
                     check_slice(self.port.layout, part, len(chunk.data), total_blocks, job.skip_blocks)
                     block_ids = job.block_ids[part.first_block : part.first_block + part.num_blocks]
-                    # When the pull ends, for any reason, no write into its blocks is still running.
-                    await finish_uncancelled(loop.run_in_executor(self._writer, self._write, block_ids, part,
-                                                                  chunk.data))
+                    # When the pull ends, for any reason, no write into its blocks is still running. A passing
+                    # thread: on CPU a long-lived one keeps an OpenMP pool beside the engine thread's once a copy
+                    # runs in parallel (bench/CPU_PROFILE.md).
+                    await finish_uncancelled(asyncio.ensure_future(in_passing_thread(self._write, block_ids, part,
+                                                                                     chunk.data)))
                     wire_seconds += time.perf_counter() - slice_started
                     received += len(chunk.data)
                 elif kind == "done":
@@ -192,7 +195,7 @@ class GrpcKVTransport:
             call.cancel()  # no-op once finished; otherwise tells the prefill worker to free the blocks now
 
     async def close(self) -> None:
-        self._writer.shutdown(wait=False, cancel_futures=True)
+        pass  # no thread outlives its write
 
 
 class LinkKVTransport:
