@@ -28,19 +28,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-
-@triton.jit
-def _unit(word, SHIFT: tl.constexpr, ASM: tl.constexpr):
-    if SHIFT <= 19:  # noqa: SIM108
-        moved = word << (19 - SHIFT)
-    else:
-        moved = word >> (SHIFT - 19)
-    if ASM:
-        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x780000, 0x3f800000, 0xea;", "=r,r", [moved],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        bits = (moved & 0x00780000) | 0x3F800000
-    return bits.to(tl.float32, bitcast=True)
+from engine.quant.kn_layout import pack_kn  # noqa: E402  (the layout this prototype led to)
+from kernels.quant_gemm_kn import _sum_splits_kernel, _unit  # noqa: E402  (the kernel module's own helpers)
 
 
 @triton.jit
@@ -76,26 +65,6 @@ def _q4t_kernel(X, QT, S, M, Y, N, K, K_PER_SPLIT, GROUP: tl.constexpr, BLOCK_N:
     tl.store(Y + pid_s.to(tl.int64) * N + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _sum_splits(P, Y, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        total += tl.load(P + s * N + offs, mask=mask, other=0.0)
-    tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
-
-
-def pack_t(q: torch.Tensor) -> torch.Tensor:
-    """q uint8 [N, K] -> int32 [K/8, N], code 8 k8 + j at bits 4 j."""
-    n, k = q.shape
-    qi = q.to(torch.int32).view(n, k // 8, 8)
-    words = torch.zeros(n, k // 8, dtype=torch.int32, device=q.device)
-    for j in range(8):
-        words |= qi[:, :, j] << (4 * j)
-    return words.t().contiguous()
-
-
 def q4t_gemv(x, qt, s, m, group, n, tiles=(256, 2, 8, 4), asm=True, sms=132):
     k = x.shape[1]
     block_n, nsub, per_sm, warps = tiles
@@ -110,7 +79,7 @@ def q4t_gemv(x, qt, s, m, group, n, tiles=(256, 2, 8, 4), asm=True, sms=132):
     _q4t_kernel[(triton.cdiv(n, block_n), split)](x, qt, s, m, part, n, k, per_split, GROUP=group, BLOCK_N=block_n,
                                                  NSUB=nsub, ASM=asm, num_warps=warps)
     if split > 1:
-        _sum_splits[(triton.cdiv(n, 1024),)](part, y, n, SPLIT=split, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, y, n, SPLIT=split, BLOCK=1024, PDL=False)
     return y
 
 
@@ -118,7 +87,7 @@ def make(n, k, group, dev, g):
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8, device=dev)
     s = (torch.rand(k // group, n, generator=g, device=dev) * 0.002).half()
     m = (-torch.rand(k // group, n, generator=g, device=dev) * 0.01).half()
-    return q, pack_t(q), s, m
+    return q, pack_kn(q), s, m
 
 
 def ref(x, q, s, m, group):

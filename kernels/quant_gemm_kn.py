@@ -34,10 +34,9 @@ from kernels._triton import (
     tl,
     triton,
 )
+from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO  # one numbering for both layouts' kernels
 
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
-
-KIND_MIN, KIND_ZERO, KIND_SYM = 0, 1, 2
 # GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
 GEMV_TILES = (32, 4, 16, 1)
 MIN_GEMV_BLOCK_N = 16

@@ -196,6 +196,8 @@ class QuantLinear(nn.Module):
 
             arrivals = new_arrivals(self.out_features, weight.qweight.device)
         self.register_buffer("arrivals", arrivals, persistent=False)
+        # kn on the CPU runs the Triton kernels only under the interpreter (tests); read once, not per call
+        self._kn_kernel_on_cpu = os.environ.get("TRITON_INTERPRET") == "1"
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.use_kernel = True  # tests turn it off to run the torch reference
 
@@ -216,11 +218,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self.layout == "kn" and self.use_kernel and (flat.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        if self.layout == "kn" and self.use_kernel and (flat.is_cuda or self._kn_kernel_on_cpu):
+            from engine.quant.kn_layout import kernel_offsets
             from kernels.quant_gemm_kn import quant_gemm_kn
 
-            kn = self._kn_weight()
-            out = quant_gemm_kn(flat.contiguous(), kn.qweight, kn.scales, kn.offsets, KINDS.index(self.kind),
+            # the buffers as they are (no KNWeight per call: its shape checks ran once, at init)
+            offsets = kernel_offsets(self.scales, self.mins, self.zeros)
+            out = quant_gemm_kn(flat.contiguous(), self.qweight, self.scales, offsets, KINDS.index(self.kind),
                                 self.group_size, self.out_features, arrivals=self.arrivals)
         else:
             out = quant_matmul(flat, self.quant_weight(), self.use_kernel)

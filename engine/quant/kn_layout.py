@@ -72,8 +72,13 @@ class KNWeight:
 
     @property
     def offsets(self) -> torch.Tensor:
-        """The per-group mins or zeros (the scales again for the symmetric kind, where nothing reads them)."""
-        return self.mins if self.mins is not None else (self.zeros if self.zeros is not None else self.scales)
+        return kernel_offsets(self.scales, self.mins, self.zeros)
+
+
+def kernel_offsets(scales: torch.Tensor, mins: torch.Tensor | None, zeros: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' offsets argument: the per-group mins or zeros (the scales again for the symmetric kind, where
+    nothing reads them)."""
+    return mins if mins is not None else (zeros if zeros is not None else scales)
 
 
 def to_kn(w: QuantWeight) -> KNWeight:
