@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m kernels.cpu_decode_attention
 	$(BIN)/python -m kernels.cpu_rotary_kv_write
 	$(BIN)/python -m kernels.cpu_prefill_attention
+	$(BIN)/python -m kernels.cpu_quant_gemm
 	touch $(STAMP)
 
 serve: install

@@ -28,6 +28,27 @@ def _build_dir() -> Path:
     return path
 
 
+def build_locked(name: str, source: Path, build: Path, cflags: list[str]) -> Any:
+    """torch's `load`, under an flock of ours on the build directory.
+
+    torch guards a build with a plain `lock` file and waits forever while one exists, so a process killed
+    mid-build (a stopped CI run, a Ctrl-C) would hang every later build there. An flock is dropped by the
+    kernel when its holder dies: whoever holds ours is the only kvflow builder, so a `lock` file it finds is
+    a dead builder's and is removed."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    with open(build / "kvflow.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            return load(name=name, sources=[str(source)], build_directory=str(build), extra_cflags=cflags,
+                        extra_ldflags=["-fopenmp"], verbose=False)
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def load_exact_extension(name: str, source: Path, what: str) -> Any | None:
     """A CPU kernel that must equal torch's ops bit for bit (no -ffast-math, no FMA contraction: every product is
     rounded before its sum, as torch rounds it), built into its own directory (one build.ninja per extension);
@@ -35,13 +56,9 @@ def load_exact_extension(name: str, source: Path, what: str) -> Any | None:
     if os.environ.get(DISABLE_ENV) == "1":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         build = _build_dir() / source.stem
         build.mkdir(exist_ok=True)
-        return load(name=name, sources=[str(source)], build_directory=str(build),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return build_locked(name, source, build, ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
     except Exception as exc:  # no compiler / headers
         logger.warning("CPU %s kernel unavailable (%s); using the torch path", what, exc)
         return None
@@ -53,11 +70,8 @@ def load_extension() -> Any | None:
     if os.environ.get(DISABLE_ENV) == "1":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="kvflow_cpu_paged_attention", sources=[str(SOURCE)], build_directory=str(_build_dir()),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return build_locked("kvflow_cpu_paged_attention", SOURCE, _build_dir(),
+                            ["-O3", "-march=native", "-fopenmp", "-ffast-math"])
     except Exception as exc:  # no compiler / headers: the torch path still works, only slower
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
         return None

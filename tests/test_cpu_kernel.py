@@ -77,3 +77,22 @@ def test_tcmalloc_preload_respects_the_callers_choice() -> None:
     assert tcmalloc_preload({"KVFLOW_TCMALLOC": "0"}) is None
     installed = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
     assert tcmalloc_preload({}) == installed
+
+
+def test_a_dead_builders_lock_file_does_not_hang_the_next_build() -> None:
+    # torch waits forever while its `lock` file exists; a build killed mid-way (a stopped CI run) leaves one.
+    import subprocess
+    import sys
+
+    from kernels.cpu_decode_attention import _build_dir
+
+    stale = _build_dir() / "quant_gemm" / "lock"
+    stale.parent.mkdir(exist_ok=True)
+    stale.touch()
+    try:
+        done = subprocess.run([sys.executable, "-m", "kernels.cpu_quant_gemm"], capture_output=True, text=True,
+                              timeout=600)
+        assert done.stdout.strip() == "built", done.stderr
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
