@@ -316,17 +316,25 @@ KN_GEMV_SWEEP: list[dict[str, Any]] = [
 ]
 # (earlier H100 rounds, kn_gemv_sweep.round_1 / round_2 in quant_gpu_h100.json: (32, 4, 16, 1) fastest of 20 tiles;
 # loads one iteration ahead 2.27 vs 2.44 ms; round 3: the K split summed in the same launch or by a second one)
+# The nibble-pair GEMV (`quant_gemm_kn(pairs=True)`) beside the single-nibble one at the same tiles. Offline sm_90
+# SASS (bench/sass_mix.py -> int4_gemv_sass_offline.json) counts its loop at 4.8 instructions per code against 7.2
+# at the default tiles (168 registers against 96) and 5.0 at 64 x 2 (72 registers), so tiles with fewer are in.
+KN_PAIRS_SWEEP: list[dict[str, Any]] = [
+    {"gemv_tiles": t, "pipeline": True, "sum_here": True, "pairs": pairs}
+    for t in ((32, 4, 16, 1), (32, 4, 12, 1), (32, 2, 16, 1), (16, 4, 16, 1), (16, 8, 16, 1), (64, 2, 16, 1))
+    for pairs in (False, True)
+]
 
 
 def _kn_gemv_sweep(kn: list[list[KNWeight]], bf16: list[list[torch.Tensor]], shapes: list[tuple[int, int]],
-                   g: torch.Generator) -> list[dict[str, Any]]:
+                   g: torch.Generator, configs: list[dict[str, Any]] = KN_GEMV_SWEEP) -> list[dict[str, Any]]:
     xs = {n: torch.randn(1, n, generator=g, device="cuda").to(torch.bfloat16) for n in {k for _, k in shapes}}
     bf16_ms = _graph_step_ms(functools.partial(_step_bf16, bf16, xs))
     w = kn[0][3]
     ref = quant_matmul_ref(xs[w.in_features].float(), from_kn(w))
     out = []
     arrivals = _arrivals(kn)
-    for cfg in KN_GEMV_SWEEP:
+    for cfg in configs:
         rec: dict[str, Any] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
         cfg = {k: v for k, v in cfg.items() if k != "sum_here"}
         step_arrivals = arrivals if rec["sum_here"] else None
@@ -513,6 +521,8 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
                 out["gemm_sweep"].append(rec)
     if not smoke and "kngemv" in sweeps:
         out["kn_gemv_sweep"] = _kn_gemv_sweep(kn, bf16, shapes, g)
+    if not smoke and "pairs" in sweeps:
+        out["kn_pairs_sweep"] = _kn_gemv_sweep(kn, bf16, shapes, g, KN_PAIRS_SWEEP)
     if not smoke and "kngemm" in sweeps:
         out["kn_gemm_sweep"] = _kn_gemm_sweep(kn, bf16, shapes, g)
     return out
@@ -606,7 +616,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm", "kngemv", "kngemm"],
+    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"], choices=["gemv", "gemm", "kngemv", "kngemm", "pairs"],
                         help="int4: which tile sweeps to run after the cases (none: no sweep)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")

@@ -12,7 +12,8 @@ tile to finish sums the fp32 partials (with the caller's arrival counters; else 
 over the Llama-8B decode step (bench/results/int4_gemv_layout_h100.json, quant_gpu_h100.json int4.kn_gemv_sweep):
 32 columns x 4 sub-blocks on one warp, 16 programs per SM, the next iteration's codes loaded before this one's are
 used, the split summed in the same launch: 2.19-2.21 ms against 3.87 for the canonical-layout GEMV and 5.19 for
-bf16 (cuBLAS).
+bf16 (cuBLAS). A second form (`pairs`, see `_pair`) reads two codes per shift with a float offset per nibble
+slot: fewer instructions per code when compiled offline, not yet timed.
 
 Up to DEQUANT_MIN_M rows take a GEMM: per iteration a [BLOCK_R words, BLOCK_N] tile of codes, dequantized one
 nibble position j at a time into an operand that meets x's columns 8 r + j (a sum over K in any order), so
@@ -41,6 +42,11 @@ __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "
 GEMV_TILES = (32, 4, 16, 1)
 MIN_GEMV_BLOCK_N = 16
 GEMV_PIPELINE = True
+# The nibble-pair GEMV (`_pair`), compiled offline for sm_90 (bench/sass_mix.py -> int4_gemv_sass_offline.json):
+# 4.8 loop instructions per code against 7.2 at the default tiles (168 registers against 96), 5.0 at 64 x 2 with
+# 72 registers. Not timed on a GPU yet, so not the default: `quant_gemm_kn(pairs=True)`, and
+# `bench/quant_gpu.py --parts int4 --int4-sweeps pairs` times it beside the single-nibble form.
+GEMV_PAIRS = False
 GEMM_PROGRAMS_PER_SM = 4
 # GEMM tiles by the largest row count they serve: (BLOCK_M, BLOCK_N, BLOCK_R, warps, SWAP_AB). H100 sweep over the
 # Llama-8B decode step (quant_gpu_h100.json int4.kn_gemm_sweep, 16 tiles): the transposed product wins everywhere
@@ -69,6 +75,32 @@ if HAS_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _magic(moved, MASK: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+        """(moved & MASK) | BITS read as a float (one PTX lop3 on CUDA)."""
+        if ASM:
+            bits = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, {BITS}, 0xea;", "=r,r", [moved],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            bits = (moved & MASK) | BITS
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _pair(acc, w, P: tl.constexpr, xe, xo, ASM: tl.constexpr):
+        """acc + (256 + q_2p) x_2p + (16 + q_2p+1) x_2p+1 for each word, two FMAs: nibbles 2p and 2p + 1 (bits
+        8p..8p+7) move together to bits 15-22, one shift for both, and each is OR-ed into its own float's bits
+        (256.0's make 256 + q of a nibble at bit 15, 16.0's make 16 + q at bit 19). Per code one lop3, one FMA
+        and half a shift, where the 1 + q / 16 form (`_unit`) shifts every code. The caller takes away
+        sum_j o_j x_j once per sub-block for all columns; the codes still count 15 bits below the largest partial
+        sum (2^24 / 2^9)."""
+        if P < 2:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+            moved = w << (15 - 8 * P)
+        else:
+            moved = w >> (8 * P - 15)
+        low = _magic(moved, 0x78000, 0x43800000, ASM)  # bits 15-18 under 256.0's bits: 256 + q (q counts 2^-8)
+        high = _magic(moved, 0x780000, 0x41800000, ASM)  # bits 19-22 under 16.0's bits: 16 + q
+        return acc + low * xe[:, :, None] + high * xo[:, :, None]
+
+    @triton.jit
     def _group_affine(S, Off, m_ptrs, mask, KIND: tl.constexpr):
         """(d, c) of w = d q + c for a tile of group entries, as float32."""
         d = tl.load(S + m_ptrs, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
@@ -83,7 +115,7 @@ if HAS_TRITON:
     @triton.jit
     def _kn_gemv_kernel(X, QW, S, Off, Y, P, Arrivals, N, K, K_PER_SPLIT, NUM_SPLITS, GROUP: tl.constexpr,
                         KIND: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, ASM: tl.constexpr,
-                        PDL: tl.constexpr, PIPELINE: tl.constexpr, SUM_HERE: tl.constexpr):
+                        PDL: tl.constexpr, PIPELINE: tl.constexpr, SUM_HERE: tl.constexpr, PAIRS: tl.constexpr):
         """The first iteration's codes load before `pdl_wait`: weights are never written during a step, and under
         PDL they stream while the previous kernel drains. Each next iteration's codes load at the end of this one,
         or with PIPELINE at its start (two iterations of loads in flight per program).
@@ -91,7 +123,10 @@ if HAS_TRITON:
         With K split, each program writes its fp32 partial to P [NUM_SPLITS, N]. SUM_HERE: the last program of a
         column tile to arrive (an acq_rel counter per tile in Arrivals, zero between calls) sums the partials in
         split order, writes Y and resets its counter, so no second launch is needed; else Y is written by
-        `_sum_splits_kernel`."""
+        `_sum_splits_kernel`.
+
+        PAIRS: the codes are read a nibble pair per shift (`_pair`), x a pair of elements per load, and the
+        column-independent sums of x come from one [NSUB, 4, 8] block load spread over the warp."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,6 +136,10 @@ if HAS_TRITON:
         # [NSUB, 4, BLOCK_N] words: word row 4 sub + word of the iteration (elements 32 sub + 8 word + j), column n
         q_ptrs = QW + ((4 * sub)[:, None] + word[None, :])[:, :, None] * N + offs_n[None, None, :]
         x_ptrs = X + (32 * sub)[:, None] + (8 * word)[None, :]
+        jj = tl.arange(0, 8)
+        x_block = X + (32 * sub)[:, None, None] + (8 * word)[None, :, None] + jj[None, None, :]
+        pair_offsets = tl.where(jj % 2 == 0, 256.0, 16.0)
+        x_pair = X + (32 * sub)[:, None, None] + (8 * word)[None, :, None] + tl.arange(0, 2)[None, None, :]
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -115,15 +154,29 @@ if HAS_TRITON:
                 w_next = tl.load(q_ptrs + (k_next // 8) * N,
                                  mask=n_mask[None, None, :] & (k_next + 32 * sub < k_end)[:, None, None], other=0,
                                  eviction_policy="evict_first")
-            s_vx = tl.zeros([NSUB, 4, BLOCK_N], dtype=tl.float32)
-            s_x = tl.zeros([NSUB, 4], dtype=tl.float32)
-            for j in tl.static_range(8):
-                xj = tl.load(x_ptrs + k0 + j).to(tl.float32)
-                s_vx += _unit(w, 4 * j, ASM) * xj[:, :, None]
-                s_x += xj
-            grp = (k0 + 32 * sub) // GROUP
-            d, c = _group_affine(S, Off, grp[:, None] * N + offs_n[None, :], n_mask[None, :], KIND)
-            acc += tl.sum((16.0 * d) * tl.sum(s_vx, axis=1) + (c - 16.0 * d) * tl.sum(s_x, axis=1)[:, None], axis=0)
+            if PAIRS:
+                xs = tl.load(x_block + k0).to(tl.float32)
+                s_x = tl.sum(tl.sum(xs, axis=2), axis=1)
+                s_o = tl.sum(tl.sum(xs * pair_offsets[None, None, :], axis=2), axis=1)
+                s_vx = tl.zeros([NSUB, 4, BLOCK_N], dtype=tl.float32)
+                for pair in tl.static_range(4):  # x per pair: loading all eight at once held 168 registers, not 72
+                    x_even, x_odd = tl.split(tl.load(x_pair + k0 + 2 * pair).to(tl.float32))
+                    s_vx = _pair(s_vx, w, pair, x_even, x_odd, ASM)
+                s_q = tl.sum(s_vx, axis=1) - s_o[:, None]
+                grp = (k0 + 32 * sub) // GROUP
+                d, c = _group_affine(S, Off, grp[:, None] * N + offs_n[None, :], n_mask[None, :], KIND)
+                acc += tl.sum(d * s_q + c * s_x[:, None], axis=0)
+            else:
+                s_vx = tl.zeros([NSUB, 4, BLOCK_N], dtype=tl.float32)
+                s_x = tl.zeros([NSUB, 4], dtype=tl.float32)
+                for j in tl.static_range(8):
+                    xj = tl.load(x_ptrs + k0 + j).to(tl.float32)
+                    s_vx += _unit(w, 4 * j, ASM) * xj[:, :, None]
+                    s_x += xj
+                grp = (k0 + 32 * sub) // GROUP
+                d, c = _group_affine(S, Off, grp[:, None] * N + offs_n[None, :], n_mask[None, :], KIND)
+                acc += tl.sum((16.0 * d) * tl.sum(s_vx, axis=1) + (c - 16.0 * d) * tl.sum(s_x, axis=1)[:, None],
+                              axis=0)
             if PIPELINE:
                 w = w_next
             else:
@@ -278,11 +331,11 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   asm: bool | None = None, pipeline: bool | None = None,
                   gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None,
                   dequant_tiles: tuple[int, int, int] | None = None,
-                  arrivals: torch.Tensor | None = None) -> torch.Tensor:
+                  arrivals: torch.Tensor | None = None, pairs: bool | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
-    `pipeline` (the GEMV loads one iteration ahead), `gemm_tiles`, `dense` (several rows:
+    `pipeline` (the GEMV loads one iteration ahead), `pairs` (the GEMV's nibble-pair form), `gemm_tiles`, `dense` (several rows:
     dequantize W once and run a dense matmul; default from DEQUANT_MIN_M) and `dequant_tiles`.
 
     `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
@@ -315,7 +368,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         _kn_gemv_kernel[(tiles_n, split)](
             x, qweight, scales, offsets, y, partial, arrivals if sum_here else y, out_features, k, per_split, split,
             GROUP=group_size, KIND=kind, BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm,
-            PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, SUM_HERE=sum_here, num_warps=warps,
+            PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, SUM_HERE=sum_here,
+            PAIRS=GEMV_PAIRS if pairs is None else pairs, num_warps=warps,
             **pdl_launch(x.device))
         if sum_here:
             return y

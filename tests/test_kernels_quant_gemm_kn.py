@@ -97,9 +97,11 @@ def test_kn_weight_checks_its_shapes() -> None:
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("group", [32, 128])
-def test_kn_gemv_matches_reference(kind: str, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pairs", [False, True])
+def test_kn_gemv_matches_reference(kind: str, group: int, pairs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """40 columns (a ragged 32-column tile), K = 768: 24 sub-blocks, 6 iterations of 4. On one "SM", 6 programs
-    per SM over the 2 column tiles split K in 3, so each split walks 2 iterations."""
+    per SM over the 2 column tiles split K in 3, so each split walks 2 iterations. Both GEMV forms: one code per
+    shift (1 + q / 16) and two (offsets 256 and 16 taken away per sub-block)."""
     monkeypatch.setattr(kn_kernels, "sm_count", lambda device: 1)
     tiles = (32, 4, 6, 1)
     assert kn_kernels.kn_gemv_tiles(40, 768, 1, tiles)[:3] == (32, 4, 3)
@@ -108,7 +110,7 @@ def test_kn_gemv_matches_reference(kind: str, group: int, monkeypatch: pytest.Mo
     x = torch.randn(1, 768, generator=g)
     kn = to_kn(w)
     y = kn_kernels.quant_gemm_kn(x, kn.qweight, kn.scales, kn.offsets, KINDS.index(kind), group, 40,
-                                 gemv_tiles=tiles)
+                                 gemv_tiles=tiles, pairs=pairs)
     assert y.dtype == torch.float32 and y.shape == (1, 40)
     assert _rel(y, quant_matmul_ref(x, w)) < 1e-5
 
@@ -161,6 +163,25 @@ def test_kn_16bit_rows(dtype: torch.dtype, rows: int) -> None:
     y = _gemm(w, x)
     assert y.dtype == dtype
     assert _rel(y, quant_matmul_ref(x.float(), w)) < 1e-2
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("tiles,dtype", [((16, 1, 8, 1), torch.float32), ((64, 8, 1, 2), torch.bfloat16),
+                                         ((64, 2, 16, 1), torch.float16)])
+def test_kn_gemv_pairs_over_tiles_and_dtypes(tiles: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    """The pair form at one sub-block per iteration, at NSUB narrowed to divide K (8 -> 4) on two warps, and at
+    the 64 x 2 tile, from 16-bit x: equal to the one-code form up to fp32 rounding, so within 16-bit output
+    rounding of the reference."""
+    g = torch.Generator().manual_seed(tiles[0] + tiles[1])
+    w = _weight("zero", 72, 384, 128, g)
+    x = torch.randn(1, 384, generator=g).to(dtype)
+    kn = to_kn(w)
+    args = (x, kn.qweight, kn.scales, kn.offsets, 1, 128, 72)
+    single = kn_kernels.quant_gemm_kn(*args, gemv_tiles=tiles, pairs=False)
+    paired = kn_kernels.quant_gemm_kn(*args, gemv_tiles=tiles, pairs=True)
+    assert paired.dtype == dtype
+    assert _rel(paired, single.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert _rel(paired, quant_matmul_ref(x.float(), w)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.triton_interpreter
