@@ -201,9 +201,11 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
                 done = True
                 timings = pb.Timings(queue_s=admitted, prefill_s=item.at - started,
                                      e2e_s=time.perf_counter() - started)
+                # Counted before the last message: once the caller has it, it may end the call, and gRPC then
+                # closes this generator at that yield (the count was lost for 1 transfer in 139 under CI load).
+                self.ctx.metrics.record_transfer(backend, transfer.num_bytes, time.perf_counter() - started)
                 yield self._final_message(caller_id, item, timings)
                 break
-            self.ctx.metrics.record_transfer(backend, transfer.num_bytes, time.perf_counter() - started)
         finally:
             self._by_caller_id.pop(caller_id, None)
             if not done:
