@@ -415,6 +415,16 @@ def _step_bf16(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -
             F.linear(xs[w.shape[1]], w)
 
 
+def _step_bf16_engine(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
+    """The engine's own bf16 path for one row (kernels/small_gemm.py's GEMV, as engine/models/llama.py calls it,
+    without the norm / SwiGLU prologues it fuses there): faster than cuBLAS at batch 1, so the fairer baseline."""
+    from kernels.small_gemm import small_gemm
+
+    for ws in weights:
+        for w in ws:
+            small_gemm(xs[w.shape[1]], w, impl="gemv")
+
+
 def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[str, Any]:
     dev = "cpu" if smoke else "cuda"
     hidden, inter, layers = (64, 128, 2) if smoke else (HIDDEN, INTER, LAYERS)
@@ -436,7 +446,9 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
     out: dict[str, Any] = {
         "workload": f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), "
                     "int4 Q4_1-style group 32 vs bf16; int4 = the engine's CUDA path (kn layout, "
-                    "kernels/quant_gemm_kn.py), int4_canonical = kernels/quant_gemm.py over the canonical layout",
+                    "kernels/quant_gemm_kn.py), int4_canonical = kernels/quant_gemm.py over the canonical layout; "
+                    "bf16 = cuBLAS (F.linear), bf16_engine (batch 1) = the engine's own bf16 GEMV "
+                    "(kernels/small_gemm.py)",
         "check_rel_err_vs_ref": rel_err(check.float(), ref),
         "kn_check_rel_err_vs_ref": kn_check,
         "kn_round_trip_exact": all(torch.equal(from_kn(k).qweight, w.qweight) for k, w in zip(kn[0], int4[0],
@@ -454,6 +466,8 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
                  ("int4_canonical", functools.partial(_step_int4, int4, xs, smoke))]
         if batch in (1, 8) and not smoke and sweeps:
             steps.append(("int4_tiled_gemm", functools.partial(_step_int4, int4, xs, smoke, {})))
+        if batch == 1 and dev == "cuda":  # (at 2+ rows the engine's bf16 linears are cuBLAS: the bf16 row)
+            steps.append(("bf16_engine", functools.partial(_step_bf16_engine, bf16, xs)))
         for name, fn in steps:
             run = fn
             if dev == "cuda":  # one graph per step: launch overhead out of the comparison
@@ -468,6 +482,8 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
             row[f"{name}_tok_s"] = round(batch / seconds, 1)
         row["int4_vs_bf16"] = round(row["int4_tok_s"] / row["bf16_tok_s"], 3)
         row["int4_canonical_vs_bf16"] = round(row["int4_canonical_tok_s"] / row["bf16_tok_s"], 3)
+        if "bf16_engine_tok_s" in row:
+            row["int4_vs_bf16_engine"] = round(row["int4_tok_s"] / row["bf16_engine_tok_s"], 3)
         if "int4_tiled_gemm_tok_s" in row:
             row["int4_tiled_gemm_vs_bf16"] = round(row["int4_tiled_gemm_tok_s"] / row["bf16_tok_s"], 3)
         print("int4", row, flush=True)
