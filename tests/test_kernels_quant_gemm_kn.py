@@ -186,6 +186,20 @@ def test_kn_gemv_pairs_over_tiles_and_dtypes(tiles: tuple[int, int, int, int], d
 
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("kind", KINDS)
+def test_kn_gemv_pairs_keep_precision_under_outlier_activations(kind: str) -> None:
+    """The pair form's offsets (256 and 16 per code) are taken away after the sums: with a few activations 1000x
+    the rest (LLM outlier channels), the fp32 result still matches the reference to 1e-5."""
+    g = torch.Generator().manual_seed(7 + KINDS.index(kind))
+    w = _weight(kind, 64, 1024, 32, g)
+    x = torch.randn(1, 1024, generator=g)
+    x[0, torch.randint(0, 1024, (8,), generator=g)] *= 1000
+    kn = to_kn(w)
+    y = kn_kernels.quant_gemm_kn(x, kn.qweight, kn.scales, kn.offsets, KINDS.index(kind), 32, 64, pairs=True)
+    assert _rel(y, quant_matmul_ref(x, w)) < 1e-5
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [2, 20, 40])
 def test_kn_gemm_matches_reference(kind: str, rows: int) -> None:
     """K = 384: three 128-element iterations, split 3 ways (132 SMs, few tiles); 40 rows: two M tiles of 32."""
