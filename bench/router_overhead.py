@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from engine.block_hash import BlockHasher
-from engine.routing.events import AllBlocksCleared, BlocksStored, EventBatch, WorkerLoad
-from engine.routing.index import MemoryIndex
-from engine.routing.policy import WorkerView, make_policy
+from kvflow.routing.events import AllBlocksCleared, BlocksStored, EventBatch, WorkerLoad
+from kvflow.routing.index import MemoryIndex
+from kvflow.routing.policy import WorkerView, make_policy
 
 
 def percentile(values: list[float], q: float) -> float:

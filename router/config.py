@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.routing.policy import POLICY_NAMES
 from engine.sampling_params import MAX_LOGPROBS
 from kvflow.auth import ClusterAuth
+from kvflow.routing.policy import POLICY_NAMES
 from router.tool_calls import TOOL_CALL_PARSERS
 
 DISCOVERY_KINDS = ("static", "redis", "kubernetes")

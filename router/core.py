@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import grpc
 
 from engine.block_hash import BlockHasher
-from engine.routing.events import EventBatch
-from engine.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
-from engine.routing.policy import make_policy
+from kvflow.routing.events import EventBatch
+from kvflow.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
+from kvflow.routing.policy import make_policy
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
@@ -60,7 +60,7 @@ class Route:
 def make_index(url: str) -> PrefixIndex:
     if url == "memory":
         return MemoryIndex()
-    from engine.routing.redis_index import RedisIndex
+    from kvflow.routing.redis_index import RedisIndex
 
     return RedisIndex(url)
 

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import redis
 
-from engine.routing.redis_index import redact, redis_client
-from engine.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, WorkerRegistration
+from kvflow.routing.redis_index import redact, redis_client
+from kvflow.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, WorkerRegistration
 from router.config import RouterConfig
 from router.workers import ROLES
 

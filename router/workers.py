@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.routing.events import (
+from kvflow.auth import ClusterAuth
+from kvflow.routing.events import (
     AllBlocksCleared,
     BatchOrder,
     BatchVerdict,
@@ -26,9 +27,8 @@ from engine.routing.events import (
     IndexEvent,
     WorkerLoad,
 )
-from engine.routing.index import IndexUnavailable, PrefixIndex
-from engine.routing.policy import WorkerView
-from kvflow.auth import ClusterAuth
+from kvflow.routing.index import IndexUnavailable, PrefixIndex
+from kvflow.routing.policy import WorkerView
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 

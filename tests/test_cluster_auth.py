@@ -24,10 +24,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_worker.allowlist import PrefillAllowlist, split_host_port
-from engine.routing.index import MemoryIndex
 from kvflow.auth import TOKEN_ENV, TOKEN_METADATA, ClusterAuth, TLSFiles
 from kvflow.client import Client, UnauthenticatedError
 from kvflow.launcher import free_port
+from kvflow.routing.index import MemoryIndex
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.workers import WorkerPool

@@ -7,7 +7,7 @@ import time
 
 import redis
 
-from engine.routing.registration import WorkerRegistration
+from kvflow.routing.registration import WorkerRegistration
 from router.discovery import RedisDiscovery
 
 URL = "redis://127.0.0.1:6379/13"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_hash import BlockHasher
-from engine.routing.events import (
+from kvflow.routing.events import (
     AllBlocksCleared,
     BatchOrder,
     BatchVerdict,
@@ -13,7 +13,7 @@ from engine.routing.events import (
     BlocksStored,
     EventBatch,
 )
-from engine.routing.index import MemoryIndex
+from kvflow.routing.index import MemoryIndex
 
 HASHER = BlockHasher.for_model("test-model", 4, 0)
 

@@ -11,9 +11,9 @@ import pytest
 import redis
 
 from engine.block_hash import BlockHasher
-from engine.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
-from engine.routing.index import IndexUnavailable
-from engine.routing.redis_index import RedisIndex, redact, redis_client
+from kvflow.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
+from kvflow.routing.index import IndexUnavailable
+from kvflow.routing.redis_index import RedisIndex, redact, redis_client
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 HASHER = BlockHasher.for_model("test-model", 4, 0)

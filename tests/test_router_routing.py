@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from engine.config import EngineArgs
-from engine.routing.index import MemoryIndex
 from kvflow.auth import TOKEN_ENV, ClusterAuth
 from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
+from kvflow.routing.index import MemoryIndex
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig

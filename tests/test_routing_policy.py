@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.routing.events import WorkerLoad
-from engine.routing.policy import CostWeights, WorkerView, decode_cost, make_policy, prefill_cost
+from kvflow.routing.events import WorkerLoad
+from kvflow.routing.policy import CostWeights, WorkerView, decode_cost, make_policy, prefill_cost
 
 
 def view(wid: str, queued: int = 0, usage: float = 0.0, running: int = 0, pending: int = 0) -> WorkerView:

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 
 from engine.config import EngineArgs
-from engine.routing.policy import POLICY_NAMES
 from kvflow.auth import ClusterAuth
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
 from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
+from kvflow.routing.policy import POLICY_NAMES
 
 
 def _metric(text: str, name: str) -> float:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineArgs
-from engine.routing.policy import POLICY_NAMES
 from kvflow.auth import ClusterAuth, add_cluster_auth_args
 from kvflow.commands.router import (
     add_lifecycle_args,
@@ -30,6 +29,7 @@ from kvflow.commands.router import (
     lifecycle_kwargs,
     request_limit_kwargs,
 )
+from kvflow.routing.policy import POLICY_NAMES
 from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
 if TYPE_CHECKING:

@@ -49,7 +49,7 @@ from kvflow.worker.kv_link import PrefillLinks
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
 if TYPE_CHECKING:
-    from engine.routing.registration import WorkerRegistration
+    from kvflow.routing.registration import WorkerRegistration
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -335,7 +335,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
                 address, llm_engine.device, args.kv_transfer_backend)
     registration = None
     if args.index.startswith(("redis://", "rediss://")):
-        from engine.routing.registration import WorkerRegistration  # redis only when it is used
+        from kvflow.routing.registration import WorkerRegistration  # redis only when it is used
 
         registration = WorkerRegistration(args.index, role_name, advertised)
         registration.start()

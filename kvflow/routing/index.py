@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
+from kvflow.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
 
 DEFAULT_LIVENESS_TTL_S = 2.0
 

@@ -16,7 +16,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.routing.events import WorkerLoad
+from kvflow.routing.events import WorkerLoad
 
 POLICY_NAMES = ("prefix", "round-robin", "least-load", "random")
 

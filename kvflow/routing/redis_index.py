@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import redis
 
-from engine.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
-from engine.routing.index import DEFAULT_LIVENESS_TTL_S, IndexUnavailable
+from kvflow.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
+from kvflow.routing.index import DEFAULT_LIVENESS_TTL_S, IndexUnavailable
 
 PASSWORD_ENV = "KVFLOW_REDIS_PASSWORD"
 

@@ -12,7 +12,7 @@ import threading
 
 import redis
 
-from engine.routing.redis_index import redis_client
+from kvflow.routing.redis_index import redis_client
 
 logger = logging.getLogger(__name__)
 
