@@ -37,7 +37,7 @@ def main() -> None:
 
     rng = random.Random(0)
     tokens = [rng.randrange(50000) for _ in range(args.tokens)]
-    hasher = BlockHasher.for_model("bench-model", args.block_size, 0)
+    hasher = BlockHasher.for_model("bench-model", args.block_size)
     hashes = hasher.hash_blocks(tokens)
     index = MemoryIndex(liveness_ttl_s=3600)
     workers = [f"w{i}" for i in range(args.workers)]

@@ -16,6 +16,9 @@ import numpy as np
 
 HASH_VERSION = b"kvflow-block-hash-v1"
 DIGEST_BYTES = 16
+# Part of the hash contract, like HASH_VERSION: every process of a cluster (engines, router, speculative
+# proposer) must hash with the same value, whatever its sampling seed, so no caller chooses it.
+HASH_SEED = 0
 
 
 def _length_prefixed(parts: Sequence[str]) -> bytes:
@@ -34,11 +37,11 @@ class BlockHasher:
     block_size: int
 
     @classmethod
-    def for_model(cls, model_id: str, block_size: int, seed: int = 0) -> BlockHasher:
+    def for_model(cls, model_id: str, block_size: int) -> BlockHasher:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         material = HASH_VERSION + _length_prefixed([model_id]) + block_size.to_bytes(4, "little")
-        material += int(seed).to_bytes(8, "little", signed=True)
+        material += HASH_SEED.to_bytes(8, "little", signed=True)
         return cls(root=hashlib.blake2b(material, digest_size=DIGEST_BYTES).digest(), block_size=block_size)
 
     def hash_block(self, parent: bytes | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:

@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 OutputKind = Literal["cumulative", "delta", "final"]
 PromptInput = str | list[int] | dict[str, Any]
-HASH_SEED = 0  # block hashes must agree across every worker of a model, whatever each engine's sampling seed
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max concurrency %.1fx at %d tokens/request",
                     num_blocks, config.cache.block_size, capacity, capacity / config.model.max_model_len,
                     config.model.max_model_len)
-        self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size, HASH_SEED)
+        self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self.hasher,
                                          config.cache.enable_prefix_caching, enable_kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, SwapSpace(num_swap) if num_swap else None)

@@ -172,7 +172,7 @@ class DraftModelProposer:
 
     def initialize(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, 0)
-        hasher = BlockHasher.for_model(self.config.model.model_id, self.config.cache.block_size, 0)
+        hasher = BlockHasher.for_model(self.config.model.model_id, self.config.cache.block_size)
         self.kv = KVCacheManager(num_blocks, self.config.cache.block_size, hasher, False)
 
     @property

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import MAX_LOGPROBS
 from kvflow.auth import ClusterAuth
+from kvflow.routing.index import validate_index_url
 from kvflow.routing.policy import POLICY_NAMES
 from router.tool_calls import TOOL_CALL_PARSERS
 
@@ -63,8 +64,7 @@ class RouterConfig:
         if self.discovery == "redis" and not (self.discovery_redis or self.index).startswith(("redis://",
                                                                                               "rediss://")):
             raise ValueError("--discovery redis needs --index redis://... (the registry lives there)")
-        if self.index != "memory" and not self.index.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--index must be 'memory' or a redis:// URL, got {self.index!r}")
+        validate_index_url(self.index)
         if self.metrics_require_api_key and not self.api_key:
             raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
         if self.tokenizer_pool_size < 1:

@@ -104,7 +104,7 @@ class Router:
             async with self._tokenizer_lock:
                 if self.tokenizers is None:
                     info = self.model_info
-                    hasher = BlockHasher.for_model(info.model_id, info.block_size, 0)
+                    hasher = BlockHasher.for_model(info.model_id, info.block_size)
                     path = await asyncio.to_thread(tokenizer_path_for, info.model, self.config.tokenizer)
                     self.tokenizers = await asyncio.to_thread(TokenizerPool, path, hasher,
                                                               self.config.tokenizer_pool_size)

@@ -16,9 +16,8 @@ from typing import Protocol
 import redis
 
 from kvflow.routing.redis_index import redact, redis_client
-from kvflow.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, WorkerRegistration
+from kvflow.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, ROLES, WorkerRegistration
 from router.config import RouterConfig
-from router.workers import ROLES
 
 logger = logging.getLogger(__name__)
 

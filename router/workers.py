@@ -34,7 +34,6 @@ from protos.kvflow.v1 import kvflow_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 LOAD_STALE_S = 2.0  # no batch for this long: the worker is considered down
 
 

@@ -15,7 +15,7 @@ from kvflow.routing.events import (
 )
 from kvflow.routing.index import MemoryIndex
 
-HASHER = BlockHasher.for_model("test-model", 4, 0)
+HASHER = BlockHasher.for_model("test-model", 4)
 
 
 class FakeClock:

@@ -16,7 +16,7 @@ from kvflow.routing.index import IndexUnavailable
 from kvflow.routing.redis_index import RedisIndex, redact, redis_client
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
-HASHER = BlockHasher.for_model("test-model", 4, 0)
+HASHER = BlockHasher.for_model("test-model", 4)
 HASHES = HASHER.hash_blocks(list(range(40)))
 
 

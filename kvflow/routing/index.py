@@ -17,6 +17,14 @@ from typing import Protocol
 from kvflow.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
 
 DEFAULT_LIVENESS_TTL_S = 2.0
+INDEX_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def validate_index_url(url: str) -> None:
+    """--index of every process (router, workers, `kvflow serve`): 'memory' (the embedded index) or a Redis URL."""
+    if url != "memory" and not url.startswith(INDEX_URL_SCHEMES):
+        raise ValueError(f"--index must be 'memory' or redis://[:password@]host:port/db (or rediss://, unix://), "
+                         f"got {url!r}")
 
 
 class IndexUnavailable(RuntimeError):

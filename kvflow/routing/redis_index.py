@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import redis
 
 from kvflow.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
-from kvflow.routing.index import DEFAULT_LIVENESS_TTL_S, IndexUnavailable
+from kvflow.routing.index import DEFAULT_LIVENESS_TTL_S, IndexUnavailable, validate_index_url
 
 PASSWORD_ENV = "KVFLOW_REDIS_PASSWORD"
 
@@ -111,8 +111,9 @@ def redis_client(url: str, timeout_s: float = 0.5) -> redis.Redis:
         if not sep:
             raise ValueError(f"not a redis URL: {url!r}")
         url = f"{scheme}://{rest.rpartition('@')[2]}"  # the host part never holds '@'; a raw secret may
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"--index must be 'memory' or a redis:// / rediss:// URL, got {url!r}")
+    if url == "memory":
+        raise ValueError("the embedded index ('memory') has no Redis client")
+    validate_index_url(url)
     return redis.Redis.from_url(url, password=password or None, socket_timeout=timeout_s,
                                 socket_connect_timeout=timeout_s)
 

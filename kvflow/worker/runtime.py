@@ -42,6 +42,7 @@ from engine.parallel.executor import rank_device
 from engine.stat_logger import StatLogger
 from engine.stats import EngineStats, FinishedRequestTiming
 from kvflow.auth import ClusterAuth, add_cluster_auth_args, public_info
+from kvflow.routing.index import validate_index_url
 from kvflow.wire import layout_to_proto
 from kvflow.worker.events import KVEventHub
 from kvflow.worker.faults import FaultInjector
@@ -269,11 +270,6 @@ def warn_if_open(auth: ClusterAuth, host: str, address: str) -> None:
     if not auth.enabled and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("no cluster credential (--cluster-token / KVFLOW_CLUSTER_TOKEN, or --tls-*): anyone who "
                        "reaches %s can call every RPC of this worker", address)
-
-
-def validate_index_url(url: str) -> None:
-    if url != "memory" and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"--index must be 'memory' or redis://[:password@]host:port/db, got {url!r}")
 
 
 def server_engine_args(args: argparse.Namespace) -> EngineArgs:
