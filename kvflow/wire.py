@@ -19,6 +19,10 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
+# The largest gRPC message any kvflow process sends or accepts (worker servers, the router's worker channels): a
+# Generate response with many logprobs, a KV chunk (4 MiB on the gRPC path) and room to spare.
+MAX_MESSAGE_BYTES = 64 << 20
+
 _NEGATED = {"skip_special_tokens": "skip_special_tokens_false"}
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_"))
 _MESSAGE_FIELDS = pb.SamplingParams.DESCRIPTOR.fields_by_name

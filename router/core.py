@@ -28,6 +28,7 @@ from engine.block_hash import BlockHasher
 from kvflow.routing.events import EventBatch
 from kvflow.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
 from kvflow.routing.policy import make_policy
+from kvflow.wire import MAX_MESSAGE_BYTES
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
@@ -202,7 +203,8 @@ class Router:
     def _stub(self, address: str) -> kvflow_pb2_grpc.GenerationStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self.config.cluster.aio_channel(address, [("grpc.max_receive_message_length", 64 << 20)])
+            channel = self.config.cluster.aio_channel(
+                address, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
             self._channels[address] = channel
         return kvflow_pb2_grpc.GenerationStub(channel)
 

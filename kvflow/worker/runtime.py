@@ -43,7 +43,7 @@ from engine.stat_logger import StatLogger
 from engine.stats import EngineStats, FinishedRequestTiming
 from kvflow.auth import ClusterAuth, add_cluster_auth_args, public_info
 from kvflow.routing.index import validate_index_url
-from kvflow.wire import layout_to_proto
+from kvflow.wire import MAX_MESSAGE_BYTES, layout_to_proto
 from kvflow.worker.events import KVEventHub
 from kvflow.worker.faults import FaultInjector
 from kvflow.worker.kv_link import PrefillLinks
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_MESSAGE_BYTES = 64 << 20
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
