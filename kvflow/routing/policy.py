@@ -67,7 +67,8 @@ def decode_cost(worker: WorkerView) -> float:
 
 
 class RoutingPolicy:
-    """Base: cost-based choice with random tie-breaking. Subclasses change what the cost sees."""
+    """Base: cost-based choice with random tie-breaking. Subclasses change what the cost sees, or replace the pick
+    (`_pick_prefill` / `_pick_decode`); the public choices guard the empty pool once for all of them."""
 
     name = "least-load"
     uses_index = False
@@ -80,6 +81,15 @@ class RoutingPolicy:
                        block_size: int) -> PrefillChoice:
         if not workers:
             raise ValueError("no prefill workers to choose from")
+        return self._pick_prefill(workers, matched, prompt_tokens, block_size)
+
+    def choose_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
+        if not workers:
+            raise ValueError("no decode workers to choose from")
+        return self._pick_decode(workers)
+
+    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int) -> PrefillChoice:
         scored = []
         for w in workers:
             cached = matched.get(w.worker_id, 0)
@@ -88,9 +98,7 @@ class RoutingPolicy:
         best = min(c.cost for c in scored)
         return self._rng.choice([c for c in scored if c.cost <= best + 1e-9])
 
-    def choose_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
-        if not workers:
-            raise ValueError("no decode workers to choose from")
+    def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         costs = [decode_cost(w) for w in workers]
         best = min(costs)
         return self._rng.choice([w for w, c in zip(workers, costs, strict=True) if c <= best + 1e-9])
@@ -113,32 +121,24 @@ class RoundRobinPolicy(RoutingPolicy):
         self._prefill_turn = itertools.count()
         self._decode_turn = itertools.count()
 
-    def choose_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
-                       block_size: int) -> PrefillChoice:
-        if not workers:
-            raise ValueError("no prefill workers to choose from")
+    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int) -> PrefillChoice:
         worker = workers[next(self._prefill_turn) % len(workers)]
         return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0)
 
-    def choose_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
-        if not workers:
-            raise ValueError("no decode workers to choose from")
+    def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         return workers[next(self._decode_turn) % len(workers)]
 
 
 class RandomPolicy(RoutingPolicy):
     name = "random"
 
-    def choose_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
-                       block_size: int) -> PrefillChoice:
-        if not workers:
-            raise ValueError("no prefill workers to choose from")
+    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int) -> PrefillChoice:
         worker = self._rng.choice(list(workers))
         return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0)
 
-    def choose_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
-        if not workers:
-            raise ValueError("no decode workers to choose from")
+    def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         return self._rng.choice(list(workers))
 
 
