@@ -27,14 +27,13 @@ from engine.kv_transfer import DEFAULT_LEASE_S, KVTransferError, PullJob
 from engine.llm_engine import LLMEngine, RemoteSlot
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvflow.wire import logprobs_to_proto, sampling_params_from_proto
+from kvflow.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 from kvflow.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
 @dataclass
@@ -292,7 +291,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
 
 
 def _set_finish(message: pb.GenerateChunk | pb.CompletionChoice, completion: CompletionOutput) -> None:
-    message.finish_reason = FINISH_REASONS.get(completion.finish_reason or "abort", pb.FINISH_REASON_ABORT)
+    message.finish_reason = FINISH_REASON_TO_PROTO.get(completion.finish_reason or "abort", pb.FINISH_REASON_ABORT)
     if isinstance(completion.stop_reason, str):
         message.stop_string = completion.stop_reason
     elif isinstance(completion.stop_reason, int):

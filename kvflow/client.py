@@ -25,10 +25,10 @@ from typing import Any
 import grpc
 
 from kvflow.auth import TOKEN_METADATA
+from kvflow.wire import FINISH_REASON_FROM_PROTO
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs")
 
@@ -146,7 +146,7 @@ def build_request(prompt: str | Sequence[int], request_id: str | None, sampling:
 
 
 def result_from(request_id: str, complete: pb.GenerateComplete) -> GenerateResult:
-    choices = [Choice(c.index, c.text, list(c.token_ids), _FINISH.get(c.finish_reason), list(c.logprobs))
+    choices = [Choice(c.index, c.text, list(c.token_ids), FINISH_REASON_FROM_PROTO.get(c.finish_reason), list(c.logprobs))
                for c in complete.choices]
     path = pb.PrefillPath.Name(complete.prefill_path).removeprefix("PREFILL_PATH_").lower()
     return GenerateResult(request_id, choices, complete.usage.prompt_tokens, complete.usage.completion_tokens,

@@ -22,6 +22,10 @@ from protos.kvflow.v1 import kvflow_pb2 as pb
 # The largest gRPC message any kvflow process sends or accepts (worker servers, the router's worker channels): a
 # Generate response with many logprobs, a KV chunk (4 MiB on the gRPC path) and room to spare.
 MAX_MESSAGE_BYTES = 64 << 20
+# Finish reasons: the engine's (vLLM's) strings <-> the proto enum; FINISH_REASON_UNSPECIFIED has no string
+FINISH_REASON_TO_PROTO = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                          "abort": pb.FINISH_REASON_ABORT}
+FINISH_REASON_FROM_PROTO = {code: name for name, code in FINISH_REASON_TO_PROTO.items()}
 
 _NEGATED = {"skip_special_tokens": "skip_special_tokens_false"}
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_"))

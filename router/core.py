@@ -28,7 +28,7 @@ from engine.block_hash import BlockHasher
 from kvflow.routing.events import EventBatch
 from kvflow.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
 from kvflow.routing.policy import make_policy
-from kvflow.wire import MAX_MESSAGE_BYTES
+from kvflow.wire import FINISH_REASON_FROM_PROTO, MAX_MESSAGE_BYTES
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
@@ -343,7 +343,7 @@ class Router:
             complete.prefill_path, "unknown")
         m.requests.labels(path).inc()
         for choice in complete.choices:
-            reason = pb.FinishReason.Name(choice.finish_reason).removeprefix("FINISH_REASON_").lower()
+            reason = FINISH_REASON_FROM_PROTO.get(choice.finish_reason, "unspecified")
             m.request_success.labels(reason).inc()
 
     async def close(self) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from kvflow.wire import structured_outputs_to_proto
+from kvflow.wire import FINISH_REASON_FROM_PROTO, structured_outputs_to_proto
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.config import RouterConfig
 from router.errors import BadRequest
@@ -32,7 +32,7 @@ from router.structured_output import check as check_constraint
 from router.structured_output import structured_outputs_from_body
 from router.tool_calls import ToolRequest, parse_tools
 
-FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+FINISH = FINISH_REASON_FROM_PROTO  # proto enum -> OpenAI's finish_reason
 _NUMBER = (int, float)
 MAX_JSON_DEPTH = 32  # a chat body with text parts is 5 deep
 FLOAT32_MAX = 3.4028234663852886e38  # sampling floats travel as proto float
