@@ -317,8 +317,8 @@ KN_GEMV_SWEEP: list[dict[str, Any]] = [
 # (earlier H100 rounds, kn_gemv_sweep.round_1 / round_2 in quant_gpu_h100.json: (32, 4, 16, 1) fastest of 20 tiles;
 # loads one iteration ahead 2.27 vs 2.44 ms; round 3: the K split summed in the same launch or by a second one)
 # The nibble-pair GEMV (`quant_gemm_kn(pairs=True)`) beside the single-nibble one at the same tiles. Offline sm_90
-# SASS (bench/sass_mix.py -> int4_gemv_sass_offline.json) counts its loop at 4.8 instructions per code against 7.2
-# at the default tiles (168 registers against 96) and 5.0 at 64 x 2 (72 registers), so tiles with fewer are in.
+# SASS (bench/sass_mix.py -> int4_gemv_sass_offline.json, Triton 3.6 / 3.9) counts its loop at 6.5 / 4.8
+# instructions per code against 7.6 / 7.2 at the default tiles, with more registers; narrower tiles are in too.
 KN_PAIRS_SWEEP: list[dict[str, Any]] = [
     {"gemv_tiles": t, "pipeline": True, "sum_here": True, "pairs": pairs}
     for t in ((32, 4, 16, 1), (32, 4, 12, 1), (32, 2, 16, 1), (16, 4, 16, 1), (16, 8, 16, 1), (64, 2, 16, 1))

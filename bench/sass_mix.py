@@ -108,10 +108,16 @@ def main() -> None:
                     row["h100_step_ms_measured"] = round(measured[tiles], 3)
                 print(json.dumps({k: v for k, v in row.items() if k != "opcode_mix"}), flush=True)
                 rows.append(row)
-    record = {"what": "sm_90 SASS of kernels/quant_gemm_kn.py's GEMV, compiled offline (no GPU): registers and "
-                      "main-loop instructions per 4-bit code, by tile and form (pairs: the nibble-pair form)",
-              "triton": triton.__version__, "kind": args.kind, "group": args.group, "x_dtype": "bfloat16",
-              "command": "python bench/sass_mix.py", "rows": rows}
+    # One entry per Triton version, kept beside the others: the device image's Triton (3.6.0 on 2026-11-17, the
+    # H100 sweeps' compiler) and this project's may compile the same kernel differently.
+    record = json.loads(args.out.read_text()) if args.out.exists() else {}
+    record.update({"what": "sm_90 SASS of kernels/quant_gemm_kn.py's GEMV, compiled offline (no GPU): registers and "
+                           "main-loop instructions per 4-bit code, by tile and form (pairs: the nibble-pair form), "
+                           "per Triton version",
+                   "kind": args.kind, "group": args.group, "x_dtype": "bfloat16",
+                   "command": "python bench/sass_mix.py (another Triton: pip install --target DIR triton==X, "
+                              "then PYTHONPATH=DIR python bench/sass_mix.py)"})
+    record.setdefault("by_triton", {})[triton.__version__] = {"rows": rows}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print("wrote", args.out)
 

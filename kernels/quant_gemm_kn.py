@@ -43,9 +43,9 @@ GEMV_TILES = (32, 4, 16, 1)
 MIN_GEMV_BLOCK_N = 16
 GEMV_PIPELINE = True
 # The nibble-pair GEMV (`_pair`), compiled offline for sm_90 (bench/sass_mix.py -> int4_gemv_sass_offline.json):
-# 4.8 loop instructions per code against 7.2 at the default tiles (168 registers against 96), 5.0 at 64 x 2 with
-# 72 registers. Not timed on a GPU yet, so not the default: `quant_gemm_kn(pairs=True)`, and
-# `bench/quant_gpu.py --parts int4 --int4-sweeps pairs` times it beside the single-nibble form.
+# at the default tiles 6.5 loop instructions per code against 7.6 with the device image's Triton 3.6 (128
+# registers against 96), 4.8 against 7.2 with Triton 3.9 (168 against 96). Not timed on a GPU yet, so not the
+# default: `quant_gemm_kn(pairs=True)`; `bench/quant_gpu.py --parts int4 --int4-sweeps pairs` times both forms.
 GEMV_PAIRS = False
 GEMM_PROGRAMS_PER_SM = 4
 # GEMM tiles by the largest row count they serve: (BLOCK_M, BLOCK_N, BLOCK_R, warps, SWAP_AB). H100 sweep over the
