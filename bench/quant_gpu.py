@@ -318,10 +318,12 @@ KN_GEMV_SWEEP: list[dict[str, Any]] = [
 # loads one iteration ahead 2.27 vs 2.44 ms; round 3: the K split summed in the same launch or by a second one)
 # The nibble-pair GEMV (`quant_gemm_kn(pairs=True)`) beside the single-nibble one at the same tiles. Offline sm_90
 # SASS (bench/sass_mix.py -> int4_gemv_sass_offline.json, Triton 3.6 / 3.9) counts its loop at 6.5 / 4.8
-# instructions per code against 7.6 / 7.2 at the default tiles, with more registers; narrower tiles are in too.
+# instructions per code against 7.6 / 7.2 at the default tiles, with more registers; narrower tiles are in too,
+# and 24 programs per SM where the narrower tiles leave registers for them.
 KN_PAIRS_SWEEP: list[dict[str, Any]] = [
     {"gemv_tiles": t, "pipeline": True, "sum_here": True, "pairs": pairs}
-    for t in ((32, 4, 16, 1), (32, 4, 12, 1), (32, 2, 16, 1), (16, 4, 16, 1), (16, 8, 16, 1), (64, 2, 16, 1))
+    for t in ((32, 4, 16, 1), (32, 4, 12, 1), (32, 2, 16, 1), (32, 2, 24, 1), (16, 4, 16, 1), (16, 8, 16, 1),
+              (64, 2, 16, 1), (64, 2, 24, 1))
     for pairs in (False, True)
 ]
 
