@@ -105,15 +105,13 @@ return 1
 def redis_client(url: str, timeout_s: float = 0.5) -> redis.Redis:
     """A client for `url`; env KVFLOW_REDIS_PASSWORD, when set, replaces any password in the URL (so secrets
     with URL-special characters work)."""
-    password = os.environ.get(PASSWORD_ENV)
-    if password:
-        scheme, sep, rest = url.partition("://")
-        if not sep:
-            raise ValueError(f"not a redis URL: {url!r}")
-        url = f"{scheme}://{rest.rpartition('@')[2]}"  # the host part never holds '@'; a raw secret may
     if url == "memory":
         raise ValueError("the embedded index ('memory') has no Redis client")
     validate_index_url(url)
+    password = os.environ.get(PASSWORD_ENV)
+    if password:
+        scheme, _, rest = url.partition("://")
+        url = f"{scheme}://{rest.rpartition('@')[2]}"  # the host part never holds '@'; a raw secret may
     return redis.Redis.from_url(url, password=password or None, socket_timeout=timeout_s,
                                 socket_connect_timeout=timeout_s)
 
