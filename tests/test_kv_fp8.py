@@ -136,6 +136,30 @@ def fp8_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Work
         decode.stop()
 
 
+NEAR_TIE = 0.25  # logprob gap; fp8 KV moves logprobs by up to ~0.05 with the batch's makeup (see below)
+
+
+def first_divergence_is_a_near_tie(got: list[int], local) -> str | None:  # noqa: ANN001
+    """None when `got` equals the local greedy ids, or first leaves them where the local top-2 were within
+    NEAR_TIE and `got` took the runner-up; else what went wrong.
+
+    Why not exact: a worker batches concurrent requests as they arrive, so its GEMMs see other row counts than
+    the local engine's. In fp32 that moves logprobs by ~1e-5, but each fp32 ulp that crosses an e4m3 rounding
+    edge moves one cached value by up to 1/16, and over 30 layers the logprobs move by up to ~5e-2 (measured:
+    the same prompts alone and batched on one local engine). The bytes themselves cross the link exactly:
+    test_fp8_kv_through_kv_port_equals_unified holds that at one batch makeup."""
+    want = local.outputs[0].token_ids
+    step = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if step is None:
+        return None if len(got) == len(want) else f"{len(got)} tokens against {len(want)}"
+    top = local.outputs[0].logprobs[step]
+    ranked = sorted(top, key=lambda t: top[t].logprob, reverse=True)
+    gap = top[ranked[0]].logprob - top[ranked[1]].logprob
+    if ranked[1] != got[step] or gap >= NEAR_TIE:
+        return f"step {step}: {got[step]} against {want[step]}, local top-2 {ranked[:2]} apart by {gap:.3f}"
+    return None
+
+
 def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_prompts: list[list[int]]) -> None:
     from kvflow import LLM
     from tests.pd_helpers import KV_BYTES, MAX_MODEL_LEN, MAX_TOKENS
@@ -145,8 +169,8 @@ def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_promp
     assert layout.dtype == "float8_e4m3fn" and info(prefill).kv_layout.dtype == "float8_e4m3fn"
     prompts = smollm2_prompts[:4] + [smollm2_prompts[7] * 6]  # one prompt spans many blocks and chunks
     local = LLM("smollm2", kv_cache_dtype="fp8", kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
-    expected = [o.outputs[0].token_ids for o in local.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))]
+    expected = local.generate([{"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2))
     del local
 
     async def run_all() -> list[pb.GenerateComplete]:
@@ -155,7 +179,8 @@ def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_promp
     results = asyncio.run(run_all())
     for prompt, result, want in zip(prompts, results, expected, strict=True):
         assert result.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
-        assert list(result.choices[0].token_ids) == want, f"prompt of {len(prompt)} tokens"
+        problem = first_divergence_is_a_near_tie(list(result.choices[0].token_ids), want)
+        assert problem is None, f"prompt of {len(prompt)} tokens: {problem}"
     blocks = sum(-(-len(p) // 16) for p in prompts)
     block_bytes = 16 * 30 * 2 * 3 * 64 * 1  # SmolLM2: 1 byte per fp8 value
     assert settled_metric(decode, "kvflow:kv_transfer_bytes_total", 'backend="gloo"') == blocks * block_bytes
