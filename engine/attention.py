@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.kv_fp8 import DEFAULT_KV_SCALES, KVScales
 from kernels.cpu_decode_attention import load_extension
 from kernels.cpu_prefill_attention import prefill_attention_kernel
 from kernels.cpu_rotary_kv_write import load_rotary_extension
@@ -38,8 +39,9 @@ class AttentionBackend(Protocol):
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> object: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: object,
-                scale: float) -> torch.Tensor:
-        """q [T,H,D], k/v [T,Hkv,D] of the new tokens -> [T,H,D]; writes k/v into the cache first."""
+                scale: float, kv_scales: KVScales = DEFAULT_KV_SCALES) -> torch.Tensor:
+        """q [T,H,D], k/v [T,Hkv,D] of the new tokens -> [T,H,D]; writes k/v into the cache first. `kv_scales`:
+        the layer's (k_scale, v_scale) for an fp8 cache (engine/kv_fp8.py); other caches ignore them."""
         ...
 
 
@@ -90,7 +92,6 @@ class TorchPagedAttention:
         # short rows after a long context, level (0.99-1.12x) on one 2,048-token prompt; nowhere beyond the noise
         # slower, so it takes every case. None: torch only (KVFLOW_CPU_PREFILL_ATTENTION=0, or no compiler here).
         self.cpu_prefill_kernel = prefill_attention_kernel()
-        self.k_scale = self.v_scale = 1.0  # fp8 KV cache: per-tensor scales (engine/kv_fp8.py)
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TorchAttentionMetadata:
         starts = [0]
@@ -137,18 +138,18 @@ class TorchPagedAttention:
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: TorchAttentionMetadata, scale: float, kv_scales: KVScales = DEFAULT_KV_SCALES) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         if key_cache.dtype == FP8_DTYPE:  # stored as value / scale in e4m3, written as bytes (no fp8 index_copy_)
             key_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
-                0, meta.slot_mapping, quantize_fp8(k, self.k_scale).view(torch.uint8))
+                0, meta.slot_mapping, quantize_fp8(k, kv_scales[0]).view(torch.uint8))
             value_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
-                0, meta.slot_mapping, quantize_fp8(v, self.v_scale).view(torch.uint8))
+                0, meta.slot_mapping, quantize_fp8(v, kv_scales[1]).view(torch.uint8))
         else:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        return self._attend_cached(q, kv_cache, meta, scale)
+        return self._attend_cached(q, kv_cache, meta, scale, kv_scales)
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, cos_half: torch.Tensor,
                     sin_half: torch.Tensor, num_heads: int, kv_cache: KVCache, meta: TorchAttentionMetadata,
@@ -167,7 +168,7 @@ class TorchPagedAttention:
         return self._attend_cached(q, kv_cache, meta, scale)
 
     def _attend_cached(self, q: torch.Tensor, kv_cache: KVCache, meta: TorchAttentionMetadata,
-                       scale: float) -> torch.Tensor:
+                       scale: float, kv_scales: KVScales = DEFAULT_KV_SCALES) -> torch.Tensor:
         """Attention of the step's queries over the cache, which already holds this step's keys and values."""
         key_cache, value_cache = kv_cache
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -186,7 +187,7 @@ class TorchPagedAttention:
             prefill = None
         for group in (decode, prefill):
             if group is not None:
-                self._attend(q, key_cache, value_cache, group, scale, out, self.k_scale, self.v_scale)
+                self._attend(q, key_cache, value_cache, group, scale, out, *kv_scales)
         return out
 
     def _kernel_fits(self, key_cache: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBatch, KVCache
+from engine.kv_fp8 import DEFAULT_KV_SCALES, KVScales
 from kernels.kv_cache_write import write_kv_cache
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.paged_prefill_attention import paged_prefill_attention
@@ -69,7 +70,6 @@ class TritonPagedAttention:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.k_scale = self.v_scale = 1.0  # fp8 KV cache: per-tensor scales (engine/kv_fp8.py)
         # Allocated once and never replaced: captured decode graphs keep its address.
         self._tickets: torch.Tensor | None = None
 
@@ -110,23 +110,23 @@ class TritonPagedAttention:
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: TritonAttentionMetadata, scale: float, kv_scales: KVScales = DEFAULT_KV_SCALES) -> torch.Tensor:
         key_cache, value_cache = kv_cache
-        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return self._attend(q, kv_cache, meta, scale)
+        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, *kv_scales)
+        return self._attend(q, kv_cache, meta, scale, kv_scales)
 
     def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: KVCache, meta: TritonAttentionMetadata, scale: float,
-                       cos_sin_cache: torch.Tensor) -> torch.Tensor:
+                       cos_sin_cache: torch.Tensor, kv_scales: KVScales = DEFAULT_KV_SCALES) -> torch.Tensor:
         """`forward` with the rotary embedding folded into the KV write: one kernel rotates q and k in place
         and stores k/v, saving a launch per layer."""
         key_cache, value_cache = kv_cache
         rotary_and_write_kv(positions, q, k, v, cos_sin_cache, key_cache, value_cache, meta.slot_mapping,
-                            self.k_scale, self.v_scale)
-        return self._attend(q, kv_cache, meta, scale)
+                            *kv_scales)
+        return self._attend(q, kv_cache, meta, scale, kv_scales)
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: TritonAttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: KVScales) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens
@@ -134,10 +134,10 @@ class TritonPagedAttention:
             tickets = self._tickets_for(q.device, nd * key_cache.shape[2]) if SINGLE_PASS_DECODE else None
             paged_decode_attention(q[:nd], key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                    scale, out=out[:nd], max_seq_len=meta.decode_max_seq_len, tickets=tickets,
-                                   single_pass=SINGLE_PASS_DECODE, k_scale=self.k_scale, v_scale=self.v_scale)
+                                   single_pass=SINGLE_PASS_DECODE, k_scale=kv_scales[0], v_scale=kv_scales[1])
         tables, cu_seqlens, seq_lens = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens
         if tables is not None and cu_seqlens is not None and seq_lens is not None:
             paged_prefill_attention(q[nd:], key_cache, value_cache, tables, cu_seqlens, seq_lens, scale,
-                                    out=out[nd:], max_q_len=meta.prefill_max_q_len, k_scale=self.k_scale,
-                                    v_scale=self.v_scale)
+                                    out=out[nd:], max_q_len=meta.prefill_max_q_len, k_scale=kv_scales[0],
+                                    v_scale=kv_scales[1])
         return out

@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.cpu_linear import pack_linears_for_cpu
 from engine.cpu_memory import keep_freed_memory_for_reuse
 from engine.cuda_graphs import DecodeGraphs, DecodeResult, capture_sizes
+from engine.kv_fp8 import DEFAULT_KV_SCALES, checkpoint_kv_scales
 from engine.models.llama import CausalLM, DecoderLayer
 from engine.models.loader import hf_state_dict
 from engine.outputs import (
@@ -82,6 +83,20 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _set_kv_scales(model: CausalLM, model_path: str | None) -> None:
+    """fp8 KV cache: each layer's calibrated (k_scale, v_scale) from the checkpoint, else 1.0 (engine/kv_fp8.py)."""
+    layers = model.layers
+    scales = checkpoint_kv_scales(model_path, len(layers))
+    for layer, pair in zip(layers, scales or [DEFAULT_KV_SCALES] * len(layers), strict=True):
+        layer.self_attn.kv_scales = pair
+    if scales is None:
+        logger.info("fp8 KV cache: the checkpoint calibrates no KV scales; k_scale = v_scale = 1.0")
+    else:
+        ks, vs = [k for k, _ in scales], [v for _, v in scales]
+        logger.info("fp8 KV cache: per-layer scales from the checkpoint (k_scale %.3g-%.3g, v_scale %.3g-%.3g)",
+                    min(ks), max(ks), min(vs), max(vs))
 
 
 def _log_offload(plan: OffloadPlan) -> None:
@@ -242,10 +257,6 @@ class ModelRunner:
             if config.cache.kv_cache_memory_bytes is None and config.cache.num_gpu_blocks_override is None:
                 self.memory_at_start.check_share(config.cache.gpu_memory_utilization, self.device)
         self.attn_backend = select_attention_backend(self.device, self.block_size)
-        if self.kv_dtype == torch.float8_e4m3fn:
-            from engine.kv_fp8 import DEFAULT_KV_SCALES
-
-            self.attn_backend.k_scale, self.attn_backend.v_scale = DEFAULT_KV_SCALES
         fused = self.on_cuda and HAS_TRITON
         started = time.perf_counter()
         torch.manual_seed(config.model.seed)
@@ -271,6 +282,8 @@ class ModelRunner:
         else:
             assert config.model.model_path is not None
             model.load_hf_state_dict(hf_state_dict(config.model.model_path))
+        if self.kv_dtype == torch.float8_e4m3fn:
+            _set_kv_scales(model, config.model.model_path if config.model.load_format != "dummy" else None)
         if model.weight_stream is not None:
             model.weight_stream.activate()
             _log_offload(offload)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from engine.models.loader import resolve_model
+from engine.models.presets import preset_hf_config
 
 # Varied prompts: chat-ish, code, lists, numbers, unicode, a long-ish one.
 PROMPTS = [
@@ -75,3 +79,31 @@ def assert_matches_oracle(prompt_ids: list[int], ours: list[int], theirs: list[i
     assert top2.indices[1].item() == ours[k], f"divergence at {k}: ours {ours[k]} is not the oracle's 2nd choice"
     gap = (top2.values[0] - top2.values[1]).item()
     assert gap <= tol, f"divergence at {k} is not a near-tie: gap {gap:.4f} nats"
+
+
+def tiny_hf_state(arch, gen: torch.Generator) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Random HF-named weights of a Llama-shaped `arch` (the `tiny` preset's, say)."""
+    h, q, kv, i = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
+        arch.intermediate_size
+    state = {"model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=gen) * 0.02,
+             "model.norm.weight": torch.ones(h), "lm_head.weight": torch.randn(arch.vocab_size, h, generator=gen) * 0.02}
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    for layer in range(arch.num_layers):
+        p = f"model.layers.{layer}."
+        for name, shape in shapes.items():
+            state[p + name + ".weight"] = torch.randn(*shape, generator=gen) * 0.05
+        state[p + "input_layernorm.weight"] = torch.ones(h)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    return state
+
+
+def write_tiny_checkpoint(tmp: Path, quantization_config: dict | None, state: dict[str, torch.Tensor]) -> Path:
+    """A model directory of the `tiny` preset's config.json (plus `quantization_config`) and `state`."""
+    cfg = preset_hf_config("tiny").to_dict()
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    return tmp

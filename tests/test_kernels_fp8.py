@@ -152,3 +152,36 @@ def test_per_token_quant_fp8_bit_exact(dtype: torch.dtype, m: int, k: int, max_b
     assert torch.equal(scale, ref_scale)
     assert torch.equal(_bits(q), _bits(ref_q))
     assert (_bits(ref_q) & 0x78 == 0).sum() > 0  # the case holds subnormal codes
+
+
+@interp
+def test_triton_backend_takes_each_layers_kv_scales() -> None:
+    """The engine's Triton backend hands a call's (k_scale, v_scale) to the KV write and both attention kernels: with
+    K/V far beyond 448 and scales of 20 it stores and attends as the torch backend does, bit for bit in the cache,
+    and scale 1.0 (clipping) gives another answer."""
+    from engine.attention import AttentionBatch, TorchPagedAttention
+    from engine.attention_triton import TritonPagedAttention
+
+    g = torch.Generator().manual_seed(0)
+    page, hkv, h, d, scales = 16, 2, 4, 32, (20.0, 20.0)
+    batch = AttentionBatch(query_lens=[1, 5], seq_lens=[20, 5], block_tables=[[0, 1], [2]],
+                           slot_mapping=[19, 32, 33, 34, 35, 36])  # one decode row after 19 cached tokens, one prompt
+    q = torch.randn(6, h, d, generator=g)
+    k, v = torch.randn(6, hkv, d, generator=g) * 3000, torch.randn(6, hkv, d, generator=g) * 3000
+    earlier = quantize_fp8(torch.randn(19, hkv, d, generator=g) * 3000, 20.0)
+
+    def run(backend: object, *kv_scales: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        caches = [torch.zeros(8, page, hkv, d, dtype=FP8) for _ in range(2)]
+        for cache in caches:
+            _bits(cache).view(-1, hkv, d)[:19] = _bits(earlier)
+        meta = backend.build_metadata(batch, torch.device("cpu"))  # type: ignore[attr-defined]
+        out = backend.forward(q.clone(), k.clone(), v.clone(), tuple(caches), meta, d**-0.5,  # type: ignore[attr-defined]
+                              *([kv_scales] if kv_scales else []))
+        return out, _bits(caches[0]).clone(), _bits(caches[1]).clone()
+
+    ref, ref_k, ref_v = run(TorchPagedAttention(page), *scales)
+    out, got_k, got_v = run(TritonPagedAttention(page), *scales)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+    assert _rel(out, ref) < 1e-5
+    clipped, _, _ = run(TritonPagedAttention(page))  # the default 1.0: every |value| over 448 clips
+    assert _rel(clipped, ref) > 0.1

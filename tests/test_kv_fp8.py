@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from engine.config import EngineArgs
+from engine.kv_fp8 import checkpoint_kv_scales
 from engine.kv_transfer import plan_slices, tensor_bytes
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -90,6 +93,75 @@ def test_fp8_kv_through_kv_port_equals_unified() -> None:
         prefill.release_kv(rid)
         decode.finish_remote_prefill(rid, first, None, b"")
         assert run_to_end(decode, rid) == expected
+
+
+def _scales_file(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.clone() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_checkpoint_kv_scales_names_and_refusals(tmp_path: Path) -> None:
+    one = torch.tensor([0.5])
+    attn = "model.layers.{}.self_attn."
+    # compressed-tensors / AutoFP8 names in layer 0, ModelOpt's in layer 1, the legacy shared kv_scale in layer 2
+    mixed = {attn.format(0) + "k_scale": one * 2, attn.format(0) + "v_scale": one * 3,
+             attn.format(1) + "k_proj.k_scale": one * 4, attn.format(1) + "v_proj.v_scale": torch.tensor(2.5),  # 0-d, as some writers store it
+             attn.format(2) + "kv_scale": one * 6, attn.format(2) + "q_proj.weight": torch.ones(2, 2)}
+    assert checkpoint_kv_scales(_scales_file(tmp_path / "mixed", mixed), 3) == [(1.0, 1.5), (2.0, 2.5), (3.0, 3.0)]
+    assert checkpoint_kv_scales(_scales_file(tmp_path / "none", {"model.norm.weight": one}), 3) is None
+    assert checkpoint_kv_scales(None, 3) is None
+    with pytest.raises(ValueError, match=r"layer 1 has none of model\.layers\.1\.self_attn\.v_scale"):
+        checkpoint_kv_scales(_scales_file(tmp_path / "partial", {
+            attn.format(0) + "k_scale": one, attn.format(0) + "v_scale": one, attn.format(1) + "k_scale": one}), 2)
+    with pytest.raises(ValueError, match=r"k_scale holds 3 scales.*per-head"):
+        checkpoint_kv_scales(_scales_file(tmp_path / "heads", {attn.format(0) + "k_scale": torch.ones(3)}), 1)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="a scale must be a positive finite number"):
+            checkpoint_kv_scales(_scales_file(tmp_path / f"bad{bad}", {attn.format(0) + "v_scale": one * bad}), 1)
+
+
+def test_calibrated_kv_scales_keep_keys_and_values_beyond_448(tmp_path: Path) -> None:
+    """K and V scaled up by 1e4 (q and o down by as much, so the fp32 model is unchanged) overflow e4m3 at scale 1.0;
+    the checkpoint's calibrated scales bring fp8 back to within its rounding of fp32 KV, and the cache holds
+    e4m3(value / scale)."""
+    from engine.models.loader import arch_from_hf_config
+    from engine.models.presets import preset_hf_config
+    from tests.engine_helpers import tiny_hf_state, write_tiny_checkpoint
+
+    arch = arch_from_hf_config(preset_hf_config("tiny"))
+    state = tiny_hf_state(arch, torch.Generator().manual_seed(4))
+    big = 1e4
+    for i in range(arch.num_layers):
+        attn = f"model.layers.{i}.self_attn."
+        for name, factor in (("q_proj", 1 / big), ("k_proj", big), ("v_proj", big), ("o_proj", 1 / big)):
+            state[attn + name + ".weight"] = state[attn + name + ".weight"] * factor
+    plain = write_tiny_checkpoint(tmp_path / "plain", None, state)
+    scales = {f"model.layers.{i}.self_attn.{n}": torch.tensor(big / 64) for i in range(arch.num_layers)
+              for n in ("k_scale", "v_scale")}  # room for |K|, |V| up to 7 x 1e4
+    calibrated = write_tiny_checkpoint(tmp_path / "calibrated", None, {**state, **scales})
+    prompt = [5, 17, 300, 42, 7, 99, 250, 3, 11, 400, 12, 13]
+
+    def prompt_logprobs(path: Path, **kw: object) -> tuple[torch.Tensor, LLMEngine]:
+        engine = LLMEngine(EngineArgs(model=str(path), device="cpu", kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=256, **kw).create_engine_config())  # type: ignore[arg-type]
+        engine.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    lps = [p[t].logprob for p, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        return torch.tensor(lps), engine
+
+    reference, _ = prompt_logprobs(plain)
+    clipped, _ = prompt_logprobs(plain, kv_cache_dtype="fp8")
+    scaled, engine = prompt_logprobs(calibrated, kv_cache_dtype="fp8")
+    assert [layer.self_attn.kv_scales for layer in engine.runner.model.layers] == [(big / 64, big / 64)] * 2
+    err_scaled, err_clipped = (scaled - reference).abs().max(), (clipped - reference).abs().max()
+    assert err_scaled < 0.05 and err_clipped > 10 * err_scaled, (err_scaled, err_clipped)
+    # What the cache holds: the block's keys are e4m3(K / k_scale), never clipped at 448 x 1.0.
+    key_cache = engine.runner.kv_caches[0][0]
+    assert key_cache.dtype == torch.float8_e4m3fn
+    assert key_cache.float().abs().max() * (big / 64) > 448
 
 
 @pytest.fixture(scope="module")

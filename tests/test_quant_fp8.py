@@ -4,12 +4,10 @@ checkpoint quantizations kvflow cannot run refused with the reason."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from engine.attention import TorchPagedAttention
 from engine.config import EngineArgs
@@ -24,6 +22,7 @@ from engine.quant.fp8_linear import (
     quantize_per_channel,
     quantize_per_token,
 )
+from tests.engine_helpers import tiny_hf_state, write_tiny_checkpoint
 
 
 def test_quantize_math() -> None:
@@ -55,36 +54,10 @@ def test_fp8_linear_matches_reference() -> None:
     assert (out - dense(x)).norm() / dense(x).norm() < 0.05  # and close to the dense layer
 
 
-def _hf_state(arch, gen: torch.Generator) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    h, q, kv, i = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
-        arch.intermediate_size
-    state = {"model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=gen) * 0.02,
-             "model.norm.weight": torch.ones(h), "lm_head.weight": torch.randn(arch.vocab_size, h, generator=gen) * 0.02}
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    for layer in range(arch.num_layers):
-        p = f"model.layers.{layer}."
-        for name, shape in shapes.items():
-            state[p + name + ".weight"] = torch.randn(*shape, generator=gen) * 0.05
-        state[p + "input_layernorm.weight"] = torch.ones(h)
-        state[p + "post_attention_layernorm.weight"] = torch.ones(h)
-    return state
-
-
-def _checkpoint(tmp: Path, quantization_config: dict | None, state: dict[str, torch.Tensor]) -> Path:
-    cfg = preset_hf_config("tiny").to_dict()
-    if quantization_config is not None:
-        cfg["quantization_config"] = quantization_config
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-    return tmp
-
-
 def test_fp8_checkpoint_recognized_refused_on_cpu_and_loads(tmp_path: Path) -> None:
     arch = arch_from_hf_config(preset_hf_config("tiny"))
     gen = torch.Generator().manual_seed(2)
-    dense = _hf_state(arch, gen)
+    dense = tiny_hf_state(arch, gen)
     fp8_state = dict(dense)
     for i, name in enumerate([k for k in dense if k.endswith("_proj.weight")]):
         q, scale = quantize_per_channel(dense[name])
@@ -92,7 +65,7 @@ def test_fp8_checkpoint_recognized_refused_on_cpu_and_loads(tmp_path: Path) -> N
             s = dense[name].abs().max() / 448.0
             q, scale = (dense[name] / s).to(FP8), s.reshape(1)
         fp8_state[name], fp8_state[name + "_scale"] = q, scale
-    path = _checkpoint(tmp_path / "fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_state)
+    path = write_tiny_checkpoint(tmp_path / "fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_state)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         EngineArgs(model=str(path), device="cpu").create_engine_config()
     with pytest.raises(ValueError, match="does not apply"):
@@ -117,7 +90,7 @@ def test_fp8_checkpoint_recognized_refused_on_cpu_and_loads(tmp_path: Path) -> N
 ])
 def test_other_checkpoint_quantizations_refused_with_reason(tmp_path: Path, config: dict) -> None:
     arch = arch_from_hf_config(preset_hf_config("tiny"))
-    path = _checkpoint(tmp_path / config["quant_method"], config, _hf_state(arch, torch.Generator().manual_seed(3)))
+    path = write_tiny_checkpoint(tmp_path / config["quant_method"], config, tiny_hf_state(arch, torch.Generator().manual_seed(3)))
     with pytest.raises(ValueError, match=config["quant_method"]):
         EngineArgs(model=str(path), device="cpu").create_engine_config()
 

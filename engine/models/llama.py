@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.config import ModelArch
+from engine.kv_fp8 import DEFAULT_KV_SCALES, KVScales
 from engine.parallel.layout import RankShard
 from engine.weight_offload import LayerWeightStream
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -178,6 +179,8 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.backend = backend
         self.fused = fused
+        # fp8 KV cache: this layer's (k_scale, v_scale), calibrated ones set by the runner after loading
+        self.kv_scales: KVScales = DEFAULT_KV_SCALES
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: object) -> torch.Tensor:
@@ -196,7 +199,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:  # CUDA: the Triton backend rotates q/k while writing the KV (v stays a view of qkv)
             out = self.backend.forward_rotary(positions, q, k, v, kv_cache, meta, self.scale,  # type: ignore[attr-defined]
-                                              rotary.cos_sin)
+                                              rotary.cos_sin, self.kv_scales)
         else:
             if self.q_norm is None and isinstance(self.backend, TorchPagedAttention):
                 # CPU fp32: rotary and the KV write as one compiled pass over qkv (None: not applicable here)
@@ -210,7 +213,7 @@ class Attention(nn.Module):
                 q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             else:
                 q, k = rotary(positions, q, k)
-            out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+            out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.kv_scales)
         return out.reshape(num_tokens, self.q_size)
 
 
