@@ -9,8 +9,9 @@ are per tensor, one for K and one for V in each layer (the attention module pass
   exceeds 448 needs a calibrated scale (amax / 448), or its largest values clip.
 
 Blocks hold the same token ids either way, so prefix-cache hashes (engine/block_hash.py) do not change; P/D
-transfer carries the e4m3 bytes as they are (the layout header says `float8_e4m3fn`; a worker whose KV dtype
-differs is refused as a layout mismatch).
+transfer carries the e4m3 bytes as they are. The layout header says `float8_e4m3fn` and lists every layer's two
+scales (`KVLayout.kv_scales`): a worker whose KV dtype or scales differ is refused as a layout mismatch, since
+the same bytes would mean other values there.
 """
 
 from __future__ import annotations

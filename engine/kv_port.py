@@ -59,10 +59,10 @@ class KVImport:
 
 
 class KVPort:
-    def __init__(self, kv_caches: list[KVCache], dtype: str) -> None:
+    def __init__(self, kv_caches: list[KVCache], dtype: str, kv_scales: tuple[float, ...] = ()) -> None:
         key = kv_caches[0][0]
         _, block_size, heads, head_dim = key.shape
-        self.layout = KVLayout(dtype, len(kv_caches), block_size, heads, head_dim)
+        self.layout = KVLayout(dtype, len(kv_caches), block_size, heads, head_dim, kv_scales=kv_scales)
         self.device = key.device
         # fp8 caches are moved as bytes: CPU index_copy_ has no float8 kernel.
         self._caches = [(k.view(torch.uint8), v.view(torch.uint8)) if k.dtype == torch.float8_e4m3fn else (k, v)

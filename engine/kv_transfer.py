@@ -42,6 +42,9 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     order: str = KV_ORDER
+    # fp8 cache: each layer's k_scale, v_scale (bytes mean nothing without them, so they are part of the
+    # layout both sides must share); empty for other dtypes
+    kv_scales: tuple[float, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:

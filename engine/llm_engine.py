@@ -109,7 +109,8 @@ class LLMEngine:
             num_swap = config.cache.swap_space_bytes // self.runner.block_bytes
         self.runner.initialize_kv_cache(num_blocks, num_swap)
         self.num_gpu_blocks = num_blocks
-        self.kv_port = KVPort(self.runner.kv_caches, self.runner.kv_dtype_name)  # what KV transports may touch
+        # what KV transports may touch
+        self.kv_port = KVPort(self.runner.kv_caches, self.runner.kv_dtype_name, self.runner.kv_scales)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max concurrency %.1fx at %d tokens/request",
                     num_blocks, config.cache.block_size, capacity, capacity / config.model.max_model_len,
                     config.model.max_model_len)

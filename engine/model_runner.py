@@ -314,6 +314,13 @@ class ModelRunner:
         self.ahead_hits = 0
         self.ahead_misses = 0
 
+    @property
+    def kv_scales(self) -> tuple[float, ...]:
+        """fp8 cache: each layer's k_scale, v_scale in order (part of the KV layout P/D peers must share)."""
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return ()
+        return tuple(s for layer in self.model.layers for s in layer.self_attn.kv_scales)
+
     def _offload_plan(self, fused: bool) -> OffloadPlan:
         """The leading layers `cpu_offload_bytes` puts in host memory (engine/weight_offload.py); sized from a layer
         built on the meta device, so it is exact for this model, dtype and shard."""

@@ -142,8 +142,10 @@ def logprobs_from_proto(msg: pb.TokenLogprob) -> PositionLogprobs:
 # ---- KV layout -------------------------------------------------------------------------------------------------
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(dtype=layout.dtype, num_layers=layout.num_layers, block_size=layout.block_size,
-                       num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, order=layout.order)
+                       num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, order=layout.order,
+                       kv_scales=layout.kv_scales)
 
 
 def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
-    return KVLayout(msg.dtype, msg.num_layers, msg.block_size, msg.num_kv_heads, msg.head_dim, msg.order)
+    return KVLayout(msg.dtype, msg.num_layers, msg.block_size, msg.num_kv_heads, msg.head_dim, msg.order,
+                    tuple(msg.kv_scales))

@@ -265,3 +265,13 @@ def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_promp
             pb.PrefillRequest(prompt_token_ids=[1, 2, 3], expected_layout=fp32_layout), timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "layout mismatch" in caught.value.details() and "float8_e4m3fn" in caught.value.details()
+    # So is an fp8 decode worker whose KV scales differ: the same bytes would mean other values.
+    assert list(layout.kv_scales) == [1.0] * 2 * layout.num_layers  # SmolLM2's GGUF calibrates none
+    rescaled = pb.KVLayout()
+    rescaled.CopyFrom(layout)
+    rescaled.kv_scales[0] = 2.0
+    with channel_to(prefill) as channel, pytest.raises(grpc.RpcError) as caught:
+        list(kvflow_pb2_grpc.PrefillStub(channel).Prefill(
+            pb.PrefillRequest(prompt_token_ids=[1, 2, 3], expected_layout=rescaled), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "layout mismatch" in caught.value.details() and "kv_scales=(2.0, 1.0" in caught.value.details()

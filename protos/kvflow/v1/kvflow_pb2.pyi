@@ -297,20 +297,22 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order")
+    __slots__ = ("dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order", "kv_scales")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     order: str
-    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., order: _Optional[str] = ...) -> None: ...
+    kv_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., order: _Optional[str] = ..., kv_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
