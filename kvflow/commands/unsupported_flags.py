@@ -129,7 +129,8 @@ UNSUPPORTED: dict[str, str] = {
     "--kv-transfer-config": "prefill/decode KV transfer is built in: --prefill-workers, --kv-transfer-backend",
     "--kv-events-config": "KV events always go to the router's prefix index (--index)",
     "--enable-sleep-mode": "workers cannot sleep and wake; stop and start them",
-    "--calculate-kv-scales": "the KV cache is kept in the model dtype (no fp8 scales)",
+    "--calculate-kv-scales": ("fp8 KV scales come from the checkpoint's k_scale/v_scale, else 1.0; scales taken from "
+                              "the first batch would differ between prefill and decode workers"),
     "--additional-config": "there are no platform plugins to configure",
     "--enable-reasoning": "reasoning-content parsing is not implemented",
     "--reasoning-parser": "reasoning-content parsing is not implemented",
