@@ -37,6 +37,35 @@ def test_cpu_kernel_matches_reference_and_torch_path() -> None:
     assert (ours - torch_out).norm() / torch_out.norm() < 1e-5
 
 
+def test_cpu_kernel_reads_fp8_caches_with_their_scales() -> None:
+    """An e4m3 cache (value / scale) is read in the kernel as bytes: equal to the reference and to the torch path
+    that widens gathered blocks, at scales other than 1 (a scale left out would be off by 4x and 0.5x)."""
+    from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
+
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim, num_heads = 40, 8, 2, 32, 6
+    k_scale, v_scale = 4.0, 0.5
+    key_cache = quantize_fp8(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 9, k_scale)
+    value_cache = quantize_fp8(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), v_scale)
+    assert key_cache.dtype == FP8_DTYPE
+    seq_lens = torch.tensor([1, 9, 33, 17, 40])
+    tables = torch.randperm(num_blocks - 1, generator=gen)[:5 * 5].view(5, 5) + 1
+    query = torch.randn(5, num_heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    reference = paged_decode_attention_ref(query, key_cache, value_cache, tables.to(torch.int32),
+                                           seq_lens.to(torch.int32), scale, k_scale=k_scale, v_scale=v_scale)
+    backend = TorchPagedAttention(block_size)
+    assert backend.cpu_decode_kernel is not None
+    batch = AttentionBatch([1] * 5, seq_lens.tolist(), [t.tolist() for t in tables], [0] * 5)
+    meta = backend.build_metadata(batch, torch.device("cpu"))
+    assert meta.decode is not None
+    ours = backend._attend_cached(query, (key_cache, value_cache), meta, scale, (k_scale, v_scale))
+    assert (ours - reference).norm() / reference.norm() < 1e-5
+    torch_out = torch.full_like(query, float("nan"))
+    backend._attend(query, key_cache, value_cache, meta.decode, scale, torch_out, k_scale, v_scale)
+    assert (ours - torch_out).norm() / torch_out.norm() < 1e-5
+
+
 def test_rotary_kv_write_is_bit_identical_to_the_torch_path() -> None:
     """The fused pass must equal `RotaryEmbedding.rotate` + `index_copy_` exactly (the engine stays token-exact)."""
     from types import SimpleNamespace
