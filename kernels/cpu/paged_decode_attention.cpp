@@ -101,31 +101,33 @@ void attend(const Shape& s, const float* q, Rows keys, Rows values, const int64_
   });
 }
 
-Shape check_shapes(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                   const torch::Tensor& tables) {
+// Both entry points: shapes checked, then `attend` over the rows `rows_of(cache, values_per_token)` builds.
+template <typename RowsOf>
+torch::Tensor run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, float score_scale,
+                  float out_scale, RowsOf rows_of) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "query [B,H,D], caches [blocks,block_size,kv_heads,D]");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 queries only");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  Shape s{query.size(0), query.size(1), query.size(2), key_cache.size(1), key_cache.size(2), tables.size(1)};
+  const auto q_all = query.contiguous();
+  const auto tables = block_tables.to(torch::kInt64).contiguous();
+  const auto lens = seq_lens.to(torch::kInt64).contiguous();
+  const Shape s{q_all.size(0), q_all.size(1), q_all.size(2), key_cache.size(1), key_cache.size(2), tables.size(1)};
   TORCH_CHECK(key_cache.size(3) == s.head_dim && s.num_heads % s.num_kv_heads == 0, "head shapes disagree");
-  return s;
+  auto out = torch::empty_like(q_all);
+  const int64_t row = s.num_kv_heads * s.head_dim;
+  attend(s, q_all.data_ptr<float>(), rows_of(key_cache, row), rows_of(value_cache, row), tables.data_ptr<int64_t>(),
+         lens.data_ptr<int64_t>(), score_scale, out_scale, out.data_ptr<float>());
+  return out;
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
               "float32 caches (fp8 ones: paged_decode_attention_fp8)");
-  const auto q_all = query.contiguous();
-  const auto tables = block_tables.to(torch::kInt64).contiguous();
-  const auto lens = seq_lens.to(torch::kInt64).contiguous();
-  const Shape s = check_shapes(q_all, key_cache, value_cache, tables);
-  auto out = torch::empty_like(q_all);
-  const int64_t row = s.num_kv_heads * s.head_dim;
-  attend(s, q_all.data_ptr<float>(), Fp32Rows{key_cache.data_ptr<float>(), row},
-         Fp32Rows{value_cache.data_ptr<float>(), row}, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-         static_cast<float>(scale), 1.f, out.data_ptr<float>());
-  return out;
+  return run(query, key_cache, value_cache, block_tables, seq_lens, static_cast<float>(scale), 1.f,
+             [](const torch::Tensor& cache, int64_t row) { return Fp32Rows{cache.data_ptr<float>(), row}; });
 }
 
 // The caches as uint8 views of e4m3 bytes; `e4m3_values` [256] float32 maps a byte to its value.
@@ -136,18 +138,11 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor query, torch::Tensor key_
               "fp8 caches as uint8 views");
   TORCH_CHECK(e4m3_values.scalar_type() == torch::kFloat32 && e4m3_values.numel() == 256 &&
                   e4m3_values.is_contiguous(), "e4m3_values: 256 contiguous float32");
-  const auto q_all = query.contiguous();
-  const auto tables = block_tables.to(torch::kInt64).contiguous();
-  const auto lens = seq_lens.to(torch::kInt64).contiguous();
-  const Shape s = check_shapes(q_all, key_cache, value_cache, tables);
-  auto out = torch::empty_like(q_all);
-  const int64_t row = s.num_kv_heads * s.head_dim;
-  const float* values = e4m3_values.data_ptr<float>();
-  attend(s, q_all.data_ptr<float>(), Fp8Rows{key_cache.data_ptr<uint8_t>(), row, values},
-         Fp8Rows{value_cache.data_ptr<uint8_t>(), row, values}, tables.data_ptr<int64_t>(),
-         lens.data_ptr<int64_t>(), static_cast<float>(scale * k_scale), static_cast<float>(v_scale),
-         out.data_ptr<float>());
-  return out;
+  const float* table = e4m3_values.data_ptr<float>();
+  return run(query, key_cache, value_cache, block_tables, seq_lens, static_cast<float>(scale * k_scale),
+             static_cast<float>(v_scale), [table](const torch::Tensor& cache, int64_t row) {
+               return Fp8Rows{cache.data_ptr<uint8_t>(), row, table};
+             });
 }
 
 }  // namespace
