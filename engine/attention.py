@@ -84,7 +84,6 @@ class TorchPagedAttention:
         self.block_size = block_size
         # Decode rows on CPU in fp32 go through a compiled kernel that reads each block once (None: torch only).
         self.cpu_decode_kernel = load_extension()
-        self._e4m3_values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()  # byte -> value, for it
         # Rotary + KV write in one compiled pass over qkv (CPU fp32; None: the torch ops).
         self.cpu_rotary_kernel = load_rotary_extension()
         # Prefill rows (fresh or continuing a cached prefix) on CPU in fp32: a compiled causal GQA kernel that reads
@@ -179,7 +178,7 @@ class TorchPagedAttention:
             if key_cache.dtype == FP8_DTYPE:  # read as e4m3 bytes, widened in the kernel: a quarter of the traffic
                 out[decode.flat_rows] = self.cpu_decode_kernel.paged_decode_attention_fp8(  # type: ignore[union-attr]
                     rows, key_cache.view(torch.uint8), value_cache.view(torch.uint8), decode.block_tables,
-                    decode.seq_lens, scale, kv_scales[0], kv_scales[1], self._e4m3_values)
+                    decode.seq_lens, scale, kv_scales[0], kv_scales[1])
             else:
                 out[decode.flat_rows] = self.cpu_decode_kernel.paged_decode_attention(  # type: ignore[union-attr]
                     rows, key_cache, value_cache, decode.block_tables, decode.seq_lens, scale)

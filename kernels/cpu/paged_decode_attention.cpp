@@ -1,31 +1,48 @@
 // Decode attention (one query token per sequence) read straight from the paged KV cache, for the CPU path.
 // Each sequence's K and V rows are read exactly once for all query heads (GQA included), so a step moves the
 // cache once instead of gathering a padded copy and reading it again. fp32 caches are read in place; fp8 (e4m3)
-// caches are widened a token row at a time through a 256-entry table, so they move a quarter of the bytes.
+// caches are widened a token row at a time (bit arithmetic, vectorized), so they move a quarter of the bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-// A token's K or V row (all kv heads) as floats. `slot` is block * block_size + offset.
-struct Fp32Rows {
+// The first `tokens` rows (all kv heads of a token: `row` values each) of a cache block, as floats.
+struct Fp32Blocks {
   const float* base;
-  int64_t row;
-  const float* operator()(int64_t slot, float* /*scratch*/) const { return base + slot * row; }
+  int64_t block_values;  // block_size * row
+  const float* operator()(int64_t block, int64_t /*values*/, float* /*scratch*/) const {
+    return base + block * block_values;
+  }
 };
 
-struct Fp8Rows {
+// e4m3 (fn) bits -> float, branch-free so the widening loop vectorizes: a normal code's exponent and mantissa
+// move into float32's fields with the bias difference (127 - 7) added; a subnormal one (exponent 0) is
+// mantissa x 2^-9. No NaN code is ever stored (writes saturate at +-448).
+inline float e4m3_to_float(uint8_t code) {
+  const uint32_t magnitude_bits = code & 0x7Fu;
+  const float subnormal = static_cast<float>(magnitude_bits) * (1.f / 512.f);
+  const uint32_t bits = (magnitude_bits << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &bits, sizeof normal);
+  const float magnitude = magnitude_bits < 8 ? subnormal : normal;
+  return (code & 0x80u) ? -magnitude : magnitude;
+}
+
+// fp8 blocks are widened into `scratch` once per block, one vector loop over all its tokens.
+struct Fp8Blocks {
   const uint8_t* base;
-  int64_t row;
-  const float* table;  // e4m3 bits -> value (the cache stores value / scale; the scale is applied outside)
-  const float* operator()(int64_t slot, float* scratch) const {
-    const uint8_t* src = base + slot * row;
-    for (int64_t i = 0; i < row; ++i) scratch[i] = table[src[i]];
+  int64_t block_values;
+  const float* operator()(int64_t block, int64_t values, float* scratch) const {
+    const uint8_t* src = base + block * block_values;
+#pragma omp simd
+    for (int64_t i = 0; i < values; ++i) scratch[i] = e4m3_to_float(src[i]);
     return scratch;
   }
 };
@@ -34,9 +51,9 @@ struct Shape {
   int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, max_blocks;
 };
 
-// out[seq] = softmax(q . k * score_scale) . v * out_scale, per query head; k/v rows come from `keys`/`values`.
-template <typename Rows>
-void attend(const Shape& s, const float* q, Rows keys, Rows values, const int64_t* table, const int64_t* len,
+// out[seq] = softmax(q . k * score_scale) . v * out_scale, per query head; k/v blocks come from `keys`/`values`.
+template <typename Blocks>
+void attend(const Shape& s, const float* q, Blocks keys, Blocks values, const int64_t* table, const int64_t* len,
             float score_scale, float out_scale, float* o) {
   const int64_t group = s.num_heads / s.num_kv_heads, head_dim = s.head_dim;
   const int64_t row = s.num_kv_heads * head_dim;  // values per token in one block
@@ -46,24 +63,28 @@ void attend(const Shape& s, const float* q, Rows keys, Rows values, const int64_
     std::vector<float> scores;
     std::vector<float> acc(s.num_heads * head_dim);
     std::vector<float> denom(s.num_heads);
-    std::vector<float> scratch(row);
+    std::vector<float> scratch(s.block_size * row);
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t length = len[seq];
       TORCH_CHECK(length >= 1 && length <= s.max_blocks * s.block_size, "seq_len outside its block table");
       scores.resize(s.num_heads * length);
       const float* q_seq = q + seq * s.num_heads * head_dim;
       const int64_t* seq_table = table + seq * s.max_blocks;
-      for (int64_t t = 0; t < length; ++t) {
-        const float* key = keys(seq_table[t / s.block_size] * s.block_size + t % s.block_size, scratch.data());
-        for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {  // one K head row serves its `group` query heads
-          const float* kh = key + kv * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            const float* qh = q_seq + h * head_dim;
-            float dot = 0.f;
+      for (int64_t first = 0; first < length; first += s.block_size) {
+        const int64_t tokens = std::min(s.block_size, length - first);
+        const float* block = keys(seq_table[first / s.block_size], tokens * row, scratch.data());
+        for (int64_t i = 0; i < tokens; ++i) {
+          const int64_t t = first + i;
+          for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {  // one K head row serves its `group` query heads
+            const float* kh = block + i * row + kv * head_dim;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = kv * group + g;
+              const float* qh = q_seq + h * head_dim;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-            scores[h * length + t] = dot * score_scale;
+              for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+              scores[h * length + t] = dot * score_scale;
+            }
           }
         }
       }
@@ -79,16 +100,20 @@ void attend(const Shape& s, const float* q, Rows keys, Rows values, const int64_
         denom[h] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < length; ++t) {
-        const float* value = values(seq_table[t / s.block_size] * s.block_size + t % s.block_size, scratch.data());
-        for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
-          const float* vh = value + kv * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv * group + g;
-            const float p = scores[h * length + t];
-            float* a = acc.data() + h * head_dim;
+      for (int64_t first = 0; first < length; first += s.block_size) {
+        const int64_t tokens = std::min(s.block_size, length - first);
+        const float* block = values(seq_table[first / s.block_size], tokens * row, scratch.data());
+        for (int64_t i = 0; i < tokens; ++i) {
+          const int64_t t = first + i;
+          for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+            const float* vh = block + i * row + kv * head_dim;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = kv * group + g;
+              const float p = scores[h * length + t];
+              float* a = acc.data() + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+            }
           }
         }
       }
@@ -101,11 +126,11 @@ void attend(const Shape& s, const float* q, Rows keys, Rows values, const int64_
   });
 }
 
-// Both entry points: shapes checked, then `attend` over the rows `rows_of(cache, values_per_token)` builds.
-template <typename RowsOf>
+// Both entry points: shapes checked, then `attend` over the blocks `blocks_of(cache, values_per_block)` reads.
+template <typename BlocksOf>
 torch::Tensor run(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, float score_scale,
-                  float out_scale, RowsOf rows_of) {
+                  float out_scale, BlocksOf blocks_of) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "query [B,H,D], caches [blocks,block_size,kv_heads,D]");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 queries only");
@@ -116,8 +141,9 @@ torch::Tensor run(const torch::Tensor& query, const torch::Tensor& key_cache, co
   const Shape s{q_all.size(0), q_all.size(1), q_all.size(2), key_cache.size(1), key_cache.size(2), tables.size(1)};
   TORCH_CHECK(key_cache.size(3) == s.head_dim && s.num_heads % s.num_kv_heads == 0, "head shapes disagree");
   auto out = torch::empty_like(q_all);
-  const int64_t row = s.num_kv_heads * s.head_dim;
-  attend(s, q_all.data_ptr<float>(), rows_of(key_cache, row), rows_of(value_cache, row), tables.data_ptr<int64_t>(),
+  const int64_t block_values = s.block_size * s.num_kv_heads * s.head_dim;
+  attend(s, q_all.data_ptr<float>(), blocks_of(key_cache, block_values), blocks_of(value_cache, block_values),
+         tables.data_ptr<int64_t>(),
          lens.data_ptr<int64_t>(), score_scale, out_scale, out.data_ptr<float>());
   return out;
 }
@@ -127,21 +153,18 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
               "float32 caches (fp8 ones: paged_decode_attention_fp8)");
   return run(query, key_cache, value_cache, block_tables, seq_lens, static_cast<float>(scale), 1.f,
-             [](const torch::Tensor& cache, int64_t row) { return Fp32Rows{cache.data_ptr<float>(), row}; });
+             [](const torch::Tensor& cache, int64_t values) { return Fp32Blocks{cache.data_ptr<float>(), values}; });
 }
 
-// The caches as uint8 views of e4m3 bytes; `e4m3_values` [256] float32 maps a byte to its value.
+// The caches as uint8 views of e4m3 bytes (value / scale).
 torch::Tensor paged_decode_attention_fp8(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                         double k_scale, double v_scale, torch::Tensor e4m3_values) {
+                                         double k_scale, double v_scale) {
   TORCH_CHECK(key_cache.scalar_type() == torch::kUInt8 && value_cache.scalar_type() == torch::kUInt8,
               "fp8 caches as uint8 views");
-  TORCH_CHECK(e4m3_values.scalar_type() == torch::kFloat32 && e4m3_values.numel() == 256 &&
-                  e4m3_values.is_contiguous(), "e4m3_values: 256 contiguous float32");
-  const float* table = e4m3_values.data_ptr<float>();
   return run(query, key_cache, value_cache, block_tables, seq_lens, static_cast<float>(scale * k_scale),
-             static_cast<float>(v_scale), [table](const torch::Tensor& cache, int64_t row) {
-               return Fp8Rows{cache.data_ptr<uint8_t>(), row, table};
+             static_cast<float>(v_scale), [](const torch::Tensor& cache, int64_t values) {
+               return Fp8Blocks{cache.data_ptr<uint8_t>(), values};
              });
 }
 
