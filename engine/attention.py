@@ -153,19 +153,25 @@ class TorchPagedAttention:
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, cos_half: torch.Tensor,
                     sin_half: torch.Tensor, num_heads: int, kv_cache: KVCache, meta: TorchAttentionMetadata,
-                    scale: float) -> torch.Tensor | None:
-        """CPU fp32: rotate q and k in place inside `qkv` [T, (H + 2 Hkv) D] and write k and v into the cache
-        in one compiled pass (bit-identical to rotating with torch ops, then `forward`), then attend.
-        None when the kernel does not apply here: the caller runs the torch ops."""
+                    scale: float, kv_scales: KVScales = DEFAULT_KV_SCALES) -> torch.Tensor | None:
+        """CPU fp32 activations: rotate q and k in place inside `qkv` [T, (H + 2 Hkv) D] and write k and v into
+        the cache (fp32, or fp8 as e4m3(value / scale)) in one compiled pass, bit-identical to rotating with torch
+        ops, then `forward`; then attend. None when the kernel does not apply here: the caller runs the torch ops."""
         key_cache, value_cache = kv_cache
-        if (self.cpu_rotary_kernel is None or key_cache.device.type != "cpu" or key_cache.dtype != torch.float32
+        if (self.cpu_rotary_kernel is None or key_cache.device.type != "cpu"
+                or key_cache.dtype not in (torch.float32, FP8_DTYPE)
                 or qkv.dtype != torch.float32 or not qkv.is_contiguous()):
             return None
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        self.cpu_rotary_kernel.rotary_kv_write(qkv, positions, cos_half, sin_half, key_cache, value_cache,
-                                               meta.slot_mapping, num_heads, num_kv_heads)
+        if key_cache.dtype == FP8_DTYPE:
+            self.cpu_rotary_kernel.rotary_kv_write_fp8(qkv, positions, cos_half, sin_half, key_cache.view(torch.uint8),
+                                                       value_cache.view(torch.uint8), meta.slot_mapping, num_heads,
+                                                       num_kv_heads, kv_scales[0], kv_scales[1])
+        else:
+            self.cpu_rotary_kernel.rotary_kv_write(qkv, positions, cos_half, sin_half, key_cache, value_cache,
+                                                   meta.slot_mapping, num_heads, num_kv_heads)
         q = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
-        return self._attend_cached(q, kv_cache, meta, scale)
+        return self._attend_cached(q, kv_cache, meta, scale, kv_scales)
 
     def _attend_cached(self, q: torch.Tensor, kv_cache: KVCache, meta: TorchAttentionMetadata,
                        scale: float, kv_scales: KVScales = DEFAULT_KV_SCALES) -> torch.Tensor:

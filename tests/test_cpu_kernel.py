@@ -95,6 +95,50 @@ def test_rotary_kv_write_is_bit_identical_to_the_torch_path() -> None:
         assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
+def test_rotary_kv_write_into_fp8_is_bit_identical_to_the_torch_path() -> None:
+    """Into an e4m3 cache the fused pass stores exactly `quantize_fp8(rotated k, k_scale)` and
+    `quantize_fp8(v, v_scale)`: values on the grid, half-way between grid points (ties to even), just either side
+    of them, subnormals, signed zeros and values far beyond 448 (saturated)."""
+    from types import SimpleNamespace
+
+    from engine.models.llama import RotaryEmbedding
+    from kernels.cpu_rotary_kv_write import load_rotary_extension
+    from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
+
+    extension = load_rotary_extension()
+    assert extension is not None
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[:-1] + grid[1:]) / 2
+    big = torch.tensor(1e9)
+    special = torch.cat([grid, mids, torch.nextafter(mids, big), torch.nextafter(mids, -big),
+                         torch.tensor([0.0, -0.0, 464.0, -480.0, 1e30, -1e30, 2.0**-10, -(2.0**-10)])])
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 3, 2, 16, 16, 64
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), head_dim, 256)
+    kv_size = num_kv_heads * head_dim
+    for k_scale, v_scale in ((1.0, 1.0), (0.37, 3.0)):
+        values = torch.cat([special, torch.randn(4096, generator=gen) * 40])
+        num_tokens = values.numel() // kv_size
+        v_rows = values[: num_tokens * kv_size].view(num_tokens, num_kv_heads, head_dim)
+        qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 50
+        qkv[:, num_heads * head_dim + kv_size :] = v_rows.reshape(num_tokens, kv_size)
+        positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        rotated = rotary.rotate(positions, qkv[:, : num_heads * head_dim + kv_size].view(num_tokens, -1, head_dim))
+        want_k = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim, dtype=torch.uint8)
+        want_v = torch.zeros_like(want_k)
+        want_k.index_copy_(0, slots, quantize_fp8(rotated[:, num_heads:], k_scale).view(torch.uint8))
+        want_v.index_copy_(0, slots, quantize_fp8(v_rows, v_scale).view(torch.uint8))
+        fused = qkv.clone()
+        caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.uint8) for _ in range(2)]
+        extension.rotary_kv_write_fp8(fused, positions, rotary.cos_half, rotary.sin_half, caches[0], caches[1], slots,
+                                      num_heads, num_kv_heads, k_scale, v_scale)
+        assert torch.equal(fused[:, : num_heads * head_dim + kv_size].view(num_tokens, -1, head_dim), rotated)
+        assert torch.equal(caches[0].view(-1, num_kv_heads, head_dim), want_k)
+        assert torch.equal(caches[1].view(-1, num_kv_heads, head_dim), want_v)
+
+
 def test_tcmalloc_preload_respects_the_callers_choice() -> None:
     """CPU workers started by `kvflow serve` preload tcmalloc when installed, never over an LD_PRELOAD the caller
     set, and not with KVFLOW_TCMALLOC=0."""

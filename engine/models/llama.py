@@ -202,9 +202,9 @@ class Attention(nn.Module):
                                               rotary.cos_sin, self.kv_scales)
         else:
             if self.q_norm is None and isinstance(self.backend, TorchPagedAttention):
-                # CPU fp32: rotary and the KV write as one compiled pass over qkv (None: not applicable here)
+                # CPU fp32: rotary and the KV write (fp32 or fp8) as one compiled pass over qkv (None: not here)
                 out = self.backend.forward_qkv(positions, qkv, rotary.cos_half, rotary.sin_half, self.num_heads,
-                                               kv_cache, meta, self.scale)  # type: ignore[arg-type]
+                                               kv_cache, meta, self.scale, self.kv_scales)  # type: ignore[arg-type]
                 if out is not None:
                     return out.reshape(num_tokens, self.q_size)
             if self.q_norm is None:  # q and k are adjacent in qkv: rotate them in one pass
