@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention import AttentionBatch, TorchPagedAttention
@@ -37,13 +38,14 @@ def test_cpu_kernel_matches_reference_and_torch_path() -> None:
     assert (ours - torch_out).norm() / torch_out.norm() < 1e-5
 
 
-def test_cpu_kernel_reads_fp8_caches_with_their_scales() -> None:
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 32), (1, 12)])  # (1, 12): rows of 12 codes, widened
+def test_cpu_kernel_reads_fp8_caches_with_their_scales(num_kv_heads: int, head_dim: int) -> None:  # past vectors
     """An e4m3 cache (value / scale) is read in the kernel as bytes: equal to the reference and to the torch path
     that widens gathered blocks, at scales other than 1 (a scale left out would be off by 4x and 0.5x)."""
     from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
 
     gen = torch.Generator().manual_seed(1)
-    num_blocks, block_size, num_kv_heads, head_dim, num_heads = 40, 8, 2, 32, 6
+    num_blocks, block_size, num_heads = 40, 8, 6
     k_scale, v_scale = 4.0, 0.5
     key_cache = quantize_fp8(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 9, k_scale)
     value_cache = quantize_fp8(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), v_scale)
