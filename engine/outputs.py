@@ -42,10 +42,6 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     finished_request_ids: set[str] = field(default_factory=set)  # runner may drop their state
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
 
 @dataclass(frozen=True, slots=True)
 class Logprob:

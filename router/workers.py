@@ -94,13 +94,12 @@ class WorkerPool:
     def __init__(self, index: PrefixIndex, subscriber: str,
                  on_batch: Callable[[Worker, EventBatch, float], None] | None = None,
                  on_index_error: Callable[[IndexUnavailable], None] | None = None,
-                 on_info: Callable[[Worker], None] | None = None, auth: ClusterAuth | None = None) -> None:
+                 auth: ClusterAuth | None = None) -> None:
         self.index = index
         self.auth = auth or ClusterAuth()
         self.subscriber = subscriber
         self._on_batch = on_batch
         self._on_index_error = on_index_error
-        self._on_info = on_info
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}  # address -> worker
         self._threads: dict[str, threading.Thread] = {}
@@ -228,8 +227,6 @@ class WorkerPool:
         worker.info = info
         worker.worker_id = info.worker_id or worker.address
         worker.failures = 0
-        if self._on_info is not None:
-            self._on_info(worker)
         return True
 
     def _drop(self, worker: Worker) -> None:
