@@ -193,9 +193,14 @@ class TorchPagedAttention:
         if prefill is not None and self._prefill_kernel_fits(q, key_cache):
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel takes rows of contiguous heads
                 q = q.contiguous()
-            self.cpu_prefill_kernel.prefill_attention(  # type: ignore[union-attr]
-                q, key_cache, value_cache, prefill.block_tables, prefill.query_starts, prefill.query_lens,
-                prefill.seq_lens, scale, out)
+            if key_cache.dtype == FP8_DTYPE:
+                self.cpu_prefill_kernel.prefill_attention_fp8(  # type: ignore[union-attr]
+                    q, key_cache.view(torch.uint8), value_cache.view(torch.uint8), prefill.block_tables,
+                    prefill.query_starts, prefill.query_lens, prefill.seq_lens, scale, kv_scales[0], kv_scales[1], out)
+            else:
+                self.cpu_prefill_kernel.prefill_attention(  # type: ignore[union-attr]
+                    q, key_cache, value_cache, prefill.block_tables, prefill.query_starts, prefill.query_lens,
+                    prefill.seq_lens, scale, out)
             prefill = None
         for group in (decode, prefill):
             if group is not None:
@@ -208,7 +213,7 @@ class TorchPagedAttention:
 
     def _prefill_kernel_fits(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool:
         return (self.cpu_prefill_kernel is not None and key_cache.device.type == "cpu"
-                and key_cache.dtype == torch.float32 and q.dtype == torch.float32 and q.shape[2] % 4 == 0)
+                and key_cache.dtype in (torch.float32, FP8_DTYPE) and q.dtype == torch.float32 and q.shape[2] % 4 == 0)
 
     @staticmethod
     def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: _Group,

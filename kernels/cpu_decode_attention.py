@@ -9,6 +9,7 @@ kernels/paged_decode_attention.py.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -39,12 +40,15 @@ def build_locked(name: str, source: Path, build: Path, cflags: list[str]) -> Any
 
     from torch.utils.cpp_extension import load
 
+    # torch rebuilds when a source or a flag changes, not a header: the headers' hash rides along as a flag.
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))).hexdigest()[:16]
     with open(build / "kvflow.lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         try:
             (build / "lock").unlink(missing_ok=True)
-            return load(name=name, sources=[str(source)], build_directory=str(build), extra_cflags=cflags,
-                        extra_ldflags=["-fopenmp"], verbose=False)
+            return load(name=name, sources=[str(source)], build_directory=str(build),
+                        extra_cflags=[*cflags, f"-DKVFLOW_HEADERS={headers}"], extra_ldflags=["-fopenmp"],
+                        verbose=False)
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
 

@@ -95,6 +95,35 @@ def test_matches_float64_reference_and_sdpa_path(name: str) -> None:
     assert ((ours[prefill_rows] - sdpa[prefill_rows]).norm() / sdpa[prefill_rows].norm()).item() < TOLERANCE
 
 
+FP8_CASES = ["smollm2_ragged", "smollm2_prefix_continuation", "llama_shapes_d128", "group_wider_than_a_task"]
+
+
+@pytest.mark.parametrize("name", FP8_CASES)
+def test_fp8_caches_match_the_reference_of_their_values(name: str) -> None:
+    """e4m3 caches (value / scale): the kernel widens them itself and applies both scales; it matches the float64
+    reference of the widened values and torch's path, and a scale left out would be off by 4x or 0.5x."""
+    from kernels.fp8_kv import dequantize_fp8, quantize_fp8
+
+    query_lens, cached, num_heads, num_kv_heads, head_dim, block_size = CASES[name]
+    gen = torch.Generator().manual_seed(len(name) + 1)
+    q, key_cache, value_cache, batch = make_case(gen, query_lens, cached, num_heads, num_kv_heads, head_dim,
+                                                 block_size)
+    k_scale, v_scale = 4.0, 0.5
+    k8, v8 = quantize_fp8(key_cache * 8, k_scale), quantize_fp8(value_cache, v_scale)
+    scale = head_dim ** -0.5
+    backend = TorchPagedAttention(block_size)
+    meta = backend.build_metadata(batch, torch.device("cpu"))
+    assert meta.prefill is not None and backend._prefill_kernel_fits(q, k8)
+    ours = backend._attend_cached(q, (k8, v8), meta, scale, (k_scale, v_scale))
+    expected = reference(q, dequantize_fp8(k8, k_scale, torch.float32), dequantize_fp8(v8, v_scale, torch.float32),
+                         batch.block_tables, query_lens, batch.seq_lens, scale)
+    assert ((ours.double() - expected).norm() / expected.norm()).item() < TOLERANCE
+    backend.cpu_prefill_kernel = None
+    torch_path = backend._attend_cached(q, (k8, v8), meta, scale, (k_scale, v_scale))
+    rows = meta.prefill.flat_rows
+    assert ((ours[rows] - torch_path[rows]).norm() / torch_path[rows].norm()).item() < TOLERANCE
+
+
 def test_contiguous_and_strided_queries_agree() -> None:
     gen = torch.Generator().manual_seed(1)
     q, key_cache, value_cache, batch = make_case(gen, [37, 64], [0, 5], 9, 3, 64, 16)

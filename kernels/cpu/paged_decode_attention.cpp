@@ -1,7 +1,7 @@
 // Decode attention (one query token per sequence) read straight from the paged KV cache, for the CPU path.
 // Each sequence's K and V rows are read exactly once for all query heads (GQA included), so a step moves the
 // cache once instead of gathering a padded copy and reading it again. fp32 caches are read in place; fp8 (e4m3)
-// caches are widened a block at a time (through fp16: `widen_e4m3`), so they move a quarter of the bytes.
+// caches are widened a block at a time (e4m3.h), so they move a quarter of the bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -11,9 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "e4m3.h"
 
 namespace {
 
@@ -26,45 +24,12 @@ struct Fp32Blocks {
   }
 };
 
-// e4m3 (fn) codes -> their values x 2^-8, through fp16, which holds every e4m3 value: the sign and the 7
-// exponent|mantissa bits move up to fp16's fields (bits 15 and 7-13). fp16's exponent bias is 15 against e4m3's 7,
-// so that reads as the value x 2^-8, and e4m3's subnormals land on fp16 subnormals exactly; the callers fold the
-// 2^8 into their scales. With AVX-512 the hardware widens 16 halves at a time (vcvtph2ps); elsewhere, and for a
-// tail, the same value is built from float32 fields. No NaN code is ever stored (writes saturate at +-448).
-constexpr float kE4m3Unscale = 256.f;
-
-inline float e4m3_to_scaled_float(uint8_t code) {
-  const uint32_t magnitude_bits = code & 0x7Fu;
-  const float subnormal = static_cast<float>(magnitude_bits) * (1.f / 131072.f);  // mantissa x 2^-9 x 2^-8
-  const uint32_t bits = (magnitude_bits << 20) + (112u << 23);  // exponent bias 127 - 7, minus 8
-  float normal;
-  std::memcpy(&normal, &bits, sizeof normal);
-  const float magnitude = magnitude_bits < 8 ? subnormal : normal;
-  return (code & 0x80u) ? -magnitude : magnitude;
-}
-
-inline void widen_e4m3(const uint8_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m256i sign = _mm256_set1_epi16(static_cast<int16_t>(0x8000));
-  const __m256i magnitude = _mm256_set1_epi16(0x7F00);
-  for (; i + 16 <= n; i += 16) {
-    const __m256i high = _mm256_slli_epi16(
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 8);
-    const __m256i half = _mm256_or_si256(_mm256_and_si256(high, sign),
-                                         _mm256_srli_epi16(_mm256_and_si256(high, magnitude), 1));
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(half));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = e4m3_to_scaled_float(src[i]);
-}
-
 // fp8 blocks are widened into `scratch` once per block, over all its tokens.
 struct Fp8Blocks {
   const uint8_t* base;
   int64_t block_values;
   const float* operator()(int64_t block, int64_t values, float* scratch) const {
-    widen_e4m3(base + block * block_values, scratch, values);
+    kvflow_e4m3::widen(base + block * block_values, scratch, values);
     return scratch;
   }
 };
@@ -184,8 +149,9 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor query, torch::Tensor key_
                                          double k_scale, double v_scale) {
   TORCH_CHECK(key_cache.scalar_type() == torch::kUInt8 && value_cache.scalar_type() == torch::kUInt8,
               "fp8 caches as uint8 views");
-  return run(query, key_cache, value_cache, block_tables, seq_lens, static_cast<float>(scale * k_scale * kE4m3Unscale),
-             static_cast<float>(v_scale * kE4m3Unscale), [](const torch::Tensor& cache, int64_t values) {
+  return run(query, key_cache, value_cache, block_tables, seq_lens,
+             static_cast<float>(scale * k_scale * kvflow_e4m3::kUnscale),
+             static_cast<float>(v_scale * kvflow_e4m3::kUnscale), [](const torch::Tensor& cache, int64_t values) {
                return Fp8Blocks{cache.data_ptr<uint8_t>(), values};
              });
 }

@@ -1,4 +1,5 @@
-// Causal prefill attention read straight from the paged KV cache, for the CPU fp32 path: fresh prompts and
+// Causal prefill attention read straight from the paged KV cache, for the CPU fp32 path (fp32 or fp8 e4m3 caches;
+// e4m3 rows are widened a key block at a time into the task's staging rows, e4m3.h): fresh prompts and
 // prompts that continue a cached prefix (chunked prefill, prefix-cache hits), grouped-query attention included.
 //
 // The torch path gathers every sequence's blocks into a padded copy and runs SDPA over it per query head, so
@@ -26,6 +27,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "e4m3.h"
 
 namespace {
 
@@ -131,11 +134,20 @@ struct Geometry {
   int64_t q_token_stride, out_token_stride;
 };
 
+// The KV cache: float32 rows read in place, or e4m3 codes (k8/v8 set) that a task widens a key block at a time
+// into its own staging rows (their values x 2^-8: the 2^8 and the scales are folded into q_scale and out_scale).
+struct Cache {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const uint8_t* k8 = nullptr;
+  const uint8_t* v8 = nullptr;
+};
+
 // One task: `num_queries` queries of one sequence x the `group` query heads of one kv head.
-void run_task(const Task& task, const Geometry& g, const float* q, const float* k_cache, const float* v_cache,
-              const int64_t* tables, const int64_t* q_starts, const int64_t* q_lens, const int64_t* seq_lens,
-              float q_scale, float* out, std::vector<float>& qt, std::vector<float>& ot, std::vector<float>& st,
-              std::vector<const float*>& key_rows, std::vector<const float*>& value_rows) {
+void run_task(const Task& task, const Geometry& g, const float* q, const Cache& cache, const int64_t* tables,
+              const int64_t* q_starts, const int64_t* q_lens, const int64_t* seq_lens, float q_scale,
+              float out_scale, float* out, std::vector<float>& qt, std::vector<float>& ot, std::vector<float>& st,
+              std::vector<const float*>& key_rows, std::vector<const float*>& value_rows, std::vector<float>& staging) {
   const int64_t rows = task.num_queries * g.group;
   const int64_t padded = (rows + kLanes - 1) / kLanes * kLanes;
   const int64_t head_dim = g.head_dim;
@@ -167,8 +179,17 @@ void run_task(const Task& task, const Geometry& g, const float* q, const float* 
       const int64_t t = kb + j;
       const int64_t offset = (table[t / g.block_size] * g.block_size + t % g.block_size) * kv_row +
                              task.kv_head * head_dim;
-      key_rows[j] = k_cache + offset;
-      value_rows[j] = v_cache + offset;
+      if (cache.k8 != nullptr) {
+        float* k_stage = staging.data() + j * head_dim;
+        float* v_stage = k_stage + kKeyBlock * head_dim;
+        kvflow_e4m3::widen(cache.k8 + offset, k_stage, head_dim);
+        kvflow_e4m3::widen(cache.v8 + offset, v_stage, head_dim);
+        key_rows[j] = k_stage;
+        value_rows[j] = v_stage;
+      } else {
+        key_rows[j] = cache.k + offset;
+        value_rows[j] = cache.v + offset;
+      }
     }
     for (int64_t j = block_keys; j < (block_keys + kUnroll - 1) / kUnroll * kUnroll; ++j) {
       key_rows[j] = key_rows[block_keys - 1];  // a partial last micro-tile computes duplicates, never read
@@ -232,7 +253,7 @@ void run_task(const Task& task, const Geometry& g, const float* q, const float* 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / g.group;
     float* dst = out + (token0 + i) * g.out_token_stride + (task.kv_head * g.group + r % g.group) * head_dim;
-    const float inv = 1.f / running_sum[r];  // > 0: every query sees at least key 0
+    const float inv = out_scale / running_sum[r];  // > 0: every query sees at least key 0
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = ot[d * padded + r] * inv;
   }
 }
@@ -240,14 +261,17 @@ void run_task(const Task& task, const Geometry& g, const float* q, const float* 
 // query [T, H, D] (rows may be strided, e.g. a view into the fused qkv projection), caches
 // [blocks, block_size, kv_heads, D], per sequence: its block table row, the flat row of its first query, its
 // number of queries and its context length after this step. Writes the rows of those queries into out [T, H, D].
-void prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                       torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
-                       torch::Tensor seq_lens, double scale, torch::Tensor out) {
+// The checks and the task schedule of both entry points; `cache` holds the caches' data (fp32 or e4m3 codes),
+// `score_scale` multiplies q . k and `out_scale` the output.
+void prefill_attention_impl(const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& query_starts, const torch::Tensor& query_lens,
+                            const torch::Tensor& seq_lens, double score_scale, float out_scale, const Cache& cache,
+                            torch::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "query and out [T,H,D], caches [blocks,block_size,kv_heads,D]");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 &&
-                  key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
-              "float32 only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
+              "float32 queries and output only");
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
                   value_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
@@ -308,11 +332,9 @@ void prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tens
   const Geometry geometry{num_heads, num_kv_heads, group, head_dim, block_size, max_blocks,
                           query.stride(0), out.stride(0)};
   const float* q = query.data_ptr<float>();
-  const float* k = key_cache.data_ptr<float>();
-  const float* v = value_cache.data_ptr<float>();
   float* o = out.data_ptr<float>();
   // Scores in base 2 (exp2 is cheaper than exp): fold log2(e) into the query scale.
-  const float q_scale = static_cast<float>(scale * 1.4426950408889634);
+  const float q_scale = static_cast<float>(score_scale * 1.4426950408889634);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
@@ -320,13 +342,40 @@ void prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tens
     std::vector<float> qt, ot;
     std::vector<float> st(kKeyBlock * kRowsPerTask);
     std::vector<const float*> key_rows(kKeyBlock), value_rows(kKeyBlock);
+    std::vector<float> staging(cache.k8 != nullptr ? 2 * kKeyBlock * head_dim : 0);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
-        run_task(tasks[i], geometry, q, k, v, table, start, q_len, len, q_scale, o, qt, ot, st, key_rows,
-                 value_rows);
+        run_task(tasks[i], geometry, q, cache, table, start, q_len, len, q_scale, out_scale, o, qt, ot, st,
+                 key_rows, value_rows, staging);
       }
     }
   });
+}
+
+void prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                       torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
+                       torch::Tensor seq_lens, double scale, torch::Tensor out) {
+  TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
+              "float32 caches (fp8 ones: prefill_attention_fp8)");
+  Cache cache;
+  cache.k = key_cache.data_ptr<float>();
+  cache.v = value_cache.data_ptr<float>();
+  prefill_attention_impl(query, key_cache, value_cache, block_tables, query_starts, query_lens, seq_lens, scale,
+                         1.f, cache, out);
+}
+
+// The caches as uint8 views of e4m3 bytes (value / scale).
+void prefill_attention_fp8(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
+                           torch::Tensor seq_lens, double scale, double k_scale, double v_scale, torch::Tensor out) {
+  TORCH_CHECK(key_cache.scalar_type() == torch::kUInt8 && value_cache.scalar_type() == torch::kUInt8,
+              "fp8 caches as uint8 views");
+  Cache cache;
+  cache.k8 = key_cache.data_ptr<uint8_t>();
+  cache.v8 = value_cache.data_ptr<uint8_t>();
+  prefill_attention_impl(query, key_cache, value_cache, block_tables, query_starts, query_lens, seq_lens,
+                         scale * k_scale * kvflow_e4m3::kUnscale, static_cast<float>(v_scale * kvflow_e4m3::kUnscale),
+                         cache, out);
 }
 
 }  // namespace
@@ -334,4 +383,6 @@ void prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention,
         "causal GQA prefill attention over a paged fp32 KV cache, written into out's query rows (CPU)");
+  m.def("prefill_attention_fp8", &prefill_attention_fp8,
+        "prefill_attention over a paged fp8 (e4m3, per-tensor scales) KV cache given as uint8 views");
 }
