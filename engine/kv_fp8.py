@@ -27,6 +27,7 @@ DEFAULT_KV_SCALES: KVScales = (1.0, 1.0)
 # AutoFP8 checkpoints one kv_scale for both.
 K_SCALE_NAMES = ("k_scale", "k_proj.k_scale", "kv_scale")
 V_SCALE_NAMES = ("v_scale", "v_proj.v_scale", "kv_scale")
+_SCALE_LEAVES = {name.rsplit(".", 1)[-1] for name in K_SCALE_NAMES + V_SCALE_NAMES}  # the names' last parts
 
 
 def checkpoint_kv_scales(model_path: str | None, num_layers: int) -> list[KVScales] | None:
@@ -41,7 +42,7 @@ def checkpoint_kv_scales(model_path: str | None, num_layers: int) -> list[KVScal
     for file in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-                if key.startswith("model.layers.") and key.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "kv_scale"):
+                if key.startswith("model.layers.") and key.rsplit(".", 1)[-1] in _SCALE_LEAVES:
                     tensor = f.get_tensor(key)
                     if tensor.numel() != 1:
                         raise ValueError(f"fp8 KV cache: {key} holds {tensor.numel()} scales; kvflow takes one "

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "e4m3.h"
@@ -17,6 +16,7 @@ namespace {
 
 // The first `tokens` rows (all kv heads of a token: `row` values each) of a cache block, as floats.
 struct Fp32Blocks {
+  static constexpr bool kWidens = false;  // read in place: no scratch
   const float* base;
   int64_t block_values;  // block_size * row
   const float* operator()(int64_t block, int64_t /*values*/, float* /*scratch*/) const {
@@ -26,6 +26,7 @@ struct Fp32Blocks {
 
 // fp8 blocks are widened into `scratch` once per block, over all its tokens.
 struct Fp8Blocks {
+  static constexpr bool kWidens = true;
   const uint8_t* base;
   int64_t block_values;
   const float* operator()(int64_t block, int64_t values, float* scratch) const {
@@ -50,7 +51,7 @@ void attend(const Shape& s, const float* q, Blocks keys, Blocks values, const in
     std::vector<float> scores;
     std::vector<float> acc(s.num_heads * head_dim);
     std::vector<float> denom(s.num_heads);
-    std::vector<float> scratch(s.block_size * row);
+    std::vector<float> scratch(Blocks::kWidens ? s.block_size * row : 0);
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t length = len[seq];
       TORCH_CHECK(length >= 1 && length <= s.max_blocks * s.block_size, "seq_len outside its block table");
@@ -130,8 +131,7 @@ torch::Tensor run(const torch::Tensor& query, const torch::Tensor& key_cache, co
   auto out = torch::empty_like(q_all);
   const int64_t block_values = s.block_size * s.num_kv_heads * s.head_dim;
   attend(s, q_all.data_ptr<float>(), blocks_of(key_cache, block_values), blocks_of(value_cache, block_values),
-         tables.data_ptr<int64_t>(),
-         lens.data_ptr<int64_t>(), score_scale, out_scale, out.data_ptr<float>());
+         tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), score_scale, out_scale, out.data_ptr<float>());
   return out;
 }
 
