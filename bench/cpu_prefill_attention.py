@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.runner.attention import AttentionBatch, TorchPagedAttention
 from kernels.cpu_prefill_attention import SWITCH_ENV
 from kvflow.benchmarks.throughput import host_context
 

@@ -4,7 +4,7 @@ Measures, on the machine it runs on:
 
 1. fp32 GEMM throughput at the engine's shapes: SmolLM2's linears (qkv 576->960, o 576->576, gate_up 576->3072,
    down 1536->576) at M = 64 / 512 / 1024 / 2048 / 8192 rows and the logits head (576->49152) at M = 8 / 64, each
-   with `torch.matmul` and with the engine's oneDNN-packed linear (engine/cpu_linear.py), plus square GEMMs
+   with `torch.matmul` and with the engine's oneDNN-packed linear (engine/runner/cpu_linear.py), plus square GEMMs
    (1536^3, 2048^3, 3072^3); the best of all of them is taken as the box's practical fp32 peak.
 2. Memory: a batch-8 decode step's linears (M = 8 over 30 layers' distinct weights + the head, 538 MB fp32) in ms
    per step and GB/s, and a pure read (`torch.sum` over a 512 MiB fp32 buffer) as the bandwidth ceiling.
@@ -71,7 +71,7 @@ KV_BYTES_PER_KEY = 2 * KV_HEADS * HEAD_DIM * FP32 * LAYERS  # 46,080
 PREFILL_M = (64, 512, 1024, 2048, 8192)
 HEAD_M = (8, 64)
 SQUARE = (1536, 2048, 3072)  # several sizes: here one size alone can sit well below the others
-BATCH_HINT = 128  # the engine packs with min(max_num_seqs, 128) (engine/model_runner.py)
+BATCH_HINT = 128  # the engine packs with min(max_num_seqs, 128) (engine/runner/model_runner.py)
 
 
 def cpu_model() -> str:
@@ -106,7 +106,7 @@ def time_median(fn: Callable[[], Any], min_rep_s: float = 0.05, reps: int = 7, w
 
 
 def packed_linear(weight_nk: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The engine's CPU fp32 linear: oneDNN with the weight reordered once (engine/cpu_linear.py)."""
+    """The engine's CPU fp32 linear: oneDNN with the weight reordered once (engine/runner/cpu_linear.py)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight_nk, BATCH_HINT)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 

@@ -143,7 +143,7 @@ def bench_serve(url: str, prompts: list[list[int]], output_len: int, rate: float
 # ---- parts -----------------------------------------------------------------------------------------------------
 def part_check(out: Path, gpus: bool) -> dict[str, Any]:
     """Greedy ids of a tiny fp32 model: disaggregated over NCCL vs local prefill on the same decode worker."""
-    from kvflow.auth import ClusterAuth
+    from cluster.auth import ClusterAuth
     from kvflow.launcher import ClusterSpec, WorkerCluster
     from protos.kvflow.v1 import kvflow_pb2 as pb
     from protos.kvflow.v1 import kvflow_pb2_grpc

@@ -549,7 +549,7 @@ def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[s
 # ------------------------------------------------------------------------------------------- SmolLM2 e2e
 def part_e2e(smoke: bool) -> dict[str, Any]:
     from kvflow import LLM, SamplingParams
-    from tests.engine_helpers import PROMPTS
+    from tests.helpers.oracle import PROMPTS
 
     kw: dict[str, Any] = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
     if smoke:
@@ -579,16 +579,17 @@ def part_e2e(smoke: bool) -> dict[str, Any]:
 
 
 def part_awq_e2e(smoke: bool) -> dict[str, Any]:
-    """A tiny AWQ / GPTQ checkpoint (round-to-nearest, built as tests/test_quant_awq_gptq.py does) through the
+    """A tiny AWQ / GPTQ checkpoint (round-to-nearest, built as tests/engine/test_quant_awq_gptq.py does) through the
     engine on this device: 4-bit linears in the kn layout on CUDA, greedy ids against the dense checkpoint of the
     same dequantized weights (fp32, and bf16 beside a bf16 dense run)."""
     import tempfile
+
+    from tests.test_quant_awq_gptq import build
 
     from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.quant.group_quant import QuantLinear
     from engine.sampling_params import SamplingParams
-    from tests.test_quant_awq_gptq import build
 
     device = "cpu" if smoke else "cuda"
     prompts = [[5, 17, 300, 42], [7] * 20, list(range(100, 140)), [1, 2, 3] * 30]

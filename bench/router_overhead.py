@@ -15,10 +15,10 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.block_hash import BlockHasher
-from kvflow.routing.events import AllBlocksCleared, BlocksStored, EventBatch, WorkerLoad
-from kvflow.routing.index import MemoryIndex
-from kvflow.routing.policy import WorkerView, make_policy
+from cluster.routing.events import AllBlocksCleared, BlocksStored, EventBatch, WorkerLoad
+from cluster.routing.index import MemoryIndex
+from cluster.routing.policy import WorkerView, make_policy
+from engine.core.block_hash import BlockHasher
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -44,7 +44,7 @@ from kvflow.launcher import free_port  # noqa: E402
 LINE = re.compile(r"^(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO kvflow\.stats: Engine \d+: Avg prompt throughput: "
                   r"(?P<prompt>[\d.]+) tokens/s, Avg generation throughput: (?P<gen>[\d.]+) tokens/s")
 SLACK_S = 0.5  # an interval may start this much before the window (the bench's client start-up)
-INTERVAL_S = 10.0  # engine/stat_logger.py LOG_INTERVAL_S: the first line's interval (no line before it)
+INTERVAL_S = 10.0  # engine/metrics/stat_logger.py LOG_INTERVAL_S: the first line's interval (no line before it)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     server = None
     if args.url is None:
-        from tests.serve_helpers import API_KEY, start_server
+        from tests.helpers.serve import API_KEY, start_server
 
         server = start_server(Path(tempfile.mkdtemp()) / "serve.log")
         args.url, args.api_key = next(server).url, API_KEY

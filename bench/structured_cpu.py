@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import jsonschema
 
-from kvflow.auth import TOKEN_ENV
+from cluster.auth import TOKEN_ENV
 from kvflow.launcher import free_port
 
 SCHEMAS: dict[str, dict[str, Any]] = {

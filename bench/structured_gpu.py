@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from engine.config import EngineArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured_output import StructuredOutputManager, StructuredOutputsParams  # noqa: E402
+from engine.structured.grammar import StructuredOutputManager, StructuredOutputsParams  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -73,7 +73,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     vocab = engine.config.model.arch.vocab_size
     eos = engine.eos_token_id if engine.eos_token_id is not None else vocab - 1
     manager = StructuredOutputManager(None, vocab, eos, tokenizer_info=synthetic_tokenizer_info(vocab, eos))
-    engine.structured_output = manager  # the engine compiles (validation), its runner builds matchers
+    engine.structured.grammar = manager  # the engine compiles (validation), its runner builds matchers
     engine.runner.structured_output = manager
     return engine
 
@@ -114,7 +114,7 @@ def grammar_accepts(engine: LLMEngine, tokens: list[int]) -> tuple[bool, int]:
     tokens the JSON took (until the grammar terminated)."""
     import xgrammar as xgr
 
-    manager = engine.structured_output
+    manager = engine.structured.grammar
     matcher = xgr.GrammarMatcher(manager.compile(StructuredOutputsParams(json=SCHEMA)))
     for n, token in enumerate(tokens):
         if matcher.is_terminated():

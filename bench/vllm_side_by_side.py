@@ -294,7 +294,7 @@ def main() -> int:
     if args.vllm_ld_preload:
         vllm_env["LD_PRELOAD"] = args.vllm_ld_preload
     kvflow_env = {**os.environ, "PYTHONPATH": str(REPO)}
-    from engine.cpu_memory import tcmalloc_preload
+    from engine.runner.cpu_memory import tcmalloc_preload
 
     preload = tcmalloc_preload(kvflow_env)  # kvflow's documented CPU setup (its serve workers do this themselves)
     if preload is not None:

@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.transfer.contract import DEFAULT_LEASE_S, PullJob
+from cluster.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
+from cluster.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
 from decode_worker.allowlist import PrefillAllowlist
 from decode_worker.transports import KVTransports, finish_uncancelled
 from engine.errors import InvalidRequest
-from engine.kv_transfer import DEFAULT_LEASE_S, KVTransferError, PullJob
+from engine.kv_layout import KVTransferError
 from engine.llm_engine import LLMEngine, RemoteSlot
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvflow.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
-from kvflow.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 

@@ -24,11 +24,9 @@ from typing import Protocol
 import grpc
 import torch
 
-from decode_worker.allowlist import PrefillAllowlist
-from engine.kv_port import KVPort
-from engine.kv_transfer import KVSlice, KVTransferError, PullJob, PullResult, check_slice
-from engine.outputs import PositionLogprobs
-from kvflow.wire import (
+from cluster.transfer.contract import PullJob, PullResult
+from cluster.transfer.link import DecodeLinks, link_backend_available, link_backend_for
+from cluster.wire import (
     BACKEND_ENUMS,
     BACKEND_NAMES,
     layout_from_proto,
@@ -36,9 +34,12 @@ from kvflow.wire import (
     logprobs_from_proto,
     sampling_params_to_proto,
 )
-from kvflow.worker.faults import FaultInjector
-from kvflow.worker.kv_link import DecodeLinks, link_backend_available, link_backend_for
-from kvflow.worker.runtime import ChannelPool, in_passing_thread
+from cluster.worker.faults import FaultInjector
+from cluster.worker.runtime import ChannelPool, in_passing_thread
+from decode_worker.allowlist import PrefillAllowlist
+from engine.kv_layout import KVSlice, KVTransferError, check_slice
+from engine.kv_port import KVPort
+from engine.outputs import PositionLogprobs
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from engine.errors import InvalidRequest
-from engine.generation_config import check_generation_config, parse_override
-from engine.spec_config import SpecConfig
-from engine.structured_output_config import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
-from engine.structured_output_config import StructuredOutputsConfig
+from engine.processing.generation_config import check_generation_config, parse_override
+from engine.spec.config import SpecConfig
+from engine.structured.config import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
+from engine.structured.config import StructuredOutputsConfig
 
 GiB = 1 << 30
 QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq")
@@ -86,7 +86,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 4 * GiB
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8_e4m3" (aliases resolved)
-    cpu_offload_bytes: int = 0  # weights kept in pinned host memory, streamed per layer (engine/weight_offload.py)
+    cpu_offload_bytes: int = 0  # weights kept in pinned host memory, streamed per layer (engine/runner/weight_offload.py)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     observability: ObservabilityConfig
-    speculative: SpecConfig | None = None  # engine/spec_config.py; the draft's vocabulary is checked at load
+    speculative: SpecConfig | None = None  # engine/spec/config.py; the draft's vocabulary is checked at load
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
@@ -247,14 +247,14 @@ class EngineArgs:
     # Who runs the engine: the offline LLM class / bench / generate ("llm") or an API server's worker
     # ("server"); picks the batch defaults as vLLM's UsageContext does. Set in code, not a CLI flag.
     usage_context: UsageContext = "llm"
-    # Speculative decoding (engine/spec_config.py): vLLM's dict / JSON, or its older flags below.
+    # Speculative decoding (engine/spec/config.py): vLLM's dict / JSON, or its older flags below.
     speculative_config: dict[str, Any] | str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
     speculative_disable_by_batch_size: int | None = None
-    # Structured output (engine/structured_output_config.py): vLLM's dict / JSON, or its older backend flag.
+    # Structured output (engine/structured/config.py): vLLM's dict / JSON, or its older backend flag.
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
     guided_decoding_backend: str | None = None
 

@@ -1,7 +1,7 @@
 """The engine's KV cache as a transfer sees it: the one seam between the engine and any KV transport.
 
 A transport never touches the cache tensors, the scheduler or the runner. It asks the port to `export` blocks
-(gather them into one contiguous tensor in the wire layout, `engine.kv_transfer`) and to `import_` a wire tensor
+(gather them into one contiguous tensor in the wire layout, `engine.kv_layout`) and to `import_` a wire tensor
 into blocks the engine reserved for a remote prefill.
 
 Threads and streams (the invariants the callers keep):
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_transfer import KVLayout, KVSlice, KVTransferError
+from engine.kv_layout import KVLayout, KVSlice, KVTransferError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 POLL_S = 0.0002  # how often a waiting transfer thread checks a CUDA event

@@ -11,24 +11,24 @@ from typing import Any, Literal
 
 import torch
 
-from engine.block_hash import BlockHasher
 from engine.config import EngineArgs, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, decode_all
+from engine.core.block_hash import BlockHasher
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.swap_space import SwapSpace
 from engine.errors import InvalidRequest
-from engine.generation_config import cap_max_tokens, resolve_generation_defaults
-from engine.kv_cache_manager import KVCacheManager
 from engine.kv_port import KVPort
+from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.parallel.executor import create_runner
-from engine.request import Request, RequestStatus
-from engine.sampler import seeded_generator_state
+from engine.processing.detokenizer import IncrementalDetokenizer, decode_all
+from engine.processing.generation_config import cap_max_tokens, resolve_generation_defaults
+from engine.processing.tokenizer import load_tokenizer
+from engine.runner.sampler import seeded_generator_state
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.spec_proposer import DraftModelProposer, build_proposer
-from engine.stats import EngineStats, FinishedRequestTiming
-from engine.structured_output import StructuredOutputManager
-from engine.swap_space import SwapSpace
-from engine.tokenizer import load_tokenizer
+from engine.spec.proposer import DraftModelProposer, build_proposer
+from engine.structured.grammar import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
         self.config = config
         self.runner = create_runner(config)  # tensor parallelism: rank 0's runner, the other ranks started
-        # Speculative decoding (engine/spec_proposer.py); a draft model is loaded before the memory profile.
+        # Speculative decoding (engine/spec/proposer.py); a draft model is loaded before the memory profile.
         self.proposer = build_proposer(config)
         num_blocks = self.runner.determine_num_blocks()
         if isinstance(self.proposer, DraftModelProposer):

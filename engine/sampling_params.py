@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequest
-from engine.structured_output import StructuredOutputsParams
+from engine.structured.grammar import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default --max-logprobs)

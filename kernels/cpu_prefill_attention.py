@@ -4,7 +4,7 @@ kernels/cpu/prefill_attention.cpp (like the CPU decode-attention and rotary kern
 Each task takes one kv head's whole query group for a block of queries, so K/V are read once per group rather than
 once per query head, and reads the cache blocks in place (no padded gather). Fresh prompts and prompts that
 continue a cached prefix (chunked prefill, prefix-cache hits) both go through it. It is not bit-identical to torch's
-SDPA (another summation order; ~1e-7 relative, tests/test_cpu_prefill_attention.py), but it is built with the same
+SDPA (another summation order; ~1e-7 relative, tests/kernels/test_cpu_prefill_attention.py), but it is built with the same
 flags as the bit-exact kernels: no -ffast-math, no FMA contraction.
 
 `KVFLOW_CPU_PREFILL_ATTENTION=0` keeps prefill attention on torch's SDPA path (for A/B runs); so does

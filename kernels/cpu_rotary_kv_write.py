@@ -1,6 +1,6 @@
 """Rotary embedding + KV-cache write for the CPU fp32 path, compiled once from kernels/cpu/rotary_kv_write.cpp
 (like the CPU decode-attention kernel). Bit-identical to the torch ops it replaces (`RotaryEmbedding.rotate`,
-then `index_copy_` of k and v into the cache): tests/test_cpu_kernel.py checks it with `torch.equal`."""
+then `index_copy_` of k and v into the cache): tests/kernels/test_cpu_kernel.py checks it with `torch.equal`."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ saves; in a decode step six launches per linear. Here each row is read twice (am
 read comes from L2) and written once, with the reference's arithmetic: the same fp32 product for the scale, a
 correctly rounded fp32 division, and e4m3 rounding to nearest even, saturated. On a GPU the rounding is the
 hardware's convert (as torch's own cast); elsewhere (Triton's interpreter) `round_to_e4m3` spells it out, since the
-interpreter's cast does not round to nearest. tests/test_kernels_fp8.py holds the interpreter to the reference bit
+interpreter's cast does not round to nearest. tests/kernels/test_kernels_fp8.py holds the interpreter to the reference bit
 for bit; bench/quant_gpu.py (part w8a8_layers) counts differing codes on the GPU.
 """
 

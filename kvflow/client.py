@@ -1,6 +1,6 @@
 """Python SDK for kvflow's gRPC `Generation` API (the router's `--grpc-port`, or a decode worker directly: pass
 `cluster_token=` when the workers hold one, e.g. os.environ["KVFLOW_CLUSTER_TOKEN"]; mTLS workers need a channel
-from `kvflow.auth.ClusterAuth` instead).
+from `cluster.auth.ClusterAuth` instead).
 
     from kvflow.client import Client
     with Client("127.0.0.1:50051") as client:
@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 
-from kvflow.auth import TOKEN_METADATA
-from kvflow.wire import FINISH_REASON_FROM_PROTO
+from cluster.auth import TOKEN_METADATA
+from cluster.wire import FINISH_REASON_FROM_PROTO
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 

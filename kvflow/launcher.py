@@ -39,10 +39,10 @@ from pathlib import Path
 import grpc
 from tqdm.auto import tqdm
 
+from cluster.auth import TOKEN_ENV, ClusterAuth
 from engine.config import EngineArgs
-from engine.cpu_memory import tcmalloc_preload
 from engine.lifeline import lifeline_env
-from kvflow.auth import TOKEN_ENV, ClusterAuth
+from engine.runner.cpu_memory import tcmalloc_preload
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -222,7 +222,7 @@ def shared_cores_openmp_env(env: dict[str, str]) -> dict[str, str]:
 
     A worker whose OpenMP threads fit its cores gets libgomp's full spin after each parallel region (300,000
     spins), which is what a lone worker wants (its decode step 51-56 -> 41-44 ms once its engine thread held the
-    only OpenMP pool: kvflow/worker/runtime.py `in_passing_thread`); two such workers on 2 cores spin against each
+    only OpenMP pool: cluster/worker/runtime.py `in_passing_thread`); two such workers on 2 cores spin against each
     other (1P+1D served 1.25 -> 0.45 req/s). 1,000 spins is libgomp's own choice when threads outnumber cores.
     The caller's GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
     if env.get("GOMP_SPINCOUNT") or env.get("OMP_WAIT_POLICY"):
@@ -289,7 +289,7 @@ class WorkerCluster:
         env.update(self.spec.auth.env())
         env.update(lifeline_env())  # the child dies with us (engine/lifeline.py: why not a preexec_fn)
         preload = tcmalloc_preload(env) if placement.gpu is None else None
-        if preload is not None:  # CPU workers: tcmalloc when installed (engine/cpu_memory.py)
+        if preload is not None:  # CPU workers: tcmalloc when installed (engine/runner/cpu_memory.py)
             env["LD_PRELOAD"] = preload
         if placement.gpu is None and self._cpu_workers > 1:
             env.update(shared_cores_openmp_env(env))

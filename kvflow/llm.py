@@ -9,11 +9,11 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine, PromptInput
+from engine.metrics.stat_logger import StatLogger
+from engine.metrics.stats import EngineStats
 from engine.outputs import RequestOutput
+from engine.processing.tokenizer import apply_chat_template
 from engine.sampling_params import SamplingParams
-from engine.stat_logger import StatLogger
-from engine.stats import EngineStats
-from engine.tokenizer import apply_chat_template
 
 Messages = list[dict[str, Any]]
 

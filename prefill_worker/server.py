@@ -20,20 +20,15 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from engine.errors import InvalidRequest
-from engine.kv_port import KVExport, KVPort
-from engine.kv_transfer import (
+from cluster.transfer.contract import (
     DEFAULT_LEASE_S,
     GRPC_MAX_CHUNK_BYTES,
-    KV_ORDER,
     LINK_MAX_CHUNK_BYTES,
     plan_slices,
     tensor_bytes,
 )
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kvflow.wire import (
+from cluster.transfer.link import SendLink
+from cluster.wire import (
     BACKEND_ENUMS,
     BACKEND_NAMES,
     layout_from_proto,
@@ -41,8 +36,13 @@ from kvflow.wire import (
     logprobs_to_proto,
     sampling_kwargs_from_proto,
 )
-from kvflow.worker.kv_link import SendLink
-from kvflow.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
+from cluster.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
+from engine.errors import InvalidRequest
+from engine.kv_layout import KV_ORDER
+from engine.kv_port import KVExport, KVPort
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 

@@ -1,6 +1,6 @@
 """Regenerate the committed Python stubs from the .proto files: `python -m protos.generate`.
 
-The stubs are committed (no build step at install); tests/test_protos.py fails when they are stale.
+The stubs are committed (no build step at install); tests/deploy/test_protos.py fails when they are stale.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.auth import ClusterAuth
+from cluster.routing.index import validate_index_url
+from cluster.routing.policy import POLICY_NAMES
 from engine.sampling_params import MAX_LOGPROBS
-from kvflow.auth import ClusterAuth
-from kvflow.routing.index import validate_index_url
-from kvflow.routing.policy import POLICY_NAMES
 from router.tool_calls import TOOL_CALL_PARSERS
 
 DISCOVERY_KINDS = ("static", "redis", "kubernetes")

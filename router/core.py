@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.block_hash import BlockHasher
-from kvflow.routing.events import EventBatch
-from kvflow.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
-from kvflow.routing.policy import make_policy
-from kvflow.wire import FINISH_REASON_FROM_PROTO, MAX_MESSAGE_BYTES
+from cluster.routing.events import EventBatch
+from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
+from cluster.routing.policy import make_policy
+from cluster.wire import FINISH_REASON_FROM_PROTO, MAX_MESSAGE_BYTES
+from engine.core.block_hash import BlockHasher
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
@@ -61,7 +61,7 @@ class Route:
 def make_index(url: str) -> PrefixIndex:
     if url == "memory":
         return MemoryIndex()
-    from kvflow.routing.redis_index import RedisIndex
+    from cluster.routing.redis_index import RedisIndex
 
     return RedisIndex(url)
 

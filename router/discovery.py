@@ -15,8 +15,8 @@ from typing import Protocol
 
 import redis
 
-from kvflow.routing.redis_index import redact, redis_client
-from kvflow.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, ROLES, WorkerRegistration
+from cluster.routing.redis_index import redact, redis_client
+from cluster.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, ROLES, WorkerRegistration
 from router.config import RouterConfig
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.wire import FINISH_REASON_FROM_PROTO, structured_outputs_to_proto
 from engine.errors import InvalidRequest
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from kvflow.wire import FINISH_REASON_FROM_PROTO, structured_outputs_to_proto
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.config import RouterConfig
 from router.errors import BadRequest

@@ -17,7 +17,7 @@ from typing import Any
 import xgrammar  # noqa: F401
 
 from engine.errors import InvalidRequest
-from engine.structured_output import StructuredOutputsParams, check_grammar_syntax
+from engine.structured.grammar import StructuredOutputsParams, check_grammar_syntax
 from router.errors import BadRequest
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

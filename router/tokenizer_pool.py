@@ -14,9 +14,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.block_hash import BlockHasher
+from engine.core.block_hash import BlockHasher
 from engine.errors import InvalidRequest
-from engine.tokenizer import apply_chat_template, load_tokenizer
+from engine.processing.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured_output import StructuredOutputsParams
+from engine.structured.grammar import StructuredOutputsParams
 from router.errors import BadRequest
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")

@@ -3,7 +3,7 @@
 Each worker gets one daemon thread that asks `Info`, then follows `StreamKVEvents` and applies batches to the
 prefix index in order; a broken stream or a sequence gap forgets the worker's index entries and resubscribes
 (the first batch of every subscription is a snapshot). Request traffic uses separate grpc.aio channels owned by
-the event loop (`router.core`). Every channel presents the cluster credential (kvflow/auth.py).
+the event loop (`router.core`). Every channel presents the cluster credential (cluster/auth.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvflow.auth import ClusterAuth
-from kvflow.routing.events import (
+from cluster.auth import ClusterAuth
+from cluster.routing.events import (
     AllBlocksCleared,
     BatchOrder,
     BatchVerdict,
@@ -27,8 +27,8 @@ from kvflow.routing.events import (
     IndexEvent,
     WorkerLoad,
 )
-from kvflow.routing.index import IndexUnavailable, PrefixIndex
-from kvflow.routing.policy import WorkerView
+from cluster.routing.index import IndexUnavailable, PrefixIndex
+from cluster.routing.policy import WorkerView
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 

@@ -3,7 +3,7 @@ modules run their kernel cases in a subprocess with it set. Each case is collect
 processes (deselected, not skipped, in the other).
 
 The P/D worker tests share the SmolLM2 prompt sets and the unified engine's reference outputs (session fixtures);
-the OpenAI-front tests share one real `kvflow serve` (`server`, tests/serve_helpers.py).
+the OpenAI-front tests share one real `kvflow serve` (`server`, tests/helpers/serve.py).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tokenizer():  # noqa: ANN201
-    from tests.engine_helpers import hf_tokenizer  # transformers only where used
+    from tests.helpers.oracle import hf_tokenizer  # transformers only where used
 
     return hf_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def prompt_sets(tokenizer) -> dict[str, list[list[int]]]:  # noqa: ANN001
-    from tests.engine_helpers import PROMPTS
+    from tests.helpers.oracle import PROMPTS
 
     short = [tokenizer(p).input_ids for p in PROMPTS]
     text = " ".join(PROMPTS) + " "
@@ -48,7 +48,7 @@ def prompt_sets(tokenizer) -> dict[str, list[list[int]]]:  # noqa: ANN001
 def unified(prompt_sets: dict[str, list[list[int]]]) -> dict[tuple[int, ...], list[int]]:
     """Reference greedy outputs of the unified engine (default 8192-token budget: one prefill chunk)."""
     from kvflow import LLM, SamplingParams
-    from tests.pd_helpers import KV_BYTES, MAX_MODEL_LEN, MAX_TOKENS
+    from tests.helpers.pd import KV_BYTES, MAX_MODEL_LEN, MAX_TOKENS
 
     llm = LLM("smollm2", kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
     prompts = [*prompt_sets["short"], *prompt_sets["long"]]
@@ -60,6 +60,6 @@ def unified(prompt_sets: dict[str, list[list[int]]]) -> dict[tuple[int, ...], li
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.serve_helpers import start_server
+    from tests.helpers.serve import start_server
 
     yield from start_server(tmp_path_factory.mktemp("serve") / "serve.log")

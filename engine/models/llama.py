@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.config import ModelArch
-from engine.kv_fp8 import DEFAULT_KV_SCALES, KVScales
 from engine.parallel.layout import RankShard
-from engine.weight_offload import LayerWeightStream
+from engine.quant.kv_fp8 import DEFAULT_KV_SCALES, KVScales
+from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention
+from engine.runner.weight_offload import LayerWeightStream
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
 from kernels.silu_and_mul import silu_and_mul
@@ -321,7 +321,7 @@ class CausalLM(nn.Module):
                  fused_ops: bool = False, shard: RankShard | None = None, group: Collectives | None = None,
                  host_layers: int = 0) -> None:
         """`host_layers`: the first layers are built on the meta device (no memory), for a `LayerWeightStream`
-        (engine/weight_offload.py) to give them host memory before the weights are loaded."""
+        (engine/runner/weight_offload.py) to give them host memory before the weights are loaded."""
         super().__init__()
         self.arch = arch
         self.shard = shard or RankShard.full(arch)
@@ -380,7 +380,7 @@ class CausalLM(nn.Module):
 
     def _local_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = self.shard.vocab_rows
-        if self.cpu_logits_head is not None:  # oneDNN-packed copy on the CPU path (engine/cpu_linear.py)
+        if self.cpu_logits_head is not None:  # oneDNN-packed copy on the CPU path (engine/runner/cpu_linear.py)
             logits = self.cpu_logits_head(hidden)
         elif self.small_gemm and uses_small_gemm(hidden):  # float32 straight from the GEMM's accumulator
             return small_gemm(hidden, self._head_weight(), impl=self._head_impl(), gemv=self.small_gemm_mode.gemv,

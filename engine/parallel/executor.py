@@ -36,11 +36,11 @@ import torch
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
 from engine.lifeline import lifeline_env
-from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.group import TPGroup, tp_timeout_s
 from engine.parallel.layout import validate_tp
+from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ import sys
 import torch
 
 from engine.lifeline import die_with_parent_if_asked
-from engine.model_runner import ModelRunner
 from engine.parallel import codec
 from engine.parallel.executor import (
     MSG_INIT_KV,
@@ -27,6 +26,7 @@ from engine.parallel.executor import (
     read_frame,
 )
 from engine.parallel.group import TPGroup
+from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("kvflow.tp_worker")
 

@@ -20,8 +20,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from cluster.auth import ClusterAuth
 from engine.config import EngineArgs
-from kvflow.auth import ClusterAuth
 from kvflow.benchmarks.throughput import host_context
 from kvflow.launcher import ClusterSpec, WorkerCluster
 from protos.kvflow.v1 import kvflow_pb2 as pb

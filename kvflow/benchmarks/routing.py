@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 
+from cluster.auth import ClusterAuth
+from cluster.routing.policy import POLICY_NAMES
 from engine.config import EngineArgs
-from kvflow.auth import ClusterAuth
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
 from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
-from kvflow.routing.policy import POLICY_NAMES
 
 
 def _metric(text: str, name: str) -> float:

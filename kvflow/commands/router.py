@@ -7,8 +7,8 @@ import asyncio
 import os
 from typing import Any
 
-from kvflow.auth import ClusterAuth, add_cluster_auth_args
-from kvflow.routing.policy import POLICY_NAMES
+from cluster.auth import ClusterAuth, add_cluster_auth_args
+from cluster.routing.policy import POLICY_NAMES
 from router.config import DISCOVERY_KINDS, RouterConfig
 from router.tool_calls import TOOL_CALL_PARSERS
 

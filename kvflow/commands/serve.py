@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.auth import ClusterAuth, add_cluster_auth_args
+from cluster.routing.policy import POLICY_NAMES
+from cluster.worker.runtime import KV_TRANSFER_BACKENDS
 from engine.config import EngineArgs
-from kvflow.auth import ClusterAuth, add_cluster_auth_args
 from kvflow.commands.router import (
     add_lifecycle_args,
     add_metrics_key_arg,
@@ -29,8 +31,6 @@ from kvflow.commands.router import (
     lifecycle_kwargs,
     request_limit_kwargs,
 )
-from kvflow.routing.policy import POLICY_NAMES
-from kvflow.worker.runtime import KV_TRANSFER_BACKENDS
 
 if TYPE_CHECKING:
     from kvflow.launcher import WorkerCluster
@@ -83,8 +83,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.worker.runtime import server_engine_args
     from kvflow.launcher import DEFAULT_GPU_MEMORY_UTILIZATION, ClusterSpec, WorkerCluster
-    from kvflow.worker.runtime import server_engine_args
     from router.config import RouterConfig
 
     share = args.gpu_memory_utilization

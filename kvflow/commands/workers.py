@@ -9,7 +9,7 @@ from engine.config import EngineArgs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from kvflow.worker.runtime import add_worker_args
+    from cluster.worker.runtime import add_worker_args
 
     prefill = subparsers.add_parser("prefill", help="run a prefill worker (gRPC Prefill service)")
     add_worker_args(prefill)
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    from kvflow.worker.runtime import serve_worker
+    from cluster.worker.runtime import serve_worker
     from prefill_worker.server import add_prefill_servicer
 
     asyncio.run(serve_worker(args, "prefill", add_prefill_servicer))
@@ -39,9 +39,9 @@ def run_prefill(args: argparse.Namespace) -> int:
 
 
 def run_decode(args: argparse.Namespace) -> int:
+    from cluster.worker.runtime import serve_worker
     from decode_worker.allowlist import split_host_port
     from decode_worker.server import add_generation_servicer
-    from kvflow.worker.runtime import serve_worker
 
     if args.disagg_min_prompt_tokens < 0:
         raise ValueError("--disagg-min-prompt-tokens must be >= 0")

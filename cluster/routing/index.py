@@ -1,0 +1,164 @@
+"""The prefix-block index: which worker caches which chained block hash, and the embedded in-memory backend.
+
+A lookup walks the prompt's chained block hashes in order and returns, per worker, how many leading blocks it
+holds. Because hashes are chained, a worker that misses block i cannot reuse blocks after i, so the walk stops
+as soon as no worker is left. Entries of a worker that stopped heartbeating (`liveness_ttl_s`) or restarted
+(a new epoch) are ignored at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from cluster.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
+
+DEFAULT_LIVENESS_TTL_S = 2.0
+INDEX_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def validate_index_url(url: str) -> None:
+    """--index of every process (router, workers, `kvflow serve`): 'memory' (the embedded index) or a Redis URL."""
+    if url != "memory" and not url.startswith(INDEX_URL_SCHEMES):
+        raise ValueError(f"--index must be 'memory' or redis://[:password@]host:port/db (or rediss://, unix://), "
+                         f"got {url!r}")
+
+
+class IndexUnavailable(RuntimeError):
+    """The index backend cannot be reached; callers route on load alone meanwhile."""
+
+
+class PrefixIndex(Protocol):
+    def apply(self, batch: EventBatch) -> bool:
+        """Apply one in-order batch (the caller checks ordering with `BatchOrder`).
+
+        False: the index lost this worker's state (forgotten, expired, backend restarted) and the batch is not
+        a snapshot, so the caller must resubscribe for one.
+        """
+
+    def match(self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]) -> dict[str, int]:
+        """Leading blocks of `block_hashes` each live worker of `worker_ids` caches (absent workers: 0)."""
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop every entry of a worker that went away."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _WorkerEntry:
+    bit: int
+    epoch: int
+    last_seen: float
+    blocks: set[bytes]
+
+
+class MemoryIndex:
+    """Single-process index: block hash -> bitmask of worker slots, so a lookup step is one integer AND."""
+
+    def __init__(self, liveness_ttl_s: float = DEFAULT_LIVENESS_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.liveness_ttl_s = liveness_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._masks: dict[bytes, int] = {}
+        self._workers: dict[str, _WorkerEntry] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+
+    def apply(self, batch: EventBatch) -> bool:
+        with self._lock:
+            entry = self._workers.get(batch.worker_id)
+            if entry is None and not batch.is_snapshot:
+                return False
+            if entry is not None and entry.epoch != batch.epoch:
+                self._clear(entry)  # a restarted worker's old blocks are gone
+                entry.epoch = batch.epoch
+            if entry is None:
+                entry = _WorkerEntry(self._take_bit(), batch.epoch, 0.0, set())
+                self._workers[batch.worker_id] = entry
+            entry.last_seen = self._clock()
+            bit = 1 << entry.bit
+            for event in batch.events:
+                if isinstance(event, BlocksStored):
+                    for h in event.block_hashes:
+                        self._masks[h] = self._masks.get(h, 0) | bit
+                    entry.blocks.update(event.block_hashes)
+                elif isinstance(event, BlocksRemoved):
+                    for h in event.block_hashes:
+                        self._unset(h, bit)
+                    entry.blocks.difference_update(event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    self._clear(entry)
+        return True
+
+    def match(self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]) -> dict[str, int]:
+        result = dict.fromkeys(worker_ids, 0)
+        now = self._clock()
+        with self._lock:
+            bits = {}
+            for wid in worker_ids:
+                entry = self._workers.get(wid)
+                if entry is not None and now - entry.last_seen <= self.liveness_ttl_s:
+                    bits[entry.bit] = wid
+            alive = sum(1 << b for b in bits)
+            masks = self._masks
+            matched = 0
+            for h in block_hashes:
+                still = alive & masks.get(h, 0)
+                if still != alive:
+                    _record(result, bits, alive & ~still, matched)
+                    alive = still
+                    if not alive:
+                        break
+                matched += 1
+            if alive:
+                _record(result, bits, alive, matched)
+        return result
+
+    def forget_worker(self, worker_id: str) -> None:
+        with self._lock:
+            entry = self._workers.pop(worker_id, None)
+            if entry is not None:
+                self._clear(entry)
+                self._free_bits.append(entry.bit)
+
+    def num_blocks(self, worker_id: str) -> int:
+        return len(self.blocks_of(worker_id))
+
+    def blocks_of(self, worker_id: str) -> frozenset[bytes]:
+        with self._lock:
+            entry = self._workers.get(worker_id)
+            return frozenset(entry.blocks) if entry is not None else frozenset()
+
+    def close(self) -> None:
+        pass
+
+    def _take_bit(self) -> int:
+        if self._free_bits:
+            return self._free_bits.pop()
+        self._next_bit += 1
+        return self._next_bit - 1
+
+    def _clear(self, entry: _WorkerEntry) -> None:
+        bit = 1 << entry.bit
+        for h in entry.blocks:
+            self._unset(h, bit)
+        entry.blocks.clear()
+
+    def _unset(self, block_hash: bytes, bit: int) -> None:
+        mask = self._masks.get(block_hash, 0) & ~bit
+        if mask:
+            self._masks[block_hash] = mask
+        else:
+            self._masks.pop(block_hash, None)
+
+
+def _record(result: dict[str, int], bits: dict[int, str], dropped: int, matched: int) -> None:
+    while dropped:
+        low = dropped & -dropped
+        result[bits[low.bit_length() - 1]] = matched
+        dropped ^= low

@@ -1,0 +1,150 @@
+"""Routing policies: pick a prefill worker (by cached prefix and load) and a decode worker (by load).
+
+The prefix policy's cost follows Dynamo's: per worker, the prefill work it would have queued if it took the
+request, minus the blocks it already caches, plus the KV blocks its running requests hold:
+
+    cost = prefill_load_scale * max(queued_tokens + prompt_tokens - overlap_credit * cached_tokens, 0) / block_size
+           + used_kv_blocks
+
+The lowest cost wins; ties are broken at random so routers do not herd onto the first worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cluster.routing.events import WorkerLoad
+
+POLICY_NAMES = ("prefix", "round-robin", "least-load", "random")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the router knows of one worker when it routes."""
+
+    worker_id: str
+    address: str
+    load: WorkerLoad
+    pending_prefill_tokens: int = 0  # prompt tokens this router sent whose first token has not come back yet
+    pending_requests: int = 0  # this router's requests in flight there
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        # The reported queue is up to one heartbeat old; our own recent sends cover the gap.
+        return max(self.load.queued_prefill_tokens, self.pending_prefill_tokens)
+
+    @property
+    def used_kv_blocks(self) -> float:
+        return self.load.kv_cache_usage * self.load.num_kv_blocks
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    prefill_load_scale: float = 1.0
+    overlap_credit: float = 1.0  # fraction of a cached token's prefill the credit takes off
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    worker: WorkerView
+    matched_blocks: int
+    cost: float
+
+
+def prefill_cost(worker: WorkerView, prompt_tokens: int, matched_blocks: int, block_size: int,
+                 weights: CostWeights) -> float:
+    cached = min(matched_blocks * block_size, prompt_tokens)
+    adjusted = max(worker.queued_prefill_tokens + prompt_tokens - weights.overlap_credit * cached, 0.0)
+    return weights.prefill_load_scale * adjusted / block_size + worker.used_kv_blocks
+
+
+def decode_cost(worker: WorkerView) -> float:
+    requests = max(worker.load.num_running + worker.load.num_waiting, worker.pending_requests)
+    return requests + worker.load.kv_cache_usage
+
+
+class RoutingPolicy:
+    """Base: cost-based choice with random tie-breaking. Subclasses change what the cost sees, or replace the pick
+    (`_pick_prefill` / `_pick_decode`); the public choices guard the empty pool once for all of them."""
+
+    name = "least-load"
+    uses_index = False
+
+    def __init__(self, weights: CostWeights | None = None, seed: int | None = None) -> None:
+        self.weights = weights or CostWeights()
+        self._rng = random.Random(seed)
+
+    def choose_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                       block_size: int) -> PrefillChoice:
+        if not workers:
+            raise ValueError("no prefill workers to choose from")
+        return self._pick_prefill(workers, matched, prompt_tokens, block_size)
+
+    def choose_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
+        if not workers:
+            raise ValueError("no decode workers to choose from")
+        return self._pick_decode(workers)
+
+    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int) -> PrefillChoice:
+        scored = []
+        for w in workers:
+            cached = matched.get(w.worker_id, 0)
+            credit = cached if self.uses_index else 0  # load-only policies ignore the cache
+            scored.append(PrefillChoice(w, cached, prefill_cost(w, prompt_tokens, credit, block_size, self.weights)))
+        best = min(c.cost for c in scored)
+        return self._rng.choice([c for c in scored if c.cost <= best + 1e-9])
+
+    def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
+        costs = [decode_cost(w) for w in workers]
+        best = min(costs)
+        return self._rng.choice([w for w, c in zip(workers, costs, strict=True) if c <= best + 1e-9])
+
+
+class PrefixPolicy(RoutingPolicy):
+    name = "prefix"
+    uses_index = True
+
+
+class LeastLoadPolicy(RoutingPolicy):
+    name = "least-load"
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round-robin"
+
+    def __init__(self, weights: CostWeights | None = None, seed: int | None = None) -> None:
+        super().__init__(weights, seed)
+        self._prefill_turn = itertools.count()
+        self._decode_turn = itertools.count()
+
+    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int) -> PrefillChoice:
+        worker = workers[next(self._prefill_turn) % len(workers)]
+        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0)
+
+    def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
+        return workers[next(self._decode_turn) % len(workers)]
+
+
+class RandomPolicy(RoutingPolicy):
+    name = "random"
+
+    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int) -> PrefillChoice:
+        worker = self._rng.choice(list(workers))
+        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0)
+
+    def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
+        return self._rng.choice(list(workers))
+
+
+def make_policy(name: str, weights: CostWeights | None = None, seed: int | None = None) -> RoutingPolicy:
+    policies: dict[str, type[RoutingPolicy]] = {"prefix": PrefixPolicy, "round-robin": RoundRobinPolicy,
+                                                "least-load": LeastLoadPolicy, "random": RandomPolicy}
+    if name not in policies:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return policies[name](weights, seed)

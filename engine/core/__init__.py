@@ -1,0 +1,1 @@
+"""KV bookkeeping and scheduling: blocks, prefix hashes, requests, the continuous-batching scheduler."""

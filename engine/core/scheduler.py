@@ -1,0 +1,317 @@
+"""Continuous-batching scheduler: one token budget per step covers decode, chunked prefill and prefix hits.
+
+Every request simply has `num_computed_tokens` catching up with `num_tokens` (prompt + generated). Each step
+serves running requests first, then admits waiting ones while budget, sequence slots and blocks last. When
+blocks run out, the most recently admitted running request is preempted (recompute, or swap to CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from engine.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.swap_space import SwapSpace
+from engine.outputs import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, swap_space: SwapSpace | None) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.swap_space = swap_space
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Decode side of P/D: requests whose prompt KV another worker is computing; never scheduled meanwhile.
+        self.remote_waiting: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._known_to_runner: set[str] = set()
+        self._finished_since_last_step: set[str] = set()
+
+    # ---- queue management -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self.remote_waiting.pop(request_id, None)
+            self._release(request, status)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return sum(1 for r in self.waiting if r.status is RequestStatus.SWAPPED)
+
+    # ---- remote prefill (decode side of P/D) ---------------------------------------------------------------
+    def admit_remote(self, request: Request, min_uncached_tokens: int) -> bool:
+        """Reserve blocks for the whole prompt of a request whose KV another worker computes and writes.
+
+        False (nothing reserved) when fewer than `min_uncached_tokens` prompt tokens miss the prefix cache or the
+        pool has no room: the caller then prefills locally.
+        """
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if num_new < min_uncached_tokens or self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+            return False
+        request.num_computed_tokens = num_hit
+        request.num_cached_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote_waiting[request.request_id] = request
+        return True
+
+    def take_remote_first_token(self, request: Request, first_token: int, sampler_state: bytes = b"") -> bool:
+        """The prefill worker's first token, arriving before the prompt's KV: count it as output now, so that it
+        streams at once. Declined (False, nothing changed) when the token ends the request: ending it frees blocks
+        that the transfer may still be writing, so that case waits for `resume_remote` as before."""
+        request.append_output_token(first_token)
+        if self._check_stop(request, first_token) is not None:
+            request.output_token_ids.pop()
+            request.all_token_ids.pop()
+            request.stop_reason = None
+            return False
+        request.remote_sampler_state = sampler_state
+        return True
+
+    def resume_remote(self, request: Request, first_token: int, sampler_state: bytes = b"") -> None:
+        """The prompt's KV is in the reserved blocks: run on as a decoding request with its first token (and the
+        prefill side's generator state, handed to the runner with the request's `NewRequestData`)."""
+        del self.remote_waiting[request.request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_time = time.monotonic()
+        self.kv.cache_blocks(request)
+        if request.num_output_tokens:  # the first token was taken early (a remote request has no other output)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            return
+        request.remote_sampler_state = sampler_state
+        request.append_output_token(first_token)
+        status = self._check_stop(request, first_token)
+        if status is not None:
+            self._release(request, status)
+            return
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def requeue_remote(self, request: Request) -> None:
+        """The remote prefill failed: drop the reserved blocks and recompute the prompt here."""
+        del self.remote_waiting[request.request_id]
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = -1
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_requests: list[NewRequestData] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            # Draft tokens (speculative decoding) are scheduled after the last token; each counts in the budget.
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                if request.spec_token_ids:  # no room for the drafts: drop them before preempting anyone
+                    request.spec_token_ids = []
+                    num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                    continue
+                victim = self.running.pop()
+                self._preempt(victim, swap_out)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            budget -= num_new
+            chunks.append(self._chunk(request, num_new, new_requests))
+            index += 1
+
+        skipped: list[Request] = []
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.wait_for is not None and not request.wait_for.prefill_done:
+                skipped.append(self.waiting.popleft())  # its sibling's prompt blocks are not cached yet
+                continue
+            if request.status is RequestStatus.SWAPPED:
+                num_new = request.num_tokens - request.num_computed_tokens
+                if num_new > budget or not self._swap_in(request, num_new, swap_in):
+                    break
+            else:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if num_new > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                    break
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+            self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            budget -= num_new
+            chunks.append(self._chunk(request, num_new, new_requests))
+        self.waiting.extendleft(reversed(skipped))
+
+        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        return SchedulerOutput(
+            new_requests=new_requests,
+            chunks=chunks,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+            finished_request_ids=finished,
+        )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply stop rules; returns the requests that changed."""
+        updated = []
+        for chunk in scheduler_output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue
+            tokens = runner_output.tokens_for(chunk.request_id)
+            if chunk.spec_token_ids:  # KV stays for the last token and the accepted drafts; the rest rolls back
+                request.num_computed_tokens += len(chunk.token_ids) - len(chunk.spec_token_ids) + len(tokens) - 1
+            else:
+                request.num_computed_tokens += len(chunk.token_ids)
+            request.spec_token_ids = []
+            for token in tokens:  # stop rules token by token: accepted drafts past a stop are dropped
+                request.append_output_token(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                    break
+            else:
+                status = None
+            if chunk.spec_token_ids:
+                self.kv.trim(request, request.num_tokens)
+            self.kv.cache_blocks(request)
+            if status is not None:
+                self.running.remove(request)
+                self._release(request, status)
+            updated.append(request)
+        return updated
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _chunk(self, request: Request, num_new: int, new_requests: list[NewRequestData]) -> ScheduledChunk:
+        if request.request_id not in self._known_to_runner:
+            self._known_to_runner.add(request.request_id)
+            new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                               list(request.output_token_ids), request.remote_sampler_state))
+        start = request.num_computed_tokens
+        end = start + num_new
+        num_spec = max(0, end - request.num_tokens)
+        token_ids = request.all_token_ids[start:end]
+        if num_spec:
+            token_ids += request.spec_token_ids[:num_spec]
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            start_position=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=end >= request.num_tokens,
+            prompt_logprobs=request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens,
+            spec_token_ids=request.spec_token_ids[:num_spec],
+        )
+
+    def _swap_in(self, request: Request, num_new: int, swap_in: list[tuple[int, int]]) -> bool:
+        assert self.swap_space is not None  # only swap mode produces SWAPPED requests
+        blocks = self.kv.allocate_for_swap_in(request, request.num_computed_tokens + num_new)
+        if blocks is None:
+            return False
+        num_swapped = len(self.swap_space.req_to_cpu_blocks[request.request_id])
+        swap_in.extend(self.swap_space.swap_in(request.request_id, [b.block_id for b in blocks[:num_swapped]]))
+        return True
+
+    def _preempt(self, victim: Request, swap_out: list[tuple[int, int]]) -> None:
+        pairs = None
+        if self.config.preemption_mode == "swap" and self.swap_space is not None and victim.num_computed_tokens:
+            used = self.kv.blocks_needed(victim.num_computed_tokens)
+            pairs = self.swap_space.swap_out(victim.request_id, self.kv.block_ids(victim.request_id)[:used])
+        self.kv.free(victim)
+        victim.spec_token_ids = []
+        if pairs is not None:
+            swap_out.extend(pairs)
+            victim.status = RequestStatus.SWAPPED
+        else:
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        if self.num_preemptions == 1 or self.num_preemptions % 50 == 0:
+            mode = "SWAP" if pairs is not None else "RECOMPUTE"
+            logger.warning(
+                "Request %s is preempted by PreemptionMode.%s mode because there is not enough KV cache space. "
+                "This can affect the end-to-end performance. Increase gpu_memory_utilization (or "
+                "kv_cache_memory_bytes) to provide more KV cache memory. total_num_cumulative_preemption=%d",
+                victim.request_id, mode, self.num_preemptions,
+            )
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:  # type: ignore[operator]
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request.kv_lease_s is not None and status is not RequestStatus.FINISHED_ABORTED:
+            self.kv.hold(request, time.monotonic() + request.kv_lease_s)
+        else:
+            self.kv.free(request)
+        if self.swap_space is not None:
+            self.swap_space.discard(request.request_id)
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._finished_since_last_step.add(request.request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record once its output was delivered."""
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished:
+            del self.requests[request_id]

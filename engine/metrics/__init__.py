@@ -1,0 +1,1 @@
+"""Engine counters, the periodic stats line and the Prometheus exporter."""

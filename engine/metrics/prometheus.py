@@ -1,0 +1,117 @@
+"""Prometheus exporter of one engine: vLLM's metric names (label `model_name`) plus `kvflow:*` for P/D.
+
+It reads `EngineStats` snapshots and finished-request timings handed over by the engine thread every ~0.5 s
+(engine/async_engine.py), never per token. One `CollectorRegistry` per instance: no global registry state.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.metrics.stats import EngineStats, FinishedRequestTiming
+
+# vLLM's bucket boundaries for the request latency histograms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, m, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, m, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "Alias of vllm:kv_cache_usage_perc.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.success = Counter("vllm:request_success", "Count of finished requests.", ["model_name",
+                               "finished_reason"], registry=r)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token.", TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time spent waiting in the queue.",
+                                    E2E_BUCKETS)
+        self.transfer_bytes = Counter("kvflow:kv_transfer_bytes", "KV bytes moved between workers, by transfer "
+                                      "backend (nccl, gloo, grpc).", ["model_name", "backend"], registry=r)
+        self.transfer_seconds = Histogram("kvflow:kv_transfer_seconds", "Duration of one request's KV transfer "
+                                          "(overlapping prefill compute), by backend.", ["model_name", "backend"],
+                                          buckets=TRANSFER_BUCKETS, registry=r)
+        self.blocks_freed = counter("kvflow:kv_blocks_freed",
+                                    "KV blocks freed after a transfer finished, was cancelled or its lease expired.")
+        self.fallback = Counter("kvflow:disagg_fallback", "Disaggregated prefills that fell back to local "
+                                "recompute.", ["model_name", "reason"], registry=r)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", ["model_name", "position"],
+                                             registry=r)
+        self._last = EngineStats()
+
+    def update(self, stats: EngineStats, timings: list[FinishedRequestTiming]) -> None:
+        """Apply a stats snapshot (cumulative counters become increments) and observe finished requests."""
+        last, self._last = self._last, stats
+        self.running.set(stats.num_requests_running)
+        self.waiting.set(stats.num_requests_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
+        for metric, now, before in (
+            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (self.preemptions, stats.num_preemptions, last.num_preemptions),
+            (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
+            (self.generation_tokens, stats.generation_tokens, last.generation_tokens),
+            (self.spec_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
+            (self.spec_draft_tokens, stats.spec_decode_num_draft_tokens, last.spec_decode_num_draft_tokens),
+            (self.spec_accepted_tokens, stats.spec_decode_num_accepted_tokens, last.spec_decode_num_accepted_tokens),
+        ):
+            if now > before:
+                metric.inc(now - before)
+        before_pos = last.spec_decode_num_accepted_tokens_per_pos
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            delta = count - (before_pos[position] if position < len(before_pos) else 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(delta)
+        for reason, count in stats.request_success.items():
+            delta = count - last.request_success.get(reason, 0)
+            if delta > 0:
+                self.success.labels(self.model_name, reason).inc(delta)
+        for timing in timings:
+            self.e2e.observe(timing.e2e_s)
+            self.queue_time.observe(timing.queue_s)
+            if timing.ttft_s is not None:
+                self.ttft.observe(timing.ttft_s)
+            if timing.mean_tpot_s is not None:
+                for _ in range(timing.generation_tokens - 1):  # vLLM observes every inter-token interval
+                    self.tpot.observe(timing.mean_tpot_s)
+
+    def record_transfer(self, backend: str, num_bytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels(self.model_name, backend).inc(num_bytes)
+        self.transfer_seconds.labels(self.model_name, backend).observe(seconds)
+
+    def record_fallback(self, reason: str) -> None:
+        self.fallback.labels(self.model_name, reason).inc()
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Plain-HTTP `/metrics` on a daemon thread."""
+        start_http_server(port, addr=host, registry=self.registry)

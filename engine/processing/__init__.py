@@ -1,0 +1,1 @@
+"""From request to tokens and back: tokenizer, chat templates, generation defaults, detokenization."""

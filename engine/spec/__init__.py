@@ -1,0 +1,1 @@
+"""Speculative decoding: configuration, draft proposers, verification and rejection sampling."""

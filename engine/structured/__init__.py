@@ -1,0 +1,1 @@
+"""Structured output (guided decoding) through xgrammar: request parameters, compilation, bitmasks."""

@@ -1,0 +1,1 @@
+"""Shared test helpers: the HF oracle and prompt sets, P/D worker clusters, fake workers behind a real router, a live `kvflow serve`."""
