@@ -83,7 +83,7 @@ def time_steps(engine: LLMEngine, batch: int, num_drafts: int, iters: int, tag: 
 def throughput(llm: LLM, proposer: NgramProposer | None, prompts: list[list[int]], output_len: int) -> dict:
     engine = llm.llm_engine
     engine.proposer = proposer
-    s = engine.metrics.stats
+    s = engine.stats
     before = (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
@@ -137,14 +137,14 @@ def main() -> None:
         for mode, proposer in (("off", None), ("ngram", ngram_on), ("off_again", None), ("ngram_again", ngram_on)):
             engine.proposer = proposer
             params = SamplingParams(temperature=0.0, max_tokens=rep_out, ignore_eos=True)
-            before = (engine.metrics.stats.spec_decode_num_draft_tokens, engine.metrics.stats.spec_decode_num_accepted_tokens)
+            before = (engine.stats.spec_decode_num_draft_tokens, engine.stats.spec_decode_num_accepted_tokens)
             start = time.perf_counter()
             outs = llm.generate(batch_prompts, params)
             elapsed = time.perf_counter() - start
             ids[mode] = [list(o.outputs[0].token_ids) for o in outs]
             runs0[mode] = {"output_tok_s": round(sum(map(len, ids[mode])) / elapsed, 1),
-                           "draft_tokens": engine.metrics.stats.spec_decode_num_draft_tokens - before[0],
-                           "accepted_tokens": engine.metrics.stats.spec_decode_num_accepted_tokens - before[1]}
+                           "draft_tokens": engine.stats.spec_decode_num_draft_tokens - before[0],
+                           "accepted_tokens": engine.stats.spec_decode_num_accepted_tokens - before[1]}
         diverge = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
                    for x, y in zip(ids["off"], ids["ngram"], strict=True)]
         best_on = max(runs0["ngram"]["output_tok_s"], runs0["ngram_again"]["output_tok_s"])

@@ -73,7 +73,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     vocab = engine.config.model.arch.vocab_size
     eos = engine.eos_token_id if engine.eos_token_id is not None else vocab - 1
     manager = StructuredOutputManager(None, vocab, eos, tokenizer_info=synthetic_tokenizer_info(vocab, eos))
-    engine.structured.grammar = manager  # the engine compiles (validation), its runner builds matchers
+    engine.structured_output = manager  # the engine compiles (validation), its runner builds matchers
     engine.runner.structured_output = manager
     return engine
 
@@ -114,7 +114,7 @@ def grammar_accepts(engine: LLMEngine, tokens: list[int]) -> tuple[bool, int]:
     tokens the JSON took (until the grammar terminated)."""
     import xgrammar as xgr
 
-    manager = engine.structured.grammar
+    manager = engine.structured_output
     matcher = xgr.GrammarMatcher(manager.compile(StructuredOutputsParams(json=SCHEMA)))
     for n, token in enumerate(tokens):
         if matcher.is_terminated():
