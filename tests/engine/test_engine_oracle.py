@@ -80,5 +80,5 @@ def test_preemption_keeps_outputs(reference: tuple[list[list[int]], list[list[in
     engine = tight.llm_engine
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks  # nothing leaked
     if mode == "swap":
-        assert engine.core.scheduler.swap_space is not None
-        assert engine.core.scheduler.swap_space.num_free_blocks == engine.core.scheduler.swap_space.num_blocks
+        assert engine.scheduler.swap_space is not None
+        assert engine.scheduler.swap_space.num_free_blocks == engine.scheduler.swap_space.num_blocks

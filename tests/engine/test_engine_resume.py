@@ -73,6 +73,6 @@ def test_shared_params_are_not_mutated(engine: LLMEngine) -> None:
     engine.add_request("long", list(range(3, 400)), shared)
     engine.add_request("short", [3, 4, 5], shared)
     assert shared.max_tokens is None
-    assert engine.core.scheduler.requests["short"].max_tokens == 512 - 3
+    assert engine.scheduler.requests["short"].max_tokens == 512 - 3
     engine.abort_request(["long", "short"])
     engine.step()

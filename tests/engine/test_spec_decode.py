@@ -204,12 +204,12 @@ def test_aborts_mid_speculation_leak_no_blocks(ngram_llm: LLM) -> None:
         engine.add_request(f"abort-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40))
     for _ in range(200):
         engine.step()
-        engine.proposer.propose(engine.core.scheduler.running)  # what the next step starts with
-        if any(r.spec_token_ids for r in engine.core.scheduler.running):
+        engine.proposer.propose(engine.scheduler.running)  # what the next step starts with
+        if any(r.spec_token_ids for r in engine.scheduler.running):
             break
-    assert any(r.spec_token_ids for r in engine.core.scheduler.running)
-    engine.abort_request([r.request_id for r in engine.core.scheduler.running if not r.spec_token_ids])  # room
-    out = engine.core.scheduler.schedule()  # KV slots for the drafts are allocated: the abort lands mid-speculation
+    assert any(r.spec_token_ids for r in engine.scheduler.running)
+    engine.abort_request([r.request_id for r in engine.scheduler.running if not r.spec_token_ids])  # room
+    out = engine.scheduler.schedule()  # KV slots for the drafts are allocated: the abort lands mid-speculation
     assert any(c.spec_token_ids for c in out.chunks)
     engine.abort_all()
     engine.step()

@@ -150,7 +150,7 @@ def test_the_llm_engine_samples_under_the_configured_grammar() -> None:
                  structured_outputs_config=config) as llm:
             engine = llm.llm_engine
             info = _raw_vocab(engine.config.model.arch.vocab_size, engine.eos_token_id)
-            engine.structured.grammar.tokenizer_info = info  # "tiny" has no tokenizer; read at the first compile
+            engine.structured_output.tokenizer_info = info  # "tiny" has no tokenizer; read at the first compile
             params = SamplingParams(max_tokens=24, temperature=0,
                                     structured_outputs=StructuredOutputsParams(json=schema))
             out = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [9, 8]}], params)
