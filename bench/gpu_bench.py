@@ -504,8 +504,8 @@ def decode_workload(report: Report, name: str, engine: LLMEngine, hf: Any | None
         graph = graphs.graphs[graphs.sizes[0]].graph  # forward + lm_head + argmax at batch 1
         rec["graph_replay_ms"] = cuda_time(graph.replay, 50) * 1e3
         rec["host_ms_per_step"] = best["tpot"] * 1e3 - rec["graph_replay_ms"]  # < 0 ms: host hidden by ahead
-        rec["decode_ahead_hits"] = engine.runner.ahead_hits
-        rec["decode_ahead_misses"] = engine.runner.ahead_misses
+        rec["decode_ahead_hits"] = engine.runner.decode_ahead.hits
+        rec["decode_ahead_misses"] = engine.runner.decode_ahead.misses
         if PROFILE_KERNELS:
             kernel_table(graph.replay, 20)
     if PROFILE_HOST:

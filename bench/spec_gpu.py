@@ -67,7 +67,7 @@ def time_steps(engine: LLMEngine, batch: int, num_drafts: int, iters: int, tag: 
         drafts = [(7 * i + j) % 1000 + 3 for j in range(num_drafts)]
         chunks.append(ScheduledChunk(rid, [5, *drafts], CONTEXT, table, True, False, drafts))
     times = []
-    runner.ahead_score = float("-inf")  # time single steps, not decode-ahead's pipelined replays
+    runner.decode_ahead.score = float("-inf")  # time single steps, not decode-ahead's pipelined replays
     for it in range(iters + 3):
         so = SchedulerOutput(new if it == 0 else [], chunks, batch * (1 + num_drafts))
         _sync(runner.device)

@@ -141,17 +141,6 @@ class BlockPool:
         if self.enable_events:
             self.events.append(BlockStored([block_hash], parent_hash))
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_usable_blocks:
-            return False
-        if self.cached and self.enable_events:
-            self.events.append(BlockRemoved(list(self.cached)))
-        for block in self.cached.values():
-            block.block_hash = None
-        self.cached.clear()
-        return True
-
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events

@@ -26,12 +26,15 @@ the KV cache gets the rest. Offloading k >= 2 layers frees k - 2 layers of GPU m
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 256  # byte alignment of each parameter inside the flat buffers (what the GEMM kernels like)
 STAGING_BUFFERS = 2  # one layer computing from one while the next layer's weights land in the other
@@ -56,6 +59,17 @@ class OffloadPlan:
     @property
     def gpu_bytes_saved(self) -> int:
         return self.offloaded_bytes - self.staging_bytes
+
+    def log(self) -> None:
+        gib = 2**30
+        logger.info("cpu offload: layers 0-%d of %d (%.2f GiB) in pinned host memory, copied per forward (one layer "
+                    "ahead, on a copy stream) through %.2f GiB of staging buffers: %.2f GiB of GPU memory freed",
+                    self.num_layers - 1, self.total_layers, self.offloaded_bytes / gib, self.staging_bytes / gib,
+                    self.gpu_bytes_saved / gib)
+        if self.gpu_bytes_saved <= 0:
+            logger.warning("cpu_offload_gb covers %d layer(s), which frees no GPU memory (the two staging buffers "
+                           "are a layer each): offload at least three layers' worth (%.2f GiB) or none",
+                           self.num_layers, 3 * self.layer_bytes / gib)
 
 
 def plan_offload(budget_bytes: int, layer_bytes: int, total_layers: int) -> OffloadPlan:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -42,10 +41,6 @@ def can_speculate(request: Request) -> bool:
     """A decoding request without an output grammar: drafts are not checked against a grammar matcher, so
     structured-output requests decode one token a step."""
     return is_decoding(request) and request.sampling_params.structured_outputs is None
-
-
-class Proposer(Protocol):
-    def propose(self, running: list[Request]) -> None: ...
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineArgs
-from engine.runner.model_runner import GpuMemory
+from engine.runner.memory import GpuMemory
 from kvflow.launcher import ClusterSpec, Placement, engine_argv, place_workers
 
 GiB = 1 << 30

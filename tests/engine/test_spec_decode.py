@@ -297,7 +297,7 @@ def test_verify_as_decode_rows_matches_the_extend_forward() -> None:
     states: row r attends to the prefix plus rows 0..r-1, whose KV the step wrote first."""
     from engine.outputs import ScheduledChunk
     from engine.runner.attention import AttentionBatch
-    from engine.runner.model_runner import expand_to_decode_rows
+    from engine.runner.input_batch import expand_to_decode_rows
 
     engine = LLMEngine.from_engine_args(EngineArgs(model="tiny", load_format="dummy", device="cpu",
                                                    dtype="float32", kv_cache_memory_bytes=1 << 22, seed=0))
@@ -334,7 +334,7 @@ def test_verify_as_decode_rows_matches_the_extend_forward() -> None:
 
 def test_expand_to_decode_rows_keeps_plain_chunks_sampling_their_last_row() -> None:
     from engine.outputs import ScheduledChunk
-    from engine.runner.model_runner import expand_to_decode_rows
+    from engine.runner.input_batch import expand_to_decode_rows
 
     chunks = [ScheduledChunk("a", [5], 40, [2, 7, 9], True, False, []),
               ScheduledChunk("b", [6, 8, 9], 16, [4, 1], True, False, [8, 9])]

@@ -306,8 +306,8 @@ def test_decode_graph_path_and_decode_ahead_keep_outputs() -> None:
     solo = [_run_engine(eng, prompts[2:3], greedy[2:3]) for eng in (base, fake)]
     assert solo[0] == solo[1]
     runner = fake.runner
-    misses = runner.ahead_misses
-    assert runner.ahead_hits > 20 and misses >= 1  # the stop-token finish could not be predicted
+    misses = runner.decode_ahead.misses
+    assert runner.decode_ahead.hits > 20 and misses >= 1  # the stop-token finish could not be predicted
     for eng in (base, fake):
         eng.add_request("a", prompts[0], greedy[2])
         for _ in range(6):
@@ -315,4 +315,4 @@ def test_decode_graph_path_and_decode_ahead_keep_outputs() -> None:
         eng.add_request("b", prompts[1], greedy[1])
     outs = [_run_engine(eng, [], []) for eng in (base, fake)]
     assert set(outs[0]) == {"a", "b"} and outs[0] == outs[1]
-    assert runner.ahead_misses > misses
+    assert runner.decode_ahead.misses > misses

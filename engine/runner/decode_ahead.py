@@ -1,0 +1,114 @@
+"""Decode-ahead (CUDA graphs, all-greedy batches, grammar-constrained rows included): after a decode step the
+runner queues the replay of the step it expects next (same requests, each one position further, fed this step's
+argmax, grammar-masked where a request has a grammar, on the device) before it waits for this step's ids. The GPU
+then runs step n+1 while the host finishes step n and schedules n+1.
+
+Invariants:
+- At most one replay is queued, and the next step takes it only if the scheduler asks for exactly that step (same
+  requests in the same order, the predicted positions, tokens and KV slots); otherwise it is dropped.
+- A dropped replay only wrote K/V at a slot the request itself owns, one past its context, which the real next
+  write of that slot replaces.
+- Nothing is queued for a row that may finish at the next step (max_tokens, max_model_len) or whose next KV slot
+  is not in a block it already holds (the scheduler allocates first: nothing to guess).
+- Each miss costs a step of GPU time, so a score (the share of recent replays that were used) gates queueing:
+  below AHEAD_MIN_SCORE nothing is queued and the score creeps back by AHEAD_RECOVERY per eligible step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import ScheduledChunk
+from engine.runner.cuda_graphs import DecodeGraphs, DecodeResult
+from engine.runner.input_batch import RunnerRequestState
+
+AHEAD_MIN_SCORE = 0.3  # two misses in a row from a clean record stop decode-ahead ...
+AHEAD_RECOVERY = 0.02  # ... for about 10 eligible steps
+
+
+@dataclass
+class AheadStep:
+    """A decode replay queued before the scheduler asked for it, and the step it assumed."""
+
+    request_ids: list[str]
+    positions: list[int]
+    slot_blocks: list[int]  # the block holding each row's new KV
+    result: DecodeResult
+    tokens: list[int] = field(default_factory=list)  # the fed ids, known on the host once the step before returns
+
+    def matches(self, chunks: list[ScheduledChunk], block_size: int) -> bool:
+        if len(chunks) != len(self.request_ids):
+            return False
+        for chunk, rid, pos, blk, tok in zip(chunks, self.request_ids, self.positions, self.slot_blocks,
+                                             self.tokens, strict=True):
+            if (chunk.request_id != rid or chunk.start_position != pos or chunk.token_ids[0] != tok
+                    or chunk.block_ids[pos // block_size] != blk):
+                return False
+        return True
+
+
+class DecodeAhead:
+    """The replay queued ahead (if any) and the record of how often one was used."""
+
+    def __init__(self, block_size: int, max_model_len: int) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.pending: AheadStep | None = None
+        self.score = 1.0
+        self.hits = 0
+        self.misses = 0
+
+    def take(self, chunks: list[ScheduledChunk]) -> DecodeResult | None:
+        """The queued replay if it is exactly this step; otherwise None (a miss, if one was queued). Either way
+        nothing stays queued."""
+        ahead, self.pending = self.pending, None
+        if ahead is None:
+            return None
+        if not ahead.matches(chunks, self.block_size):
+            self._count_miss()
+            return None
+        self.hits += 1
+        self.score = min(1.0, 0.9 * self.score + 0.1)
+        return ahead.result
+
+    def queue(self, chunks: list[ScheduledChunk], positions: list[int], states: list[RunnerRequestState],
+              tokens: torch.Tensor, graphs: DecodeGraphs) -> None:
+        """Replay the step after this one now, fed `tokens` (this step's ids, on the device), if every row will
+        still be running and its next KV slot is in a block it already holds."""
+        if self.score < AHEAD_MIN_SCORE:
+            self.score += AHEAD_RECOVERY
+            return
+        bs = self.block_size
+        nxt = [p + 1 for p in positions]
+        for chunk, state, p in zip(chunks, states, nxt, strict=True):
+            max_tokens = state.params.max_tokens
+            if (p // bs >= len(chunk.block_ids) or p + 1 >= self.max_model_len
+                    or (max_tokens is not None and len(state.output_token_ids) + 1 >= max_tokens)):
+                return
+        if not graphs.can_run(len(nxt), max(nxt) + 1):
+            return
+        slot_blocks = [chunk.block_ids[p // bs] for chunk, p in zip(chunks, nxt, strict=True)]
+        slots = [blk * bs + p % bs for blk, p in zip(slot_blocks, nxt, strict=True)]
+        result = graphs.run_ahead(tokens, nxt, slots, [p + 1 for p in nxt], [chunk.block_ids for chunk in chunks])
+        self.pending = AheadStep([chunk.request_id for chunk in chunks], nxt, slot_blocks, result)
+
+    def fed(self, tokens: list[int]) -> None:
+        """The queued replay's input ids, now known on the host (what `take` compares with the next step)."""
+        if self.pending is not None:
+            self.pending.tokens = tokens
+
+    def drop(self) -> None:
+        """The next step is not a graph decode step: a queued replay is a miss."""
+        if self.pending is not None:
+            self.pending = None
+            self._count_miss()
+
+    def clear(self) -> None:
+        """Forget a queued replay without counting it (the graphs are being released)."""
+        self.pending = None
+
+    def _count_miss(self) -> None:
+        self.misses += 1
+        self.score *= 0.5
