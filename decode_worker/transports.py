@@ -34,8 +34,9 @@ from cluster.wire import (
     logprobs_from_proto,
     sampling_params_to_proto,
 )
+from cluster.worker.channels import ChannelPool
 from cluster.worker.faults import FaultInjector
-from cluster.worker.runtime import ChannelPool, in_passing_thread
+from cluster.worker.threads import in_passing_thread
 from decode_worker.allowlist import PrefillAllowlist
 from engine.kv_layout import KVSlice, KVTransferError, check_slice
 from engine.kv_port import KVPort

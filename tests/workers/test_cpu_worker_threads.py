@@ -16,7 +16,8 @@ import torch
 
 from cluster.transfer.contract import PullJob, PullResult, tensor_bytes
 from cluster.wire import BACKEND_ENUMS, layout_to_proto
-from cluster.worker.runtime import ChannelPool, in_passing_thread
+from cluster.worker.channels import ChannelPool
+from cluster.worker.threads import in_passing_thread
 from decode_worker.transports import GrpcKVTransport
 from engine.config import EngineArgs
 from engine.kv_layout import KVSlice
