@@ -1,6 +1,6 @@
 """The process a worker runs, whatever its role: the engine behind its thread, gRPC server, device-touching health,
-`Info`, KV events, the KV-link endpoint, `/metrics`, Redis registration and the SIGTERM drain. Its CLI flags are
-cluster/worker/args.py.
+`Info`, KV events, both ends of KV transfer (built by cluster/transfer/registry.py), `/metrics`, Redis registration
+and the SIGTERM drain. Its CLI flags are cluster/worker/args.py.
 
 A role adds only its servicers (prefill_worker/, decode_worker/) through `serve_worker`. The gRPC port serves only
 holders of the cluster credential, but for `Info` and health (cluster/auth.py); channels to peers present it.
@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,12 +34,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.auth import ClusterAuth, public_info
 from cluster.routing.index import validate_index_url
-from cluster.transfer.link import PrefillLinks
+from cluster.transfer.faults import FaultInjector
+from cluster.transfer.registry import WorkerTransfer, build_worker_transfer
 from cluster.wire import layout_to_proto
 from cluster.worker.args import server_engine_args
 from cluster.worker.channels import GRPC_OPTIONS, ChannelPool
 from cluster.worker.events import KVEventHub
-from cluster.worker.faults import FaultInjector
 from cluster.worker.threads import in_passing_thread
 from engine.async_engine import AsyncEngine
 from engine.kv_port import KVPort
@@ -146,8 +146,8 @@ def admitted(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
 
 @dataclass
 class WorkerContext:
-    """What a role's servicers get: the engine (behind its thread), metrics, KV events, peers' channels and the
-    KV-link endpoint."""
+    """What a role's servicers get: the engine (behind its thread), metrics, KV events, peers' channels and both
+    ends of KV transfer."""
 
     engine: AsyncEngine
     kv_port: KVPort  # the engine's KV cache, as transfers may touch it
@@ -155,16 +155,12 @@ class WorkerContext:
     events: KVEventHub
     worker_id: str
     model_name: str
-    kv_transfer_backend: str
     channels: ChannelPool
-    links: PrefillLinks
-    # Awaited at shutdown, after the gRPC server drained (e.g. the decode role's KV transports and links).
-    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    transfer: WorkerTransfer  # closed at shutdown, after the gRPC server stopped
     auth: ClusterAuth = field(default_factory=ClusterAuth)
     admission: Admission = field(default_factory=Admission)
     # Called when --drain-timeout passed with requests still in flight: end them (each stream ends by itself).
     on_drain_timeout: list[Callable[[], None]] = field(default_factory=list)
-    faults: FaultInjector = field(default_factory=FaultInjector)  # --kv-transfer-fault-rate (fault tests only)
 
 
 class WorkerServicer:
@@ -222,11 +218,11 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     engine.start()
     address = f"{args.host}:{args.port}"
     advertised = args.advertise_address or address
-    links = PrefillLinks(llm_engine.kv_port, advertised.rsplit(":", 1)[0])
     channels = ChannelPool(auth)
-    context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name,
-                            args.kv_transfer_backend, channels, links, auth=auth,
-                            faults=faults)
+    transfer = build_worker_transfer(args.kv_transfer_backend, llm_engine.kv_port, worker_id,
+                                     advertised.rsplit(":", 1)[0], channels, faults)
+    context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name, channels, transfer,
+                            auth=auth)
 
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
     add_servicers(server, context)
@@ -263,9 +259,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
         watch.cancel()
     await _drain(context, health, registration, args.drain_timeout, cut_short)
     await server.stop(ABORT_FLUSH_S)
-    for close in context.on_shutdown:
-        await close()
-    links.close()
+    await transfer.close()
     await channels.close()
     await engine.stop()
     llm_engine.shutdown()  # the other tensor-parallel ranks, if any
