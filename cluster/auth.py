@@ -247,17 +247,11 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
                                 details.credentials, getattr(details, "wait_for_ready", None),
                                 getattr(details, "compression", None))
 
-    def intercept_unary_unary(self, continuation: Any, details: grpc.ClientCallDetails, request: Any) -> Any:
-        return continuation(self._details(details), request)
+    def _forward(self, continuation: Any, details: grpc.ClientCallDetails, request_or_requests: Any) -> Any:
+        return continuation(self._details(details), request_or_requests)
 
-    def intercept_unary_stream(self, continuation: Any, details: grpc.ClientCallDetails, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: grpc.ClientCallDetails, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
-
-    def intercept_stream_stream(self, continuation: Any, details: grpc.ClientCallDetails, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
+    # Every call shape adds the token the same way.
+    intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _forward
 
 
 @dataclass(frozen=True)
@@ -274,28 +268,26 @@ class _AioToken:
     def __init__(self, token: str) -> None:
         self._token = token
 
-    def _details(self, call: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        return call._replace(metadata=grpc.aio.Metadata(*_with_token(call.metadata, self._token)))
+    async def _forward(self, continuation: Any, call: grpc.aio.ClientCallDetails, request_or_requests: Any) -> Any:
+        details = call._replace(metadata=grpc.aio.Metadata(*_with_token(call.metadata, self._token)))
+        return await continuation(details, request_or_requests)
 
 
+# One class per call shape: a grpc.aio channel files each interceptor under the first shape it has.
 class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, call: Any, request: Any) -> Any:
-        return await continuation(self._details(call), request)
+    intercept_unary_unary = _AioToken._forward
 
 
 class _AioUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, call: Any, request: Any) -> Any:
-        return await continuation(self._details(call), request)
+    intercept_unary_stream = _AioToken._forward
 
 
 class _AioStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, call: Any, requests: Any) -> Any:
-        return await continuation(self._details(call), requests)
+    intercept_stream_unary = _AioToken._forward
 
 
 class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, call: Any, requests: Any) -> Any:
-        return await continuation(self._details(call), requests)
+    intercept_stream_stream = _AioToken._forward
 
 
 def _aio_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:

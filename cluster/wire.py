@@ -43,10 +43,6 @@ def _is_repeated(field: Any) -> bool:
 
 
 _REPEATED = {name for name, field in _MESSAGE_FIELDS.items() if _is_repeated(field)}
-BACKEND_NAMES = {pb.KV_TRANSFER_BACKEND_UNSPECIFIED: "grpc", pb.KV_TRANSFER_BACKEND_GRPC: "grpc",
-                 pb.KV_TRANSFER_BACKEND_NCCL: "nccl", pb.KV_TRANSFER_BACKEND_GLOO: "gloo"}
-BACKEND_ENUMS = {"grpc": pb.KV_TRANSFER_BACKEND_GRPC, "nccl": pb.KV_TRANSFER_BACKEND_NCCL,
-                 "gloo": pb.KV_TRANSFER_BACKEND_GLOO}
 
 
 # ---- sampling parameters ---------------------------------------------------------------------------------------

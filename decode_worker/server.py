@@ -4,8 +4,9 @@ Per request: if a prefill address is given, the request is single-sample, and at
 `--disagg-min-prompt-tokens` prompt tokens miss the local prefix cache, blocks for the prompt are reserved and
 the KV is pulled from the prefill worker (leading blocks cached here are skipped). Otherwise, or when the pull
 fails (counted in kvflow:disagg_fallback_total{reason}), the prompt is prefilled here; so is a prompt whose
-prefill address is not in `--prefill-allowlist` (reason "prefill_not_allowed", decode_worker/allowlist.py). Tokens
-stream to the caller from this worker only.
+prefill address is not in `--prefill-allowlist` (reason "prefill_not_allowed", decode_worker/allowlist.py): that
+check comes first, so no channel is ever opened to (and no cluster credential sent to) an address it refuses. The
+KV arrives through the worker's `KVReceiver` (cluster/transfer/). Tokens stream to the caller from this worker only.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.transfer.contract import DEFAULT_LEASE_S, PullJob
+from cluster.transfer.contract import DEFAULT_LEASE_S, PullJob, PullResult
+from cluster.transfer.prefill_stream import finish_uncancelled
+from cluster.transfer.protocols import FirstTokenCallback, KVReceiver
 from cluster.wire import FINISH_REASON_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 from cluster.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
 from decode_worker.allowlist import PrefillAllowlist
-from decode_worker.transports import KVTransports, finish_uncancelled
 from engine.errors import InvalidRequest
 from engine.kv_layout import KVTransferError
 from engine.llm_engine import LLMEngine, RemoteSlot
@@ -51,14 +53,12 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         self.ctx = ctx
         self.engine = ctx.engine
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
-        allowlist = PrefillAllowlist(prefill_allowlist, holds_token=ctx.auth.token is not None)
-        self.transports = KVTransports(ctx.kv_transfer_backend, ctx.kv_port, ctx.worker_id,
-                                       ctx.channels, allowlist, ctx.faults)
-        ctx.on_shutdown.append(self.transports.close)
+        self.allowlist = PrefillAllowlist(prefill_allowlist, holds_token=ctx.auth.token is not None)
+        self.receiver: KVReceiver = ctx.transfer.receiver
         ctx.on_drain_timeout.append(self._abort_all)
         self._active: set[str] = set()
         self._drained: set[str] = set()  # aborted by the drain timeout, not by their caller
-        self._pulls: dict[str, asyncio.Task] = {}  # requests whose reserved blocks a transport is writing
+        self._pulls: dict[str, asyncio.Task] = {}  # requests whose reserved blocks the receiver is writing
         self._aborted_pulls: set[str] = set()
 
     @admitted
@@ -182,7 +182,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         async def take_first_token(token: int, logprobs: PositionLogprobs | None, sampler_state: bytes) -> None:
             await self.engine.call(lambda e: e.take_remote_first_token(request_id, token, logprobs, sampler_state))
 
-        task = asyncio.ensure_future(self.transports.pull(address, job, take_first_token))
+        task = asyncio.ensure_future(self._allowed_pull(address, job, take_first_token))
         self._pulls[request_id] = task
         try:
             result = await task
@@ -206,6 +206,12 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
                                               result.sampler_state))
         return (pb.PREFILL_PATH_DISAGGREGATED, result.seconds, result.wire_seconds, result.remote_cached_tokens,
                 result.remote_timings)  # type: ignore[return-value]
+
+    async def _allowed_pull(self, address: str, job: PullJob, on_first_token: FirstTokenCallback) -> PullResult:
+        """The pull, if `address` is in --prefill-allowlist (checked before anything is sent there)."""
+        if not await self.allowlist.allows(address):
+            raise KVTransferError("prefill_not_allowed", f"prefill address {address} is not in --prefill-allowlist")
+        return await self.receiver.pull(address, job, on_first_token)
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[SamplingParams, str | dict[str, list[int]]]:
         params = sampling_params_from_proto(request.sampling_params)

@@ -222,7 +222,7 @@ def shared_cores_openmp_env(env: dict[str, str]) -> dict[str, str]:
 
     A worker whose OpenMP threads fit its cores gets libgomp's full spin after each parallel region (300,000
     spins), which is what a lone worker wants (its decode step 51-56 -> 41-44 ms once its engine thread held the
-    only OpenMP pool: cluster/worker/runtime.py `in_passing_thread`); two such workers on 2 cores spin against each
+    only OpenMP pool: cluster/worker/threads.py `in_passing_thread`); two such workers on 2 cores spin against each
     other (1P+1D served 1.25 -> 0.45 req/s). 1,000 spins is libgomp's own choice when threads outnumber cores.
     The caller's GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
     if env.get("GOMP_SPINCOUNT") or env.get("OMP_WAIT_POLICY"):

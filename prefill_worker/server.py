@@ -3,43 +3,29 @@ KV blocks to the calling decode worker as prefill chunks complete, then the firs
 
 Right after the step that completed them (a step hook, on the engine thread), newly full blocks are exported
 through the engine's `KVPort` into contiguous staging tensors, so the transfer overlaps the remaining prefill
-compute. They travel over the decode worker's KV link (`KVLink`: NCCL or gloo) or, with the gRPC backend, as
-bytes in this stream. A finished request's blocks are held (lease) until that export is taken; a cancelled stream
-aborts the request and frees its blocks at once.
+compute. The request's `KVSender` (cluster/transfer/) carries them: over the decode worker's KV link (`KVLink`:
+NCCL or gloo) or, with the gRPC backend, as bytes in this stream. A finished request's blocks are held (lease)
+until that export is taken; a cancelled stream aborts the request and frees its blocks at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
-from cluster.transfer.contract import (
-    DEFAULT_LEASE_S,
-    GRPC_MAX_CHUNK_BYTES,
-    LINK_MAX_CHUNK_BYTES,
-    plan_slices,
-    tensor_bytes,
-)
-from cluster.transfer.link import SendLink
-from cluster.wire import (
-    BACKEND_ENUMS,
-    BACKEND_NAMES,
-    layout_from_proto,
-    layout_to_proto,
-    logprobs_to_proto,
-    sampling_kwargs_from_proto,
-)
+from cluster.transfer.backends import BACKEND_ENUMS
+from cluster.transfer.contract import DEFAULT_LEASE_S
+from cluster.transfer.protocols import KVSender
+from cluster.wire import layout_from_proto, layout_to_proto, logprobs_to_proto, sampling_kwargs_from_proto
 from cluster.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
 from engine.errors import InvalidRequest
 from engine.kv_layout import KV_ORDER
-from engine.kv_port import KVExport, KVPort
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -51,7 +37,7 @@ MAX_LEASE_S = 600.0
 
 @dataclass
 class _Staged:
-    exports: list[KVExport]  # gRPC backend: slices for this stream to serialize
+    chunks: AsyncIterator[pb.KVChunk]  # gRPC backend: KV messages for this stream to carry
 
 
 @dataclass
@@ -66,43 +52,27 @@ class _Transfer:
     """One request's KV stream; `next_block` is touched on the engine thread only."""
 
     request_id: str  # the engine's id
-    caller_id: str  # the decode worker's id, which link notices carry
     num_prompt_tokens: int
     total_blocks: int
     next_block: int
-    link: SendLink | None  # None: the blocks go as bytes in the Prefill stream
-    num_bytes: int = 0  # exported so far (engine thread)
+    sender: KVSender
     inbox: asyncio.Queue[_Staged | _Finished] = field(default_factory=asyncio.Queue)
 
-    def export(self, engine: LLMEngine, port: KVPort, ready: int) -> list[KVExport]:
-        """Engine thread: export blocks [next_block, ready). Link transfers are staged on the link at once (their
-        order there is the send order); gRPC ones are returned for this request's stream to serialize."""
-        block_ids = engine.kv_block_ids(self.request_id)
-        max_bytes = GRPC_MAX_CHUNK_BYTES if self.link is None else LINK_MAX_CHUNK_BYTES
-        exports = []
-        for part in plan_slices(self.next_block, ready - self.next_block, port.layout, max_bytes):
-            export = port.export(block_ids[part.first_block : part.first_block + part.num_blocks], part)
-            self.num_bytes += export.tensor.nbytes
-            if self.link is not None:
-                self.link.stage(self.caller_id, export)
-            else:
-                exports.append(export)
+    def send_ready(self, engine: LLMEngine, ready: int) -> AsyncIterator[pb.KVChunk] | None:
+        """Engine thread: hand blocks [next_block, ready) to the sender; returns what this stream must carry."""
+        chunks = self.sender.send(engine.kv_block_ids(self.request_id), self.next_block, ready)
         self.next_block = ready
-        return exports
+        return chunks
 
 
 class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.engine = ctx.engine
-        self.port = ctx.kv_port
-        self.layout = self.port.layout
+        self.layout = ctx.kv_port.layout
         self.block_size = self.layout.block_size
         self._transfers: dict[str, _Transfer] = {}  # engine thread only
         self._by_caller_id: dict[str, str] = {}  # caller request id -> internal id (event loop only)
-        # gRPC backend: device -> host copies of staged slices run here, never on the event loop.
-        self._serializer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-serialize")
-        self._serialize_stream: torch.cuda.Stream | None = None
         ctx.engine.step_hooks.append(self._stage_ready_blocks)
 
     # ---- engine thread -------------------------------------------------------------------------------------
@@ -117,9 +87,9 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
                 continue
             ready = transfer.total_blocks if output is not None else engine.computed_prompt_blocks(request_id)
             if ready is not None and ready > transfer.next_block:
-                exports = transfer.export(engine, self.port, ready)
-                if exports:
-                    self.engine.post(transfer.inbox.put_nowait, _Staged(exports))
+                chunks = transfer.send_ready(engine, ready)
+                if chunks is not None:
+                    self.engine.post(transfer.inbox.put_nowait, _Staged(chunks))
             if output is not None:
                 freed = engine.release_kv(request_id)  # the exports were queued before any reuse of the blocks
                 self.engine.post(self.ctx.metrics.blocks_freed.inc, freed)
@@ -137,17 +107,6 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
                 self.engine.post(self.ctx.metrics.blocks_freed.inc, held)
         self.engine.submit(cancel)
 
-    # ---- serialization thread (gRPC backend) ---------------------------------------------------------------
-    def _to_bytes(self, export: KVExport) -> bytes:
-        if not self.port.on_cuda:
-            return tensor_bytes(export.tensor)
-        if self._serialize_stream is None:
-            self._serialize_stream = self.port.new_stream()
-        with self.port.transfer_stream(self._serialize_stream):
-            export.wait()
-            host = export.tensor.to("cpu", non_blocking=False)  # waits for this stream only
-        return tensor_bytes(host)
-
     # ---- RPCs ----------------------------------------------------------------------------------------------
     @admitted
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -155,14 +114,14 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
         caller_id = request.request_id or uuid.uuid4().hex
         request_id = f"{caller_id}@{uuid.uuid4().hex[:12]}"  # callers may reuse ids; blocks are keyed by this
         try:
-            params, lease_s, link = self._validate(request)
+            params, lease_s, sender = self._validate(request, caller_id)
         except InvalidRequest as exc:
             code = grpc.StatusCode.FAILED_PRECONDITION if "KV link" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(exc))
             return
         prompt = list(request.prompt_token_ids)
         total_blocks = -(-len(prompt) // self.block_size)
-        transfer = _Transfer(request_id, caller_id, len(prompt), total_blocks, request.skip_blocks, link)
+        transfer = _Transfer(request_id, len(prompt), total_blocks, request.skip_blocks, sender)
 
         def admit(engine: LLMEngine) -> None:
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params, output_kind="final",
@@ -177,33 +136,28 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
             return
         admitted = time.perf_counter() - started
         self._by_caller_id[caller_id] = request_id
-        backend = link.backend if link is not None else "grpc"
         done = False
-        loop = asyncio.get_running_loop()
         try:
             yield pb.PrefillResponse(request_id=caller_id, header=pb.KVHeader(
                 layout=layout_to_proto(self.layout), num_prompt_tokens=len(prompt),
                 num_blocks=total_blocks - request.skip_blocks, first_block=request.skip_blocks,
-                backend=BACKEND_ENUMS[backend]))
-            fault = self.ctx.faults.strike()  # fault tests: end this stream after its first KV or token
+                backend=BACKEND_ENUMS[sender.backend]))
+            fault = self.ctx.transfer.faults.strike()  # fault tests: end this stream after its first KV or token
             while True:
                 item = await transfer.inbox.get()
                 if fault:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "injected KV-transfer fault")
                 if isinstance(item, _Staged):
-                    for export in item.exports:
-                        data = await loop.run_in_executor(self._serializer, self._to_bytes, export)
-                        part = export.part
-                        yield pb.PrefillResponse(request_id=caller_id, kv=pb.KVChunk(
-                            first_block=part.first_block, num_blocks=part.num_blocks, first_layer=part.first_layer,
-                            num_layers=part.num_layers, data=data))
+                    async with contextlib.aclosing(item.chunks) as chunks:
+                        async for chunk in chunks:
+                            yield pb.PrefillResponse(request_id=caller_id, kv=chunk)
                     continue
                 done = True
                 timings = pb.Timings(queue_s=admitted, prefill_s=item.at - started,
                                      e2e_s=time.perf_counter() - started)
                 # Counted before the last message: once the caller has it, it may end the call, and gRPC then
                 # closes this generator at that yield (the count was lost for 1 transfer in 139 under CI load).
-                self.ctx.metrics.record_transfer(backend, transfer.num_bytes, time.perf_counter() - started)
+                self.ctx.metrics.record_transfer(sender.backend, sender.num_bytes, time.perf_counter() - started)
                 yield self._final_message(caller_id, item, timings)
                 break
         finally:
@@ -223,7 +177,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
             first_token_id=token, first_token_logprob=logprob, num_cached_tokens=output.num_cached_tokens,
             timings=timings, sampler_state=finished.sampler_state))
 
-    def _validate(self, request: pb.PrefillRequest) -> tuple[SamplingParams, float, SendLink | None]:
+    def _validate(self, request: pb.PrefillRequest, caller_id: str) -> tuple[SamplingParams, float, KVSender]:
         if not request.prompt_token_ids:
             raise InvalidRequest("prompt_token_ids is empty")
         if request.HasField("expected_layout"):
@@ -237,20 +191,13 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
                                  "token must be prefilled")
         if not (request.lease_s >= 0 and request.lease_s <= MAX_LEASE_S):
             raise InvalidRequest(f"lease_s must be in [0, {MAX_LEASE_S:.0f}], got {request.lease_s}")
-        backend = BACKEND_NAMES.get(request.kv_transfer_backend)
-        if backend is None:
-            raise InvalidRequest(f"unknown kv_transfer_backend {request.kv_transfer_backend}")
-        link = None
-        if backend != "grpc":
-            link = self.ctx.links.get(request.link_id)
-            if link is None or link.backend != backend:
-                raise InvalidRequest(f"KV link {request.link_id!r} ({backend}) is not open on this worker")
+        sender = self.ctx.transfer.sender.open(request.kv_transfer_backend, request.link_id, caller_id)
         kwargs = sampling_kwargs_from_proto(request.sampling_params)
         if kwargs.get("n", 1) != 1:
             raise InvalidRequest("a prefill serves one sequence (n must be 1)")
         kwargs.pop("prompt_logprobs", None)  # decode workers prefill prompt_logprobs requests themselves
         kwargs.update(max_tokens=1, min_tokens=0)  # only the first token is sampled here
-        return SamplingParams(**kwargs), request.lease_s or DEFAULT_LEASE_S, link
+        return SamplingParams(**kwargs), request.lease_s or DEFAULT_LEASE_S, sender
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         request_id = self._by_caller_id.get(request.request_id)
@@ -264,10 +211,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
 
     async def KVLink(self, request: pb.KVLinkRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.KVLinkMessage]:
-        if self.ctx.kv_transfer_backend == "grpc":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this worker runs --kv-transfer-backend grpc: no KV links")
-        async for message in self.ctx.links.serve(request, context):
+        async for message in self.ctx.transfer.sender.serve_link(request, context):
             yield message
 
 

@@ -1,5 +1,5 @@
 """The KV transfer contract between workers: what the decode side asks for (`PullJob`), what a transport
-reports (`PullResult`), how a request's blocks are cut into messages, and the prefill side's lease.
+reports (`PullResult`), how a request's blocks are cut into messages (and exported), and the prefill side's lease.
 
 The wire layout itself is `engine.kv_layout`; the engine side of a transfer is `engine.kv_port`.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_layout import KVLayout, KVSlice
+from engine.kv_port import KVExport, KVPort
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -32,6 +33,14 @@ def plan_slices(first_block: int, num_blocks: int, layout: KVLayout, max_bytes: 
     for block in range(first_block, first_block + num_blocks):
         for layer in range(0, layout.num_layers, layers):
             yield KVSlice(block, 1, layer, min(layers, layout.num_layers - layer))
+
+
+def export_slices(port: KVPort, block_ids: list[int], first_block: int, end_block: int, max_bytes: int
+                  ) -> Iterator[KVExport]:
+    """Export blocks [first_block, end_block) of a request (`block_ids`: its whole block table), one slice of at
+    most `max_bytes` per message, each as it is planned (a link stages it before the next one is exported)."""
+    for part in plan_slices(first_block, end_block - first_block, port.layout, max_bytes):
+        yield port.export(block_ids[part.first_block : part.first_block + part.num_blocks], part)
 
 
 def tensor_bytes(wire: torch.Tensor) -> bytes:

@@ -1,5 +1,6 @@
-"""The process a worker runs, whatever its role: CLI flags, the engine behind its thread, gRPC server, device-touching
-health, `Info`, KV events, the KV-link endpoint, `/metrics`, Redis registration and the SIGTERM drain.
+"""The process a worker runs, whatever its role: the engine behind its thread, gRPC server, device-touching health,
+`Info`, KV events, both ends of KV transfer (built by cluster/transfer/registry.py), `/metrics`, Redis registration
+and the SIGTERM drain. Its CLI flags are cluster/worker/args.py.
 
 A role adds only its servicers (prefill_worker/, decode_worker/) through `serve_worker`. The gRPC port serves only
 holders of the cluster credential, but for `Info` and health (cluster/auth.py); channels to peers present it.
@@ -17,30 +18,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.auth import ClusterAuth, add_cluster_auth_args, public_info
+from cluster.auth import ClusterAuth, public_info
 from cluster.routing.index import validate_index_url
-from cluster.transfer.link import PrefillLinks
-from cluster.wire import MAX_MESSAGE_BYTES, layout_to_proto
+from cluster.transfer.faults import FaultInjector
+from cluster.transfer.registry import WorkerTransfer, build_worker_transfer
+from cluster.wire import layout_to_proto
+from cluster.worker.args import server_engine_args
+from cluster.worker.channels import GRPC_OPTIONS, ChannelPool
 from cluster.worker.events import KVEventHub
-from cluster.worker.faults import FaultInjector
+from cluster.worker.threads import in_passing_thread
 from engine.async_engine import AsyncEngine
-from engine.config import EngineArgs
 from engine.kv_port import KVPort
 from engine.llm_engine import LLMEngine
 from engine.metrics.prometheus import EngineMetrics
@@ -53,41 +54,11 @@ if TYPE_CHECKING:
     from cluster.routing.registration import WorkerRegistration
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
-DRAIN_TIMEOUT_S = 30.0  # --drain-timeout default
 ABORT_FLUSH_S = 5.0  # after the drain timeout: for the ended requests' last messages, then calls are cancelled
 HEALTH_TIMEOUT_S = 5.0
 CPU_WORKER_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval on CPU workers (see serve_worker)
 VERSION = "0.1.0"
-KV_TRANSFER_BACKENDS = ("auto", "nccl", "grpc")
-
-
-class ChannelPool:
-    """One gRPC channel per peer address, opened on first use and reused (no per-request setup); each presents
-    this worker's cluster credential."""
-
-    def __init__(self, auth: ClusterAuth | None = None) -> None:
-        self._auth = auth or ClusterAuth()
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._auth.aio_channel(address, GRPC_OPTIONS)
-            self._channels[address] = channel
-        return channel
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
 
 
 # ---- health and Info ------------------------------------------------------------------------------------------
@@ -175,8 +146,8 @@ def admitted(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
 
 @dataclass
 class WorkerContext:
-    """What a role's servicers get: the engine (behind its thread), metrics, KV events, peers' channels and the
-    KV-link endpoint."""
+    """What a role's servicers get: the engine (behind its thread), metrics, KV events, peers' channels and both
+    ends of KV transfer."""
 
     engine: AsyncEngine
     kv_port: KVPort  # the engine's KV cache, as transfers may touch it
@@ -184,16 +155,12 @@ class WorkerContext:
     events: KVEventHub
     worker_id: str
     model_name: str
-    kv_transfer_backend: str
     channels: ChannelPool
-    links: PrefillLinks
-    # Awaited at shutdown, after the gRPC server drained (e.g. the decode role's KV transports and links).
-    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    transfer: WorkerTransfer  # closed at shutdown, after the gRPC server stopped
     auth: ClusterAuth = field(default_factory=ClusterAuth)
     admission: Admission = field(default_factory=Admission)
     # Called when --drain-timeout passed with requests still in flight: end them (each stream ends by itself).
     on_drain_timeout: list[Callable[[], None]] = field(default_factory=list)
-    faults: FaultInjector = field(default_factory=FaultInjector)  # --kv-transfer-fault-rate (fault tests only)
 
 
 class WorkerServicer:
@@ -211,69 +178,10 @@ class WorkerServicer:
             yield batch
 
 
-async def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on a thread of its own that ends with it, awaited.
-
-    Why not asyncio.to_thread: each thread that runs parallel torch ops on the CPU keeps an OpenMP thread pool for
-    as long as it lives, and with more pooled threads than cores libgomp stops spinning between parallel regions,
-    so every region pays a futex wake-up. A model loaded on the executor's long-lived thread made the engine
-    thread's decode step 41-44 -> 51-56 ms (SmolLM2 fp32, batch 8, 2 cores; bench/CPU_PROFILE.md)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if done.cancelled():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, error = None, exc
-        loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name=f"passing-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return await done
-
-
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--metrics-port", type=int, default=None)
-    parser.add_argument("--index", default="memory",
-                        help="prefix index the router reads ('memory' or redis://...); workers always serve "
-                             "StreamKVEvents, which the router consumes")
-    parser.add_argument("--worker-id", default=None)
-    parser.add_argument("--advertise-address", default=None,
-                        help="host:port routers should dial (default --host:--port); registered in Redis when "
-                             "--index is redis://; its host is also where decode workers reach this worker's KV-link "
-                             "rendezvous")
-    parser.add_argument("--kv-transfer-backend", choices=KV_TRANSFER_BACKENDS, default="auto",
-                        help="how prompt KV moves from prefill to decode workers: 'nccl' (a torch.distributed link: "
-                             "NCCL between GPUs, gloo between CPU workers), 'grpc' (bytes in the gRPC stream), or "
-                             "'auto' (NCCL between GPU workers, gRPC otherwise or when no link can be opened)")
-    parser.add_argument("--kv-transfer-fault-rate", type=float, default=0.0,
-                        help="fault testing only: fail this share of KV transfers at a random point (the decode "
-                             "side recomputes); 0 in production")
-    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
-                        help="seconds in-flight requests may still run after SIGTERM (new ones get UNAVAILABLE); "
-                             "the rest are then aborted")
-    add_cluster_auth_args(parser)
-
-
 def warn_if_open(auth: ClusterAuth, host: str, address: str) -> None:
     if not auth.enabled and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("no cluster credential (--cluster-token / KVFLOW_CLUSTER_TOKEN, or --tls-*): anyone who "
                        "reaches %s can call every RPC of this worker", address)
-
-
-def server_engine_args(args: argparse.Namespace) -> EngineArgs:
-    """The engine arguments of an API server (every worker, `kvflow serve`): vLLM's server batch defaults."""
-    return dataclasses.replace(EngineArgs.from_cli_args(args), usage_context="server")
 
 
 async def serve_worker(args: argparse.Namespace, role_name: str,
@@ -310,11 +218,11 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     engine.start()
     address = f"{args.host}:{args.port}"
     advertised = args.advertise_address or address
-    links = PrefillLinks(llm_engine.kv_port, advertised.rsplit(":", 1)[0])
     channels = ChannelPool(auth)
-    context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name,
-                            args.kv_transfer_backend, channels, links, auth=auth,
-                            faults=faults)
+    transfer = build_worker_transfer(args.kv_transfer_backend, llm_engine.kv_port, worker_id,
+                                     advertised.rsplit(":", 1)[0], channels, faults)
+    context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name, channels, transfer,
+                            auth=auth)
 
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
     add_servicers(server, context)
@@ -351,9 +259,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
         watch.cancel()
     await _drain(context, health, registration, args.drain_timeout, cut_short)
     await server.stop(ABORT_FLUSH_S)
-    for close in context.on_shutdown:
-        await close()
-    links.close()
+    await transfer.close()
     await channels.close()
     await engine.stop()
     llm_engine.shutdown()  # the other tensor-parallel ranks, if any

@@ -40,6 +40,7 @@ from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.group import TPGroup, tp_timeout_s
 from engine.parallel.layout import validate_tp
+from engine.parallel.nccl_env import set_nccl_env_defaults
 from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class TPDriverRunner(ModelRunner):
         # that starts them must outlive them (PR_SET_PDEATHSIG follows the thread): the engine is built on the
         # main thread or a pool thread that lives as long as its event loop.
         env = {**os.environ, **lifeline_env()}
-        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        set_nccl_env_defaults(env)
         self._procs: list[subprocess.Popen] = []
         self._failure: str | None = None
         self._stopped = threading.Event()

@@ -15,11 +15,9 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.nccl import NcclCommunicator, NcclLibrary
+from engine.parallel.nccl_env import set_nccl_env_defaults
 
-# NVLink multicast (NVLS) is off limits on shared hosts; a timed-out NCCL operation must abort the communicator
-# and raise, not wait forever.
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+set_nccl_env_defaults()  # before any communicator of this process exists
 
 DEFAULT_TIMEOUT_S = 120.0
 logger = logging.getLogger(__name__)

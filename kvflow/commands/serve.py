@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from cluster.auth import ClusterAuth, add_cluster_auth_args
 from cluster.routing.policy import POLICY_NAMES
-from cluster.worker.runtime import KV_TRANSFER_BACKENDS
+from cluster.transfer.backends import KV_TRANSFER_BACKENDS
 from engine.config import EngineArgs
 from kvflow.commands.router import (
     add_lifecycle_args,
@@ -83,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.worker.runtime import server_engine_args
+    from cluster.worker.args import server_engine_args
     from kvflow.launcher import DEFAULT_GPU_MEMORY_UTILIZATION, ClusterSpec, WorkerCluster
     from router.config import RouterConfig
 

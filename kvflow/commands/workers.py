@@ -9,7 +9,7 @@ from engine.config import EngineArgs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from cluster.worker.runtime import add_worker_args
+    from cluster.worker.args import add_worker_args
 
     prefill = subparsers.add_parser("prefill", help="run a prefill worker (gRPC Prefill service)")
     add_worker_args(prefill)

@@ -113,7 +113,7 @@ def test_cli_defaults_are_none_and_offline_commands_stay_llm() -> None:
 
 
 def test_serve_and_workers_use_the_server_context() -> None:
-    from cluster.worker.runtime import server_engine_args
+    from cluster.worker.args import server_engine_args
 
     parser = build_parser()
     ns = parser.parse_args(["serve", "--model", "tiny", "--max-num-seqs", "12"])

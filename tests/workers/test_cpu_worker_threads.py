@@ -14,10 +14,12 @@ import grpc
 import pytest
 import torch
 
+from cluster.transfer.backends import BACKEND_ENUMS
 from cluster.transfer.contract import PullJob, PullResult, tensor_bytes
-from cluster.wire import BACKEND_ENUMS, layout_to_proto
-from cluster.worker.runtime import ChannelPool, in_passing_thread
-from decode_worker.transports import GrpcKVTransport
+from cluster.transfer.grpc.recv import GrpcReceiver
+from cluster.wire import layout_to_proto
+from cluster.worker.channels import ChannelPool
+from cluster.worker.threads import in_passing_thread
 from engine.config import EngineArgs
 from engine.kv_layout import KVSlice
 from engine.kv_port import KVPort
@@ -116,7 +118,7 @@ async def _pull_from_fake(dest: KVPort, source: KVPort, num_blocks: int, block_i
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channels = ChannelPool()
-    transport = GrpcKVTransport(dest, "decode-test", channels)
+    transport = GrpcReceiver(dest, "decode-test", channels)
     job = PullJob("r1", list(range(num_blocks * 4)), SamplingParams(max_tokens=1), block_ids, 0, ())
     try:
         return await run(lambda: transport.pull(f"127.0.0.1:{port}", job))

@@ -1,0 +1,35 @@
+"""torch.distributed KV links: a prefill worker sends KV slices to a decode worker over NCCL (GPU to GPU) or gloo
+(CPU workers, the same code path without GPUs), while gRPC carries the control.
+
+One link per (prefill worker, decode worker) pair, opened by the decode worker on first use through the prefill
+worker's `KVLink` RPC. That stream first says where to rendezvous (a c10d TCPStore on the prefill worker), then
+carries one notice per link message, then heartbeats. Each link is its own 2-rank process group (prefill rank 0,
+decode rank 1), built from the store: no global default group, so a worker can hold links to many peers.
+
+- group.py: the pair's process group, the rendezvous and the heartbeat (what both ends share);
+- send.py: the prefill end (`SendLink`, the `KVLink` RPC, a request's `LinkSender`);
+- recv.py: the decode end of one link (`RecvLink`);
+- pull.py: the decode worker's links and the `KVReceiver` over them (`LinkReceiver`).
+
+Invariants:
+- Message order. The prefill side numbers messages on the engine thread and queues the send and the notice in
+  that same order; its link thread sends in that order, and the notices reach the decode side in that order on
+  one stream. The decode side receives strictly in notice order, also for a request it no longer wants (it then
+  drops the data), so two-sided send/recv always pair up.
+- No hang reaches the engine. Sends and receives run on each side's link thread, never on the engine thread or
+  the event loop; device waits poll, so a link found dead stops its thread.
+- Death is noticed within `LINK_DEAD_S`: the KVLink stream ends when either process dies, and the prefill side
+  sends a heartbeat every `HEARTBEAT_S`. A dead link is torn down (its communicator aborted) on both sides; its
+  pending pulls fail (the decode side recomputes), and the next pull to that peer opens a new link.
+- A pull's blocks are written on the device (the import completed) before the pull succeeds, and no write into
+  them starts after `forget(request_id)` returns, so the engine may free or reuse them at once.
+
+Trust: `KVLink` is a worker RPC like the others, served only to holders of the cluster credential
+(cluster/auth.py), and decode workers open links only to allowed prefill workers (decode_worker/allowlist.py). The
+rendezvous it hands out is NOT authenticated: the c10d TCPStore (an ephemeral port on the prefill worker, any key
+readable with `list_keys`) and the NCCL/gloo sockets behind it accept anyone who reaches them, who could then
+disturb a link's setup or take the decode worker's place in a new link and receive KV (prompt contents). Only the
+network keeps strangers out: the Helm chart's NetworkPolicies admit only decode pods to prefill pods' other ports;
+elsewhere, run links between hosts on a private network, or use `--kv-transfer-backend grpc` (KV inside the
+authenticated, optionally mTLS, Prefill stream).
+"""

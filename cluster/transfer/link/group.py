@@ -1,0 +1,137 @@
+"""What both ends of a KV link share: the pair's own 2-rank process group, the rendezvous through the prefill
+worker's c10d TCPStore, the heartbeat of the `KVLink` stream, and waiting for a send or receive without blocking
+past the link's death (see cluster/transfer/link/__init__.py for the link's invariants)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.nccl_env import set_nccl_env_defaults
+from protos.kvflow.v1 import kvflow_pb2 as pb
+
+HEARTBEAT_S = 0.5
+LINK_DEAD_S = 2.0  # no message on the KVLink stream for this long: the peer is dead
+SETUP_TIMEOUT_S = 60.0  # process-group rendezvous and the first message (NCCL communicator creation)
+REOPEN_BACKOFF_S = 1.0  # after a failed open, pulls to that peer use the fallback this long
+POLL_S = 0.0002
+PREFILL_RANK, DECODE_RANK = 0, 1
+
+set_nccl_env_defaults()  # before any link's communicator exists
+
+
+def link_backend_for(device: torch.device) -> str:
+    """The torch.distributed backend a link uses from this device: NCCL for GPUs, gloo for CPUs."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def link_backend_available(device: torch.device) -> bool:
+    if not dist.is_available():
+        return False
+    return dist.is_nccl_available() if device.type == "cuda" else dist.is_gloo_available()
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 KV blocks travel as their bytes (gloo has no float8 type); the same storage, so a receive fills them."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+
+
+class PairGroup:
+    """A 2-rank process group of its own (never the global default group)."""
+
+    def __init__(self, backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float) -> None:
+        self.backend = backend
+        prefixed = dist.PrefixStore(prefix, store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        self.peer = 1 - rank
+
+    def send(self, tensor: torch.Tensor) -> Any:
+        return self.pg.send([_raw(tensor)], self.peer, 0)
+
+    def recv(self, tensor: torch.Tensor) -> Any:
+        return self.pg.recv([_raw(tensor)], self.peer, 0)
+
+    def close(self, failed: bool) -> None:
+        """Tear the communicator down: `abort` after a failure (pending operations end with an error), else a
+        clean `shutdown`. Either way no NCCL thread outlives the link (one left at exit kills the process)."""
+        for name in (("abort", "shutdown") if failed else ("shutdown", "abort")):
+            method = getattr(self.pg, name, None)
+            if method is not None:
+                with contextlib.suppress(Exception):  # already broken: nothing left to release
+                    method()
+                return
+
+
+# ---- rendezvous ------------------------------------------------------------------------------------------------
+def link_prefix(link_id: str) -> str:
+    """The link's keys in the prefill worker's store (one store serves all its links)."""
+    return f"kvflow/link/{link_id}/"
+
+
+def serve_store(host: str) -> dist.TCPStore:
+    """The prefill worker's rendezvous store, on an ephemeral port of `host` (blocking: call it off the loop)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
+def join_group(backend: str, ready: pb.KVLinkReady) -> PairGroup:
+    """The decode end: reach the store `ready` names and build the pair group as its decode rank (blocking)."""
+    timeout_s = ready.timeout_s or SETUP_TIMEOUT_S
+    store = dist.TCPStore(ready.store_host, ready.store_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return PairGroup(backend, store, ready.store_prefix, DECODE_RANK, timeout_s)
+
+
+# ---- the KVLink stream -----------------------------------------------------------------------------------------
+async def notices_and_heartbeats(notices: asyncio.Queue[pb.KVLinkChunk | None]) -> AsyncIterator[pb.KVLinkMessage]:
+    """The prefill side's KVLink messages after `ready`: each notice in order, a heartbeat whenever `HEARTBEAT_S`
+    passes without one; ends at the None that says the link broke (ending the stream tells the decode side)."""
+    while True:
+        try:
+            notice = await asyncio.wait_for(notices.get(), HEARTBEAT_S)
+        except asyncio.TimeoutError:
+            yield pb.KVLinkMessage(heartbeat=pb.KVLinkHeartbeat(sent_unix_s=time.time()))
+            continue
+        if notice is None:
+            return
+        yield pb.KVLinkMessage(chunk=notice)
+
+
+# ---- both link threads -----------------------------------------------------------------------------------------
+def complete(work: Any, device: torch.device, broken: threading.Event) -> bool:
+    """Wait on this thread until `work` (a send or recv just issued on the current stream) has finished on the
+    device; False if the link broke first. Gloo's wait blocks until done or raises when the peer is gone."""
+    if device.type != "cuda":
+        work.wait()
+        return True
+    work.wait()  # device side: the current stream waits for NCCL's
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    while not done.query():
+        if broken.is_set():
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """NCCL and CUDA streams bind to the calling thread's current device: make it the worker's."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
