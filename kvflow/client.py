@@ -25,12 +25,11 @@ from typing import Any
 import grpc
 
 from cluster.auth import TOKEN_METADATA
-from cluster.wire import FINISH_REASON_FROM_PROTO
+from cluster.wire import FINISH_REASON_FROM_PROTO, sampling_params_to_proto
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
-
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs")
 
 
 class KvflowError(Exception):
@@ -120,29 +119,26 @@ class Chunk:
 
 def build_request(prompt: str | Sequence[int], request_id: str | None, sampling: dict[str, Any],
                   stream: bool, cache_salt: str | None = None) -> pb.GenerateRequest:
-    params = pb.SamplingParams()
-    for name, value in sampling.items():
-        if value is None:
-            continue
-        if name in _OPTIONAL or name in ("n", "min_tokens", "ignore_eos", "include_stop_str_in_output"):
-            setattr(params, name, value)
-        elif name == "stop":
-            params.stop.extend([value] if isinstance(value, str) else value)
-        elif name == "stop_token_ids":
-            params.stop_token_ids.extend(value)
-        elif name == "skip_special_tokens":
-            params.skip_special_tokens_false = not value
-        elif name == "logit_bias":  # token id -> bias in [-100, 100]
-            params.logit_bias.update({int(token): float(bias) for token, bias in value.items()})
-        else:
-            raise InvalidArgumentError(f"INVALID_ARGUMENT: unknown sampling parameter {name!r}")
-    request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=params, stream=stream,
-                                 cache_salt=[cache_salt] if cache_salt else [])
+    request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=sampling_params(sampling),
+                                 stream=stream, cache_salt=[cache_salt] if cache_salt else [])
     if isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(int(t) for t in prompt)
     return request
+
+
+def sampling_params(sampling: dict[str, Any]) -> pb.SamplingParams:
+    """The wire form of `SamplingParams` keyword arguments: only those given (None: not given), so the server's
+    generation defaults fill the rest. Raises InvalidArgumentError as the server would, before any call."""
+    given = {name: value for name, value in sampling.items() if value is not None}
+    if "logit_bias" in given:  # JSON-style maps have string keys: token ids either way
+        given["logit_bias"] = {int(token): float(bias) for token, bias in given["logit_bias"].items()}
+    try:
+        params = SamplingParams(**given)
+    except InvalidRequest as exc:
+        raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
+    return sampling_params_to_proto(params, explicit_only=True)
 
 
 def result_from(request_id: str, complete: pb.GenerateComplete) -> GenerateResult:
