@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import grpc
 
 from cluster.auth import TOKEN_METADATA
+from cluster.request_ids import request_id_or_new
 from cluster.wire import FINISH_REASON_FROM_PROTO, sampling_params_to_proto
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
@@ -119,7 +119,7 @@ class Chunk:
 
 def build_request(prompt: str | Sequence[int], request_id: str | None, sampling: dict[str, Any],
                   stream: bool, cache_salt: str | None = None) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=sampling_params(sampling),
+    request = pb.GenerateRequest(request_id=request_id_or_new(request_id), sampling_params=sampling_params(sampling),
                                  stream=stream, cache_salt=[cache_salt] if cache_salt else [])
     if isinstance(prompt, str):
         request.text = prompt

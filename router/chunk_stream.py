@@ -27,6 +27,7 @@ from router.lifecycle import Idle
 from router.openai_protocol import (
     FINISH,
     chat_logprobs,
+    completion_id,
     completion_logprobs,
     envelope,
     stop_reason,
@@ -48,8 +49,8 @@ class ChunkStream:
         self._chat = chat
         tokenizers = router.tokenizers
         self._decode = tokenizers.decode_token if tokenizers is not None else str
-        kind, prefix = ("chat.completion.chunk", "chatcmpl-") if chat else ("text_completion", "cmpl-")
-        self._base = envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._base = envelope(kind, completion_id(prepared.request_id, chat), prepared.model, prepared.created)
         self._num_choices = len(prepared.prompts) * self._n
         self._sent_text: dict[int, str] = {}  # per choice, the text streamed so far
         self._num_tokens: dict[int, int] = {}  # per choice, tokens streamed so far (continuous usage)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import secrets
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from cluster.request_ids import request_id_or_new
 from cluster.wire import sampling_params_from_proto, sampling_params_to_proto
 from engine.errors import InvalidRequest
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -53,7 +53,7 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self._authorize(context)
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request_id_or_new(request.request_id)
         relay = None
         try:
             with self.router.lifecycle.admitted() as ticket:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.request_ids import request_id_or_new
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router import openai_responses
 from router.chunk_stream import ChunkStream
@@ -48,6 +48,7 @@ from router.openai_protocol import (
     FINISH,
     ParsedRequest,
     chat_logprobs,
+    completion_id,
     completion_logprobs,
     envelope,
     load_body,
@@ -141,7 +142,7 @@ class _Api:
 
 
 async def _handle(router: Router, request: Request, chat: bool, api: _Api | None = None) -> Response:
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request_id_or_new(request.headers.get("x-request-id"))
     try:
         with router.lifecycle.admitted() as ticket:
             return await _respond(router, request, chat, request_id, ticket, api)
@@ -294,9 +295,9 @@ async def _collect(router: Router, prepared: PreparedRequest, chat: bool,
             choices.append(item)
     usage.prompt_tokens = prompt_tokens
     choices.sort(key=lambda c: c["index"])
-    kind, prefix = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
-    out = {**envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created), "choices": choices,
-           "usage": usage_json(usage)}
+    kind = "chat.completion" if chat else "text_completion"
+    out = {**envelope(kind, completion_id(prepared.request_id, chat), prepared.model, prepared.created),
+           "choices": choices, "usage": usage_json(usage)}
     if chat and parsed.prompt_logprobs is not None:  # vLLM: once, at the top, for chat
         out["prompt_logprobs"] = prompt_lps.get(0)
     return out

@@ -473,5 +473,10 @@ def stop_reason(choice: pb.CompletionChoice | pb.GenerateChunk) -> str | int | N
     return getattr(choice, kind) if kind else None
 
 
+def completion_id(request_id: str, chat: bool) -> str:
+    """OpenAI's (and vLLM's) id of a completion or chat completion made for `request_id`."""
+    return ("chatcmpl-" if chat else "cmpl-") + request_id
+
+
 def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict[str, Any]:
     return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}
