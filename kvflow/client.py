@@ -28,46 +28,52 @@ from cluster.request_ids import request_id_or_new
 from cluster.wire import FINISH_REASON_FROM_PROTO, sampling_params_to_proto
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+from kvflow.closing import Closing
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
 
 class KvflowError(Exception):
-    """Base of every SDK error; `code` is the gRPC status code name."""
+    """Base of every SDK error; `code` is the gRPC status code name (each kind declares its own in its class line)."""
 
     code = "UNKNOWN"
+
+    def __init_subclass__(cls, *, code: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code:
+            cls.code = code
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
 
-class InvalidArgumentError(KvflowError):
-    code = "INVALID_ARGUMENT"
+class InvalidArgumentError(KvflowError, code="INVALID_ARGUMENT"):
+    """The server refused the request as it is (OUT_OF_RANGE and FAILED_PRECONDITION too), or the SDK did first."""
 
 
-class UnauthenticatedError(KvflowError):
-    code = "UNAUTHENTICATED"
+class UnauthenticatedError(KvflowError, code="UNAUTHENTICATED"):
+    """No API key or cluster token, or not the server's."""
 
 
-class NotFoundError(KvflowError):
-    code = "NOT_FOUND"
+class NotFoundError(KvflowError, code="NOT_FOUND"):
+    """The server does not know what the request names (a model)."""
 
 
-class ResourceExhaustedError(KvflowError):
-    code = "RESOURCE_EXHAUSTED"
+class ResourceExhaustedError(KvflowError, code="RESOURCE_EXHAUSTED"):
+    """The server has no room for the request now."""
 
 
-class UnavailableError(KvflowError):
-    code = "UNAVAILABLE"
+class UnavailableError(KvflowError, code="UNAVAILABLE"):
+    """The server cannot take the request now (retried with backoff while no output came)."""
 
 
-class DeadlineExceededError(KvflowError):
-    code = "DEADLINE_EXCEEDED"
+class DeadlineExceededError(KvflowError, code="DEADLINE_EXCEEDED"):
+    """The call ran past its `timeout`."""
 
 
-class InternalError(KvflowError):
-    code = "INTERNAL"
+class InternalError(KvflowError, code="INTERNAL"):
+    """The server failed, or the stream ended without a result."""
 
 
 _ERRORS: dict[str, type[KvflowError]] = {cls.code: cls for cls in (
@@ -79,6 +85,13 @@ _ERRORS["FAILED_PRECONDITION"] = InvalidArgumentError
 
 def _error(code: str, message: str) -> KvflowError:
     return _ERRORS.get(code, KvflowError)(f"{code}: {message}")
+
+
+def _checked(response: pb.GenerateResponse) -> pb.GenerateResponse:
+    """The response, unless it is the server's in-band error: then that error, typed."""
+    if response.WhichOneof("response") == "error":
+        raise _error(response.error.code, response.error.message)
+    return response
 
 
 def _from_rpc(exc: grpc.RpcError) -> KvflowError:
@@ -149,6 +162,16 @@ def result_from(request_id: str, complete: pb.GenerateComplete) -> GenerateResul
                           complete.usage.cached_tokens, path, complete.timings.ttft_s)
 
 
+def stream_item(request_id: str, response: pb.GenerateResponse) -> Chunk | GenerateResult | None:
+    """What a streaming call yields for one response: a chunk, the final result, or nothing."""
+    kind = response.WhichOneof("response")
+    if kind == "chunk":
+        return Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
+    if kind == "complete":
+        return result_from(request_id, response.complete)
+    return None
+
+
 class _Base:
     def __init__(self, target: str, timeout: float = 60.0, max_retries: int = 3, retry_backoff_s: float = 0.2,
                  api_key: str | None = None, cluster_token: str | None = None) -> None:
@@ -166,8 +189,16 @@ class _Base:
     def _backoff(self, attempt: int) -> float:
         return self.retry_backoff_s * (2 ** attempt)
 
+    def _retry_after(self, exc: grpc.RpcError, received: bool, attempt: int) -> float:
+        """The pause before the next attempt at a failed Generate call, or raises its typed error: only UNAVAILABLE
+        is retried, and only before any output (a retry after output would replay it)."""
+        error = _from_rpc(exc)
+        if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
+            return self._backoff(attempt)
+        raise error from None
 
-class Client(_Base):
+
+class Client(_Base, Closing):
     """Blocking client."""
 
     def __init__(self, target: str, **kwargs: Any) -> None:
@@ -189,11 +220,9 @@ class Client(_Base):
         """Chunks as they come, then the final `GenerateResult`."""
         request = build_request(prompt, request_id, sampling, stream=True, cache_salt=cache_salt)
         for response in self._responses(request, timeout):
-            kind = response.WhichOneof("response")
-            if kind == "chunk":
-                yield Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
-            elif kind == "complete":
-                yield result_from(request.request_id, response.complete)
+            item = stream_item(request.request_id, response)
+            if item is not None:
+                yield item
 
     def _responses(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.GenerateResponse]:
         for attempt in range(self.max_retries + 1):
@@ -201,17 +230,11 @@ class Client(_Base):
             try:
                 for response in self._stub.Generate(request, timeout=timeout or self.timeout,
                                                     metadata=self.metadata):
-                    if response.WhichOneof("response") == "error":
-                        raise _error(response.error.code, response.error.message)
                     received = True
-                    yield response
+                    yield _checked(response)
                 return
             except grpc.RpcError as exc:
-                error = _from_rpc(exc)
-                if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
-                    time.sleep(self._backoff(attempt))
-                    continue
-                raise error from None
+                time.sleep(self._retry_after(exc, received, attempt))
 
     def abort(self, request_id: str) -> bool:
         try:
@@ -233,12 +256,6 @@ class Client(_Base):
 
     def close(self) -> None:
         self._channel.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class AsyncClient(_Base):
@@ -263,11 +280,9 @@ class AsyncClient(_Base):
                               **sampling: Any) -> AsyncIterator[Chunk | GenerateResult]:
         request = build_request(prompt, request_id, sampling, stream=True, cache_salt=cache_salt)
         async for response in self._responses(request, timeout):
-            kind = response.WhichOneof("response")
-            if kind == "chunk":
-                yield Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
-            elif kind == "complete":
-                yield result_from(request.request_id, response.complete)
+            item = stream_item(request.request_id, response)
+            if item is not None:
+                yield item
 
     async def _responses(self, request: pb.GenerateRequest,
                          timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
@@ -276,17 +291,11 @@ class AsyncClient(_Base):
             try:
                 async for response in self._stub.Generate(request, timeout=timeout or self.timeout,
                                                           metadata=self.metadata):
-                    if response.WhichOneof("response") == "error":
-                        raise _error(response.error.code, response.error.message)
                     received = True
-                    yield response
+                    yield _checked(response)
                 return
             except grpc.aio.AioRpcError as exc:
-                error = _from_rpc(exc)
-                if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
-                    await asyncio.sleep(self._backoff(attempt))
-                    continue
-                raise error from None
+                await asyncio.sleep(self._retry_after(exc, received, attempt))
 
     async def abort(self, request_id: str) -> bool:
         try:

@@ -5,7 +5,6 @@ are `cmpl-<id>` / `chatcmpl-<id>`, on the HTTP and gRPC fronts and from the SDK.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -17,20 +16,6 @@ from tests.helpers.router_fakes import FakeWorkers, RouterHarness
 
 MINTED = re.compile(r"[0-9a-f]{32}")
 ATTEMPT_SUFFIX = re.compile(r"@[0-9a-f]{8}")
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[FakeWorkers]:
-    fake = FakeWorkers()
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def router(workers: FakeWorkers) -> Iterator[RouterHarness]:
-    harness = RouterHarness(workers)
-    yield harness
-    harness.close()
 
 
 def worker_saw(workers: FakeWorkers, request_id: str) -> None:

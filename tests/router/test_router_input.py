@@ -30,20 +30,6 @@ SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endf
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[FakeWorkers]:
-    fake = FakeWorkers()
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def router(workers: FakeWorkers) -> Iterator[RouterHarness]:
-    harness = RouterHarness(workers)
-    yield harness
-    harness.close()
-
-
-@pytest.fixture(scope="module")
 def tight(workers: FakeWorkers) -> Iterator[RouterHarness]:
     """Small limits, and request chat templates trusted."""
     harness = RouterHarness(workers, max_n=4, max_logprobs=2, max_prompts_per_request=3,
