@@ -9,6 +9,8 @@ from `cluster.auth.ClusterAuth` instead).
         for chunk in client.generate_stream([1, 2, 3], max_tokens=8):
             print(chunk.text, end="")
 
+Sampling keyword arguments are `SamplingParams` fields (structured_outputs included): only those given travel,
+converted by `cluster.wire` as the router does, and values the server would refuse are refused before the call.
 Errors are typed (`InvalidArgumentError`, `UnavailableError`, ... all `KvflowError`); calls have a deadline
 (`timeout`), and a request that fails with UNAVAILABLE before any output is retried with backoff.
 """
