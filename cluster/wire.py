@@ -98,8 +98,9 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def sampling_params_to_proto(params: SamplingParams, explicit_only: bool = False) -> pb.SamplingParams:
-    """`explicit_only`: only what the user set (a router forwarding a request, so the worker's generation-config
-    defaults fill the rest); otherwise every effective value (a peer that must sample exactly as this side)."""
+    """`explicit_only`: only what the caller set, plus n (the router's HTTP and gRPC fronts and the SDK, so the
+    worker's generation-config defaults fill the rest); otherwise every effective value (a decode worker asking a
+    prefill worker to sample the first token exactly as it would)."""
     out = pb.SamplingParams()
     for name in _SAMPLING_FIELDS:
         if explicit_only and name != "n" and name not in params._explicit:

@@ -9,6 +9,8 @@ from `cluster.auth.ClusterAuth` instead).
         for chunk in client.generate_stream([1, 2, 3], max_tokens=8):
             print(chunk.text, end="")
 
+Sampling keyword arguments are `SamplingParams` fields (structured_outputs included): only those given travel,
+converted by `cluster.wire` as the router does, and values the server would refuse are refused before the call.
 Errors are typed (`InvalidArgumentError`, `UnavailableError`, ... all `KvflowError`); calls have a deadline
 (`timeout`), and a request that fails with UNAVAILABLE before any output is retried with backoff.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,50 +26,56 @@ from typing import Any
 import grpc
 
 from cluster.auth import TOKEN_METADATA
-from cluster.wire import FINISH_REASON_FROM_PROTO
+from cluster.request_ids import request_id_or_new
+from cluster.wire import FINISH_REASON_FROM_PROTO, sampling_params_to_proto
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
+from kvflow.closing import Closing
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs")
-
 
 class KvflowError(Exception):
-    """Base of every SDK error; `code` is the gRPC status code name."""
+    """Base of every SDK error; `code` is the gRPC status code name (each kind declares its own in its class line)."""
 
     code = "UNKNOWN"
+
+    def __init_subclass__(cls, *, code: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code:
+            cls.code = code
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
 
-class InvalidArgumentError(KvflowError):
-    code = "INVALID_ARGUMENT"
+class InvalidArgumentError(KvflowError, code="INVALID_ARGUMENT"):
+    """The server refused the request as it is (OUT_OF_RANGE and FAILED_PRECONDITION too), or the SDK did first."""
 
 
-class UnauthenticatedError(KvflowError):
-    code = "UNAUTHENTICATED"
+class UnauthenticatedError(KvflowError, code="UNAUTHENTICATED"):
+    """No API key or cluster token, or not the server's."""
 
 
-class NotFoundError(KvflowError):
-    code = "NOT_FOUND"
+class NotFoundError(KvflowError, code="NOT_FOUND"):
+    """The server does not know what the request names (a model)."""
 
 
-class ResourceExhaustedError(KvflowError):
-    code = "RESOURCE_EXHAUSTED"
+class ResourceExhaustedError(KvflowError, code="RESOURCE_EXHAUSTED"):
+    """The server has no room for the request now."""
 
 
-class UnavailableError(KvflowError):
-    code = "UNAVAILABLE"
+class UnavailableError(KvflowError, code="UNAVAILABLE"):
+    """The server cannot take the request now (retried with backoff while no output came)."""
 
 
-class DeadlineExceededError(KvflowError):
-    code = "DEADLINE_EXCEEDED"
+class DeadlineExceededError(KvflowError, code="DEADLINE_EXCEEDED"):
+    """The call ran past its `timeout`."""
 
 
-class InternalError(KvflowError):
-    code = "INTERNAL"
+class InternalError(KvflowError, code="INTERNAL"):
+    """The server failed, or the stream ended without a result."""
 
 
 _ERRORS: dict[str, type[KvflowError]] = {cls.code: cls for cls in (
@@ -80,6 +87,13 @@ _ERRORS["FAILED_PRECONDITION"] = InvalidArgumentError
 
 def _error(code: str, message: str) -> KvflowError:
     return _ERRORS.get(code, KvflowError)(f"{code}: {message}")
+
+
+def _checked(response: pb.GenerateResponse) -> pb.GenerateResponse:
+    """The response, unless it is the server's in-band error: then that error, typed."""
+    if response.WhichOneof("response") == "error":
+        raise _error(response.error.code, response.error.message)
+    return response
 
 
 def _from_rpc(exc: grpc.RpcError) -> KvflowError:
@@ -120,29 +134,26 @@ class Chunk:
 
 def build_request(prompt: str | Sequence[int], request_id: str | None, sampling: dict[str, Any],
                   stream: bool, cache_salt: str | None = None) -> pb.GenerateRequest:
-    params = pb.SamplingParams()
-    for name, value in sampling.items():
-        if value is None:
-            continue
-        if name in _OPTIONAL or name in ("n", "min_tokens", "ignore_eos", "include_stop_str_in_output"):
-            setattr(params, name, value)
-        elif name == "stop":
-            params.stop.extend([value] if isinstance(value, str) else value)
-        elif name == "stop_token_ids":
-            params.stop_token_ids.extend(value)
-        elif name == "skip_special_tokens":
-            params.skip_special_tokens_false = not value
-        elif name == "logit_bias":  # token id -> bias in [-100, 100]
-            params.logit_bias.update({int(token): float(bias) for token, bias in value.items()})
-        else:
-            raise InvalidArgumentError(f"INVALID_ARGUMENT: unknown sampling parameter {name!r}")
-    request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling_params=params, stream=stream,
-                                 cache_salt=[cache_salt] if cache_salt else [])
+    request = pb.GenerateRequest(request_id=request_id_or_new(request_id), sampling_params=sampling_params(sampling),
+                                 stream=stream, cache_salt=[cache_salt] if cache_salt else [])
     if isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(int(t) for t in prompt)
     return request
+
+
+def sampling_params(sampling: dict[str, Any]) -> pb.SamplingParams:
+    """The wire form of `SamplingParams` keyword arguments: only those given (None: not given), so the server's
+    generation defaults fill the rest. Raises InvalidArgumentError as the server would, before any call."""
+    given = {name: value for name, value in sampling.items() if value is not None}
+    if "logit_bias" in given:  # JSON-style maps have string keys: token ids either way
+        given["logit_bias"] = {int(token): float(bias) for token, bias in given["logit_bias"].items()}
+    try:
+        params = SamplingParams(**given)
+    except InvalidRequest as exc:
+        raise InvalidArgumentError(f"INVALID_ARGUMENT: {exc}") from None
+    return sampling_params_to_proto(params, explicit_only=True)
 
 
 def result_from(request_id: str, complete: pb.GenerateComplete) -> GenerateResult:
@@ -151,6 +162,16 @@ def result_from(request_id: str, complete: pb.GenerateComplete) -> GenerateResul
     path = pb.PrefillPath.Name(complete.prefill_path).removeprefix("PREFILL_PATH_").lower()
     return GenerateResult(request_id, choices, complete.usage.prompt_tokens, complete.usage.completion_tokens,
                           complete.usage.cached_tokens, path, complete.timings.ttft_s)
+
+
+def stream_item(request_id: str, response: pb.GenerateResponse) -> Chunk | GenerateResult | None:
+    """What a streaming call yields for one response: a chunk, the final result, or nothing."""
+    kind = response.WhichOneof("response")
+    if kind == "chunk":
+        return Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
+    if kind == "complete":
+        return result_from(request_id, response.complete)
+    return None
 
 
 class _Base:
@@ -170,8 +191,16 @@ class _Base:
     def _backoff(self, attempt: int) -> float:
         return self.retry_backoff_s * (2 ** attempt)
 
+    def _retry_after(self, exc: grpc.RpcError, received: bool, attempt: int) -> float:
+        """The pause before the next attempt at a failed Generate call, or raises its typed error: only UNAVAILABLE
+        is retried, and only before any output (a retry after output would replay it)."""
+        error = _from_rpc(exc)
+        if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
+            return self._backoff(attempt)
+        raise error from None
 
-class Client(_Base):
+
+class Client(_Base, Closing):
     """Blocking client."""
 
     def __init__(self, target: str, **kwargs: Any) -> None:
@@ -193,11 +222,9 @@ class Client(_Base):
         """Chunks as they come, then the final `GenerateResult`."""
         request = build_request(prompt, request_id, sampling, stream=True, cache_salt=cache_salt)
         for response in self._responses(request, timeout):
-            kind = response.WhichOneof("response")
-            if kind == "chunk":
-                yield Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
-            elif kind == "complete":
-                yield result_from(request.request_id, response.complete)
+            item = stream_item(request.request_id, response)
+            if item is not None:
+                yield item
 
     def _responses(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[pb.GenerateResponse]:
         for attempt in range(self.max_retries + 1):
@@ -205,17 +232,11 @@ class Client(_Base):
             try:
                 for response in self._stub.Generate(request, timeout=timeout or self.timeout,
                                                     metadata=self.metadata):
-                    if response.WhichOneof("response") == "error":
-                        raise _error(response.error.code, response.error.message)
                     received = True
-                    yield response
+                    yield _checked(response)
                 return
             except grpc.RpcError as exc:
-                error = _from_rpc(exc)
-                if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
-                    time.sleep(self._backoff(attempt))
-                    continue
-                raise error from None
+                time.sleep(self._retry_after(exc, received, attempt))
 
     def abort(self, request_id: str) -> bool:
         try:
@@ -237,12 +258,6 @@ class Client(_Base):
 
     def close(self) -> None:
         self._channel.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class AsyncClient(_Base):
@@ -267,11 +282,9 @@ class AsyncClient(_Base):
                               **sampling: Any) -> AsyncIterator[Chunk | GenerateResult]:
         request = build_request(prompt, request_id, sampling, stream=True, cache_salt=cache_salt)
         async for response in self._responses(request, timeout):
-            kind = response.WhichOneof("response")
-            if kind == "chunk":
-                yield Chunk(response.chunk.index, response.chunk.text, list(response.chunk.token_ids))
-            elif kind == "complete":
-                yield result_from(request.request_id, response.complete)
+            item = stream_item(request.request_id, response)
+            if item is not None:
+                yield item
 
     async def _responses(self, request: pb.GenerateRequest,
                          timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
@@ -280,17 +293,11 @@ class AsyncClient(_Base):
             try:
                 async for response in self._stub.Generate(request, timeout=timeout or self.timeout,
                                                           metadata=self.metadata):
-                    if response.WhichOneof("response") == "error":
-                        raise _error(response.error.code, response.error.message)
                     received = True
-                    yield response
+                    yield _checked(response)
                 return
             except grpc.aio.AioRpcError as exc:
-                error = _from_rpc(exc)
-                if isinstance(error, UnavailableError) and not received and attempt < self.max_retries:
-                    await asyncio.sleep(self._backoff(attempt))
-                    continue
-                raise error from None
+                await asyncio.sleep(self._retry_after(exc, received, attempt))
 
     async def abort(self, request_id: str) -> bool:
         try:

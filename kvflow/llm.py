@@ -14,11 +14,12 @@ from engine.metrics.stats import EngineStats
 from engine.outputs import RequestOutput
 from engine.processing.tokenizer import apply_chat_template
 from engine.sampling_params import SamplingParams
+from kvflow.closing import Closing
 
 Messages = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(Closing):
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
@@ -30,12 +31,6 @@ class LLM:
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks (also done at interpreter exit); idempotent."""
         self.llm_engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

@@ -9,7 +9,7 @@ the tokens already streamed), up to `--max-migrations` times.
 
 Request ids are the caller's and belong to the caller: a request is known under (owner, id), the owner being
 `caller_identity` (the API key presented, hashed; without one, the caller's connection), so `abort` reaches only
-the owner's own requests. Workers see ids of the router's own making (`<id>@<random>`).
+the owner's own requests. Workers see ids of the router's own making (`<id>@<random>`, cluster.request_ids).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cluster.request_ids import attempt_request_id
 from cluster.routing.events import EventBatch
 from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
 from cluster.routing.policy import make_policy
@@ -238,7 +239,7 @@ class Router:
                 finally:
                     self.metrics.waiting.dec()
                 tried.add(route.decode.address)
-                worker_request_id = f"{request_id}@{uuid.uuid4().hex[:8]}"  # client ids may repeat; ours don't
+                worker_request_id = attempt_request_id(request_id)  # client ids may repeat; ours don't
                 request = pb.GenerateRequest(
                     request_id=worker_request_id, token_ids=pb.TokenIds(ids=token_ids), sampling_params=params,
                     stream=True, cache_salt=list(cache_salt), resume_token_ids=delivered.token_ids,

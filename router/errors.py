@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import json
 from http import HTTPStatus
+from typing import Any
 
-import grpc
+from grpc import StatusCode
 
 
 class RouterError(Exception):
+    """A failure the router reports. Each kind declares its HTTP status, OpenAI error type and gRPC status in its
+    class line; a kind that declares none keeps its parent's (the base: an internal error)."""
+
     http_status = 500
     error_type = "InternalServerError"
-    grpc_code = grpc.StatusCode.INTERNAL
+    grpc_code = StatusCode.INTERNAL
+
+    def __init_subclass__(cls, *, http_status: int = 0, error_type: str = "", grpc_code: StatusCode | None = None,
+                          **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if http_status:  # the three together: a kind is one status on each surface
+            cls.http_status, cls.error_type, cls.grpc_code = http_status, error_type, grpc_code
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -31,46 +41,36 @@ class RouterError(Exception):
         return json.dumps(self.to_openai(), ensure_ascii=True)
 
 
-class BadRequest(RouterError):
-    http_status = 400
-    error_type = "BadRequestError"
-    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+class BadRequest(RouterError, http_status=400, error_type="BadRequestError", grpc_code=StatusCode.INVALID_ARGUMENT):
+    """The request is refused as it is; `param` names the field at fault, when one is."""
 
 
-class Unauthorized(RouterError):
-    http_status = 401
-    error_type = "AuthenticationError"
-    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+class Unauthorized(RouterError, http_status=401, error_type="AuthenticationError",
+                   grpc_code=StatusCode.UNAUTHENTICATED):
+    """No API key, or not the router's."""
 
 
-class ModelNotFound(RouterError):
-    http_status = 404
-    error_type = "NotFoundError"
-    grpc_code = grpc.StatusCode.NOT_FOUND
+class ModelNotFound(RouterError, http_status=404, error_type="NotFoundError", grpc_code=StatusCode.NOT_FOUND):
+    """The request names a model the router does not serve (and a worker's NOT_FOUND)."""
 
 
-class RequestTimeout(RouterError):
-    http_status = 408
-    error_type = "RequestTimeoutError"
-    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+class RequestTimeout(RouterError, http_status=408, error_type="RequestTimeoutError",
+                     grpc_code=StatusCode.DEADLINE_EXCEEDED):
+    """The request body did not arrive within --request-body-timeout."""
 
 
-class PayloadTooLarge(RouterError):
-    http_status = 413
-    error_type = "RequestEntityTooLargeError"
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+class PayloadTooLarge(RouterError, http_status=413, error_type="RequestEntityTooLargeError",
+                      grpc_code=StatusCode.RESOURCE_EXHAUSTED):
+    """The request body is larger than --max-request-body-bytes."""
 
 
-class Overloaded(RouterError):
-    http_status = 429
-    error_type = "RateLimitError"
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+class Overloaded(RouterError, http_status=429, error_type="RateLimitError", grpc_code=StatusCode.RESOURCE_EXHAUSTED):
+    """A worker's RESOURCE_EXHAUSTED: it has no room for the request now."""
 
 
-class Unavailable(RouterError):
-    http_status = 503
-    error_type = "ServiceUnavailableError"
-    grpc_code = grpc.StatusCode.UNAVAILABLE
+class Unavailable(RouterError, http_status=503, error_type="ServiceUnavailableError",
+                  grpc_code=StatusCode.UNAVAILABLE):
+    """No worker can take the request now: none answered yet, none is healthy, or those tried failed."""
 
 
 class ShuttingDown(Unavailable):

@@ -4,31 +4,33 @@ Like the HTTP front, it refuses new calls (UNAVAILABLE) while the router drains 
 drain deadline with UNAVAILABLE. It sends no keep-alive messages: a silent stream is not an idle gRPC channel
 (HTTP/2 pings keep the connection; a call's deadline is the client's), so a gap in tokens needs nothing here.
 
-Input is checked as on the HTTP front (the router's bounds, token ids in the vocabulary, lengths): a refusal ends
-the call with INVALID_ARGUMENT before any worker sees the request. So do bytes that are not a valid request
-message: the handlers are built here with a deserializer that never raises (the generated glue's would make the
-call end UNKNOWN). Request ids are scoped per caller (`router.core.caller_identity`): `Abort` finds only the
-caller's own requests.
+Input is checked as on the HTTP front (the router's bounds, the engine's sampling rules, token ids in the vocabulary,
+lengths, an output constraint's syntax): a refusal ends the call with INVALID_ARGUMENT before any worker sees the
+request. So do bytes that are not a valid request message: the handlers are built here with a deserializer that
+never raises (the generated glue's would make the call end UNKNOWN). Every `SamplingParams` field the caller set
+reaches the worker, converted by `cluster.wire` as on the other fronts. Request ids are scoped per caller
+(`router.core.caller_identity`): `Abort` finds only the caller's own requests.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from cluster.request_ids import request_id_or_new
+from cluster.wire import sampling_params_from_proto, sampling_params_to_proto
 from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.core import Router, caller_identity, error_from
 from router.errors import BadRequest
-from router.openai_protocol import MAX_LOGIT_BIAS_ENTRIES, to_proto
+from router.openai_protocol import MAX_LOGIT_BIAS_ENTRIES
+from router.structured_output import check as check_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self._authorize(context)
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request_id_or_new(request.request_id)
         relay = None
         try:
             with self.router.lifecycle.admitted() as ticket:
@@ -87,7 +89,7 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
 
     def _checked_params(self, params: pb.SamplingParams) -> pb.SamplingParams:
         """Validate with the router's bounds and the engine's rules (a clear INVALID_ARGUMENT here, not a worker
-        round trip)."""
+        round trip); forwards exactly the fields the caller set, so the workers' generation defaults fill the rest."""
         config = self.router.config
         if (params.n or 1) > config.max_n:
             raise BadRequest(f"n must be at most {config.max_n} (--max-n), got {params.n}", "n")
@@ -98,21 +100,10 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
         if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
         self.router.check_token_ids(list(params.logit_bias), "logit_bias")
-        kwargs: dict[str, Any] = {name: getattr(params, name) for name in (
-            "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "seed", "max_tokens", "logprobs", "prompt_logprobs") if params.HasField(name)}
-        kwargs.update(n=params.n or 1, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                      min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias))
-        checked = SamplingParams(**kwargs)
-        out = to_proto(checked, set(kwargs))
-        out.include_stop_str_in_output = params.include_stop_str_in_output
-        out.ignore_eos = params.ignore_eos
-        out.skip_special_tokens_false = params.skip_special_tokens_false
-        if params.HasField("prompt_logprobs"):
-            out.prompt_logprobs = params.prompt_logprobs
-        if not params.HasField("max_tokens"):
-            out.ClearField("max_tokens")
-        return out
+        checked = sampling_params_from_proto(params)
+        if checked.structured_outputs is not None:  # a schema xgrammar cannot compile never reaches a worker
+            check_constraint(checked.structured_outputs, "structured_outputs")
+        return sampling_params_to_proto(checked, explicit_only=True)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
         await self._authorize(context)

@@ -11,14 +11,13 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from cluster.routing.events import WorkerLoad
-
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0)
-LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+from engine.metrics.buckets import (
+    INDEX_LAG_BUCKETS,
+    ROUTE_BUCKETS,
+    ROUTER_E2E_BUCKETS,
+    ROUTER_TTFT_BUCKETS,
+    TPOT_BUCKETS,
+)
 
 
 class RouterMetrics:
@@ -48,11 +47,11 @@ class RouterMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
                                          registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token at the router.",
-                              buckets=TTFT_BUCKETS, registry=r)
+                              buckets=ROUTER_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.",
                               buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency at the router.",
-                             buckets=E2E_BUCKETS, registry=r)
+                             buckets=ROUTER_E2E_BUCKETS, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        ["finished_reason"], registry=r)
         self.requests = Counter("kvflow:requests", "Requests by prefill path.", ["path"], registry=r)
@@ -64,13 +63,12 @@ class RouterMetrics:
                                          "Routing decisions whose prefill worker held part of the prompt's prefix.",
                                          registry=r)
         self.index_lag = Histogram("kvflow:index_lag_seconds", "Worker event send -> applied to the index.",
-                                   buckets=LAG_BUCKETS, registry=r)
+                                   buckets=INDEX_LAG_BUCKETS, registry=r)
         self.index_unavailable = Counter("kvflow:index_unavailable",
                                          "Index operations that failed because the backend was unreachable.",
                                          registry=r)
         self.route_seconds = Histogram("kvflow:route_seconds", "Hashing + index lookup + scoring per request.",
-                                       buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05,
-                                                0.1, 0.25), registry=r)
+                                       buckets=ROUTE_BUCKETS, registry=r)
         self.retries = Counter("kvflow:router_retries", "Requests re-sent to another worker.", ["reason"],
                                registry=r)
         self.migrations = Counter("kvflow:migrations", "Requests moved mid-stream to another decode worker (the "

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front (FastAPI): /v1/completions, /v1/chat/completions, /v1/responses
 (`openai_responses`), /v1/models, /health, /metrics, and vLLM's /tokenize, /detokenize, /version
 (`openai_extras`). Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
-Streams follow vLLM's chunk sequence (see `_stream`).
+Streams follow vLLM's chunk sequence (`chunk_stream`).
 
 `/metrics` needs the API key too with `metrics_require_api_key`. Requests are owned by their caller
 (`router.core.caller_identity`: the key, or the connection), so the gRPC front's `Abort` cannot reach them by
@@ -23,13 +23,10 @@ finish_reason "abort" and [DONE] (streaming) or a 503 error (non-streaming).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
-import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,25 +34,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequest
+from cluster.request_ids import request_id_or_new
 from protos.kvflow.v1 import kvflow_pb2 as pb
+from router import openai_responses
+from router.chunk_stream import ChunkStream
 from router.config import RouterConfig
 from router.core import Router, caller_identity, error_from
-from router.errors import (
-    BadRequest,
-    HTTPError,
-    ModelNotFound,
-    PayloadTooLarge,
-    RequestTimeout,
-    RouterError,
-    ShuttingDown,
-    Unauthorized,
-)
+from router.errors import BadRequest, HTTPError, RouterError, ShuttingDown, Unauthorized
+from router.http import error_response, read_body
 from router.lifecycle import ClientGone, Idle, Relay, Ticket
+from router.openai_extras import add_extra_routes
 from router.openai_protocol import (
     FINISH,
     ParsedRequest,
     chat_logprobs,
+    completion_id,
     completion_logprobs,
     envelope,
     load_body,
@@ -64,33 +57,11 @@ from router.openai_protocol import (
     stop_reason,
     usage_json,
 )
-from router.tool_calls import ToolStream, chat_message
+from router.prepared import PreparedRequest, Prompt, prepare
+from router.tool_calls import chat_message
 
 logger = logging.getLogger(__name__)
 PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
-SSE_KEEPALIVE = ": keep-alive\n\n"
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    text: str | None
-    token_ids: list[int]
-    params: pb.SamplingParams  # the request's, with this prompt's max_tokens
-
-
-@dataclass
-class _Prepared:
-    request_id: str
-    parsed: ParsedRequest
-    model: str
-    prompts: list[_Prompt]
-    created: int = field(default_factory=lambda: int(time.time()))
-    owner: str = ""  # router.core.caller_identity
-
-
-def error_response(error: RouterError, request_id: str | None = None) -> Response:
-    headers = {"x-request-id": request_id} if request_id else None
-    return Response(error.to_json(), status_code=error.http_status, headers=headers, media_type="application/json")
 
 
 def build_app(router: Router) -> FastAPI:
@@ -151,9 +122,6 @@ def build_app(router: Router) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _handle(router, request, chat=True)
 
-    from router import openai_responses
-    from router.openai_extras import add_extra_routes
-
     responses_api = _Api(openai_responses.parse_responses_request, openai_responses.stream_response,
                          openai_responses.collect_response)
 
@@ -169,12 +137,12 @@ def build_app(router: Router) -> FastAPI:
 class _Api:
     """Another request/response shape over the chat path (e.g. /v1/responses): its parser and its shapers."""
     parse: Callable[[Any, RouterConfig], ParsedRequest]
-    stream: Callable[[Router, _Prepared, AsyncIterator[Any]], AsyncIterator[str]]
-    collect: Callable[[Router, _Prepared, AsyncIterator[Any]], Awaitable[dict[str, Any]]]
+    stream: Callable[[Router, PreparedRequest, AsyncIterator[Any]], AsyncIterator[str]]
+    collect: Callable[[Router, PreparedRequest, AsyncIterator[Any]], Awaitable[dict[str, Any]]]
 
 
 async def _handle(router: Router, request: Request, chat: bool, api: _Api | None = None) -> Response:
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request_id_or_new(request.headers.get("x-request-id"))
     try:
         with router.lifecycle.admitted() as ticket:
             return await _respond(router, request, chat, request_id, ticket, api)
@@ -187,12 +155,11 @@ async def _handle(router: Router, request: Request, chat: bool, api: _Api | None
 async def _respond(router: Router, request: Request, chat: bool, request_id: str, ticket: Ticket,
                    api: _Api | None = None) -> Response:
     try:
-        raw = await _read_body(request, router.config)
+        raw = await read_body(request, router.config)
         body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
         parsed = api.parse(body, router.config) if api else parse_request(body, chat, router.config)
-        prepared = await _prepare(router, parsed, request_id)
         peer = f"http:{request.client.host}:{request.client.port}" if request.client else "http"
-        prepared.owner = caller_identity(router.config.api_key, peer)
+        prepared = await prepare(router, parsed, request_id, caller_identity(router.config.api_key, peer))
     except Exception as exc:  # every input problem becomes a 4xx with the reason
         return error_response(error_from(exc), request_id)
     if not router.config.disable_log_requests:
@@ -211,7 +178,8 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
                 first = None
             watcher.cancel()  # the streaming response watches the connection itself from here on
             paced = _paced(relay, first, keepalive_s)
-            body_stream = api.stream(router, prepared, paced) if api else _stream(router, prepared, chat, paced)
+            body_stream = api.stream(router, prepared, paced) if api else \
+                ChunkStream(router, prepared, chat).events(paced)
             response = _RelayedStream(body_stream, relay, media_type="text/event-stream", headers=headers)
             relay = None  # the response closes it
             return response
@@ -250,71 +218,11 @@ async def _interrupt_on_disconnect(request: Request, relay: Relay) -> None:
     relay.interrupt(ClientGone())
 
 
-async def _read_body(request: Request, config: RouterConfig) -> bytes:
-    """The body, at most max_request_body_bytes (413) and received within request_body_timeout_s (408)."""
-    limit = config.max_request_body_bytes
-
-    def too_large() -> PayloadTooLarge:
-        return PayloadTooLarge(f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
-
-    declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and (len(declared) > 20 or int(declared) > limit):
-        raise too_large()
-
-    async def receive() -> bytes:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large()
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    try:
-        return await asyncio.wait_for(receive(), config.request_body_timeout_s)
-    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        raise RequestTimeout(f"the request body did not arrive within {config.request_body_timeout_s:g} s "
-                             "(--request-body-timeout)") from None
-
-
-async def _prepare(router: Router, parsed: ParsedRequest, request_id: str) -> _Prepared:
-    info = router.model_info  # 503 until a worker answered
-    names = router.served_model_names
-    model = parsed.model or names[0]
-    if model not in names and model != info.model:
-        raise ModelNotFound(f"The model `{model}` does not exist. Available: {', '.join(names)}", "model")
-    tokenizers = await router.ensure_tokenizers()
-    texts_and_ids: list[tuple[str | None, list[int], str]] = []  # (text, token ids, the field it came from)
-    if parsed.messages is not None:
-        try:
-            text, ids = await tokenizers.run(tokenizers.chat_prompt, parsed.messages, parsed.add_generation_prompt,
-                                             parsed.chat_template, router.config.chat_template_timeout_s,
-                                             parsed.tools.tools if parsed.tools is not None else None,
-                                             parsed.continue_final_message)
-        except InvalidRequest as exc:  # the template failed on these messages (or is the request's own)
-            raise BadRequest(str(exc), exc.param or ("chat_template" if parsed.chat_template else "messages")) \
-                from exc
-        texts_and_ids.append((text, ids, "messages"))
-    for prompt in parsed.prompts:
-        if isinstance(prompt, str):
-            try:
-                texts_and_ids.append((prompt, await tokenizers.run(tokenizers.encode, prompt), "prompt"))
-            except InvalidRequest as exc:  # no tokenizer on the router
-                raise BadRequest(str(exc), "prompt") from exc
-        else:
-            router.check_token_ids(prompt, "prompt")
-            texts_and_ids.append((None, list(prompt), "prompt"))
-    router.check_token_ids(list(parsed.params.logit_bias), "logit_bias")
-    prompts = [_Prompt(text, ids, router.params_for_prompt(parsed.params, len(ids), param, parsed.max_tokens_param))
-               for text, ids, param in texts_and_ids]
-    return _Prepared(request_id, parsed, model, prompts)
-
-
-def _sub_id(prepared: _Prepared, i: int) -> str:
+def _sub_id(prepared: PreparedRequest, i: int) -> str:
     return prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{i}"
 
 
-async def _merged(router: Router, prepared: _Prepared) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
+async def _merged(router: Router, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
     """Responses of every prompt of the request, interleaved as they come, tagged with the prompt index."""
     if len(prepared.prompts) == 1:
         prompt = prepared.prompts[0]
@@ -324,7 +232,7 @@ async def _merged(router: Router, prepared: _Prepared) -> AsyncGenerator[tuple[i
         return
     queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, prompt: _Prompt) -> None:
+    async def pump(i: int, prompt: Prompt) -> None:
         try:
             async for response in router.generate(_sub_id(prepared, i), prompt.token_ids, prompt.params,
                                                   prepared.parsed.cache_salt, prepared.owner):
@@ -349,7 +257,7 @@ async def _merged(router: Router, prepared: _Prepared) -> AsyncGenerator[tuple[i
             task.cancel()
 
 
-async def _collect(router: Router, prepared: _Prepared, chat: bool,
+async def _collect(router: Router, prepared: PreparedRequest, chat: bool,
                    responses: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> dict[str, Any]:
     parsed, n = prepared.parsed, prepared.parsed.n
     tokenizers = router.tokenizers
@@ -387,9 +295,9 @@ async def _collect(router: Router, prepared: _Prepared, chat: bool,
             choices.append(item)
     usage.prompt_tokens = prompt_tokens
     choices.sort(key=lambda c: c["index"])
-    kind, prefix = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
-    out = {**envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created), "choices": choices,
-           "usage": usage_json(usage)}
+    kind = "chat.completion" if chat else "text_completion"
+    out = {**envelope(kind, completion_id(prepared.request_id, chat), prepared.model, prepared.created),
+           "choices": choices, "usage": usage_json(usage)}
     if chat and parsed.prompt_logprobs is not None:  # vLLM: once, at the top, for chat
         out["prompt_logprobs"] = prompt_lps.get(0)
     return out
@@ -410,142 +318,3 @@ async def _paced(relay: Relay[tuple[int, pb.GenerateResponse]], first: tuple[int
                 return
     finally:  # a client that hangs up ends the worker calls now, not when the generator is collected
         relay.close()
-
-
-async def _stream(router: Router, prepared: _Prepared, chat: bool,
-                  responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle]) -> AsyncIterator[str]:
-    """vLLM's chunk sequence: (chat) a role chunk per choice once the first output is in, one chunk per worker step
-    with tokens, the last one carrying finish_reason (and stop_reason), then the usage chunk with include_usage
-    (usage on every chunk too with continuous_usage_stats), then [DONE]."""
-    parsed, n = prepared.parsed, prepared.parsed.n
-    tokenizers = router.tokenizers
-    decode = tokenizers.decode_token if tokenizers is not None else str
-    kind, prefix = ("chat.completion.chunk", "chatcmpl-") if chat else ("text_completion", "cmpl-")
-    base = envelope(kind, prefix + prepared.request_id, prepared.model, prepared.created)
-    num_choices = len(prepared.prompts) * n
-    sent_text: dict[int, str] = {}
-    num_tokens: dict[int, int] = {}  # per choice, tokens streamed so far (continuous usage)
-    finished: set[int] = set()
-    usage_of: dict[int, pb.Usage] = {}  # per prompt, the latest its worker reported (an aborted one's too)
-    started = False
-
-    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
-
-    tool_streams: dict[int, ToolStream] = {}  # per choice, when the request's output becomes tool calls
-
-    def choice(index: int, text: str, logprobs: list[pb.TokenLogprob], finish: str | None = None,
-               stop: str | int | None = None, tool_delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        lp = None
-        if parsed.logprobs is not None and logprobs:
-            lp = chat_logprobs(logprobs, decode, parsed.logprobs) if chat else completion_logprobs(logprobs, decode)
-        if chat:  # vLLM leaves stop_reason out of chat chunks until the last one
-            delta: dict[str, Any] = {"content": text} if text or not finish else {}
-            out: dict[str, Any] = {"index": index, "delta": tool_delta if tool_delta is not None else delta,
-                                   "logprobs": lp, "finish_reason": finish}
-            if finish is not None:
-                out["stop_reason"] = stop
-            return out
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
-
-    def choice_usage(index: int) -> dict[str, Any] | None:
-        """continuous_usage_stats: this choice's prompt and its completion tokens so far."""
-        if not parsed.continuous_usage:
-            return None
-        prompt = usage_of.get(index // n)
-        return usage_json(pb.Usage(prompt_tokens=prompt.prompt_tokens if prompt else 0,
-                                   completion_tokens=num_tokens.get(index, 0)))
-
-    def choice_event(index: int, text: str, logprobs: list[pb.TokenLogprob], finish: str | None = None,
-                     stop: str | int | None = None, tool_delta: dict[str, Any] | None = None) -> str:
-        usage = choice_usage(index)
-        extra = {"usage": usage} if usage is not None else {}
-        return event([choice(index, text, logprobs, finish, stop, tool_delta)], **extra)
-
-    def tool_stream(index: int) -> ToolStream | None:
-        """The choice's tool-call parser, when this chat request's output becomes tool calls."""
-        if not (chat and parsed.tools is not None and parsed.tools.parses):
-            return None
-        return tool_streams.setdefault(index, ToolStream(parsed.tools))
-
-    def role_events() -> Iterator[str]:
-        for index in range(num_choices):
-            out: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}
-            usage = choice_usage(index)
-            yield event([out], **({"usage": usage} if usage is not None else {}))
-
-    def usage_event() -> str:
-        usage = pb.Usage()
-        for part in usage_of.values():
-            usage.prompt_tokens += part.prompt_tokens
-            usage.completion_tokens += part.completion_tokens
-            usage.cached_tokens += part.cached_tokens
-        return event([], usage=usage_json(usage))
-
-    try:
-        async for item in responses:
-            if isinstance(item, Idle):  # a comment: SSE clients skip it, idle timeouts see bytes
-                yield SSE_KEEPALIVE
-                continue
-            i, response = item
-            kind_ = response.WhichOneof("response")
-            if kind_ == "chunk":
-                chunk = response.chunk
-                if chunk.HasField("usage"):
-                    usage_of[i] = chunk.usage
-            elif kind_ == "complete":
-                usage_of[i] = response.complete.usage
-            if chat and not started:  # as vLLM: once the first output is in, not before prefill
-                started = True
-                for line in role_events():
-                    yield line
-            if kind_ == "chunk":
-                index = i * n + chunk.index
-                # The last token's chunk carries the end; an abort may still become a migration, so the
-                # complete message reports that one.
-                finish = FINISH.get(chunk.finish_reason) if chunk.finish_reason != pb.FINISH_REASON_ABORT else None
-                tools = tool_stream(index)
-                if tools is not None:  # the text becomes tool-call deltas (or content, for `auto` without a call)
-                    sent_text[index] = sent_text.get(index, "") + chunk.text
-                    num_tokens[index] = num_tokens.get(index, 0) + len(chunk.token_ids)
-                    tool_delta = tools.feed(chunk.text)
-                    if tool_delta is not None or chunk.logprobs:
-                        yield choice_event(index, "", list(chunk.logprobs), tool_delta=tool_delta or {})
-                    if finish is not None:
-                        finished.add(index)
-                        tool_delta, finish = tools.finish(sent_text[index], finish)
-                        yield choice_event(index, "", [], finish, stop_reason(chunk), tool_delta=tool_delta)
-                elif chunk.text or chunk.logprobs or chunk.token_ids or finish:  # as vLLM: one event per step
-                    sent_text[index] = sent_text.get(index, "") + chunk.text  # text may be "" (no tokenizer)
-                    num_tokens[index] = num_tokens.get(index, 0) + len(chunk.token_ids)
-                    if finish is not None:
-                        finished.add(index)
-                    yield choice_event(index, chunk.text, list(chunk.logprobs), finish,
-                                       stop_reason(chunk) if finish else None)
-            elif kind_ == "complete":
-                for c in response.complete.choices:
-                    index = i * n + c.index
-                    if index in finished:
-                        continue
-                    already = sent_text.get(index, "")
-                    rest = c.text[len(already):] if c.text.startswith(already) else ""
-                    finished.add(index)
-                    tools = tool_stream(index)
-                    if tools is not None:
-                        tool_delta, finish = tools.finish(c.text, FINISH.get(c.finish_reason))
-                        yield choice_event(index, "", [], finish, stop_reason(c), tool_delta=tool_delta)
-                        continue
-                    yield choice_event(index, rest, [], FINISH.get(c.finish_reason), stop_reason(c))
-        if parsed.include_usage:
-            yield usage_event()
-    except ShuttingDown:  # the drain deadline: every open choice ends as aborted, as an aborted request does
-        for index in range(num_choices):
-            if index not in finished:
-                yield choice_event(index, "", [], "abort")
-        if parsed.include_usage:
-            yield usage_event()
-    except Exception as exc:  # the status line is already sent: report in-band, as vLLM does
-        error = error_from(exc)
-        yield f"data: {json.dumps(error.to_openai())}\n\n"
-    yield "data: [DONE]\n\n"

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import InvalidRequest
 from router.core import Router, error_from
 from router.errors import BadRequest, ModelNotFound
+from router.http import error_response, read_body
 from router.openai_protocol import _field, _messages, load_body
 
 
@@ -89,11 +90,9 @@ async def _detokenize(router: Router, body: Any) -> dict[str, Any]:
 
 
 def add_extra_routes(app: FastAPI, router: Router) -> None:
-    from router.openai_api import _read_body, error_response  # the app module imports this one while building
-
     async def answer(request: Request, handler: Any) -> Response:
         try:
-            body = load_body(await _read_body(request, router.config))  # the chat endpoints' size and time limits
+            body = load_body(await read_body(request, router.config))  # the chat endpoints' size and time limits
             return JSONResponse(await handler(router, body))
         except Exception as exc:  # every input problem is a 4xx naming its field
             return error_response(error_from(exc))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.wire import FINISH_REASON_FROM_PROTO, structured_outputs_to_proto
+from cluster.wire import FINISH_REASON_FROM_PROTO, sampling_params_to_proto
 from engine.errors import InvalidRequest
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -379,7 +379,8 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
         raise BadRequest(str(exc), _body_name(exc.param, chat, max_tokens_param)) from exc
     salt = _field(body, "cache_salt", str)
     return ParsedRequest(
-        model=model, prompts=prompts, messages=messages, params=to_proto(checked, set(kwargs)),
+        model=model, prompts=prompts, messages=messages,
+        params=sampling_params_to_proto(checked, explicit_only=True),  # the workers' generation defaults fill the rest
         max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
         logprobs=logprobs, echo=_field(body, "echo", bool, False) if not chat else False,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
@@ -414,27 +415,6 @@ def _body_name(param: str | None, chat: bool, max_tokens_param: str) -> str | No
     if param == "max_tokens":
         return max_tokens_param
     return param
-
-
-def to_proto(params: SamplingParams, explicit: set[str]) -> pb.SamplingParams:
-    """Only explicitly set fields are sent, so the worker's generation-config defaults fill the rest."""
-    out = pb.SamplingParams(n=params.n)
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "logprobs", "prompt_logprobs"):
-        if name in explicit and getattr(params, name) is not None:
-            setattr(out, name, getattr(params, name))
-    if params.max_tokens is not None:
-        out.max_tokens = params.max_tokens
-    out.stop.extend(params.stop or [])
-    out.stop_token_ids.extend(params.stop_token_ids or [])
-    out.include_stop_str_in_output = params.include_stop_str_in_output
-    out.ignore_eos = params.ignore_eos
-    out.min_tokens = params.min_tokens
-    out.skip_special_tokens_false = not params.skip_special_tokens
-    out.logit_bias.update(params.logit_bias or {})
-    if params.structured_outputs is not None:
-        out.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
-    return out
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -491,6 +471,11 @@ def prompt_logprobs_json(entries: list[pb.TokenLogprob], decode: Decode) -> list
 def stop_reason(choice: pb.CompletionChoice | pb.GenerateChunk) -> str | int | None:
     kind = choice.WhichOneof("stop_reason")
     return getattr(choice, kind) if kind else None
+
+
+def completion_id(request_id: str, chat: bool) -> str:
+    """OpenAI's (and vLLM's) id of a completion or chat completion made for `request_id`."""
+    return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
 def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict[str, Any]:

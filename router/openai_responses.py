@@ -22,8 +22,10 @@ from typing import Any
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.core import Router, error_from
 from router.errors import BadRequest, ShuttingDown
+from router.http import SSE_KEEPALIVE
 from router.lifecycle import Idle
 from router.openai_protocol import FINISH, ParsedRequest, parse_request
+from router.prepared import PreparedRequest
 
 # Sampling fields passed through to the chat request as they are (vLLM's ResponsesRequest takes these extras too).
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -122,7 +124,7 @@ def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def _response(prepared: Any, status: str, output: list[dict[str, Any]], usage: pb.Usage | None,
+def _response(prepared: PreparedRequest, status: str, output: list[dict[str, Any]], usage: pb.Usage | None,
               finish: str | None = None) -> dict[str, Any]:
     params = prepared.prompts[0].params
     if status == "completed" and finish == "length":
@@ -139,7 +141,7 @@ def _response(prepared: Any, status: str, output: list[dict[str, Any]], usage: p
     }
 
 
-async def collect_response(router: Router, prepared: Any,
+async def collect_response(router: Router, prepared: PreparedRequest,
                            responses: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> dict[str, Any]:
     async for _, response in responses:
         if response.WhichOneof("response") == "complete":
@@ -150,7 +152,7 @@ async def collect_response(router: Router, prepared: Any,
     raise ShuttingDown("the request ended without a result")
 
 
-async def stream_response(router: Router, prepared: Any,
+async def stream_response(router: Router, prepared: PreparedRequest,
                           responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle]) -> AsyncIterator[str]:
     item_id = f"msg_{prepared.request_id}"
     sequence = 0
@@ -176,7 +178,7 @@ async def stream_response(router: Router, prepared: Any,
     try:
         async for item in responses:
             if isinstance(item, Idle):
-                yield ": keep-alive\n\n"
+                yield SSE_KEEPALIVE
                 continue
             _, response = item
             kind = response.WhichOneof("response")

@@ -17,16 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.auth import ClusterAuth
-from cluster.routing.events import (
-    AllBlocksCleared,
-    BatchOrder,
-    BatchVerdict,
-    BlocksRemoved,
-    BlocksStored,
-    EventBatch,
-    IndexEvent,
-    WorkerLoad,
-)
+from cluster.routing import events
 from cluster.routing.index import IndexUnavailable, PrefixIndex
 from cluster.routing.policy import WorkerView
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -54,7 +45,7 @@ class Worker:
     role: str
     worker_id: str = ""
     info: pb.InfoResponse | None = None
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    load: events.WorkerLoad = field(default_factory=events.WorkerLoad)
     last_batch: float = 0.0  # monotonic time of the last batch (heartbeats included)
     pending_prefill_tokens: int = 0
     pending_requests: int = 0
@@ -70,29 +61,30 @@ class Worker:
                           self.pending_requests)
 
 
-def batch_from_proto(msg: pb.KVEventBatch) -> EventBatch:
-    events: list[IndexEvent] = []
+def batch_from_proto(msg: pb.KVEventBatch) -> events.EventBatch:
+    """A worker's batch in the index's vocabulary (kinds the router does not know are skipped)."""
+    index_events: list[events.IndexEvent] = []
     for event in msg.events:
         kind = event.WhichOneof("event")
         if kind == "stored":
-            events.append(BlocksStored(tuple(event.stored.block_hashes)))
+            index_events.append(events.BlocksStored(tuple(event.stored.block_hashes)))
         elif kind == "removed":
-            events.append(BlocksRemoved(tuple(event.removed.block_hashes)))
+            index_events.append(events.BlocksRemoved(tuple(event.removed.block_hashes)))
         elif kind == "cleared":
-            events.append(AllBlocksCleared())
+            index_events.append(events.AllBlocksCleared())
     load = None
     if msg.HasField("load"):
         lo = msg.load
-        load = WorkerLoad(lo.num_running, lo.num_waiting, lo.queued_prefill_tokens, lo.kv_cache_usage,
-                          lo.num_kv_blocks, lo.num_preemptions)
-    return EventBatch(msg.worker_id, msg.epoch, msg.sequence, tuple(events), load, msg.sent_unix_s)
+        load = events.WorkerLoad(lo.num_running, lo.num_waiting, lo.queued_prefill_tokens, lo.kv_cache_usage,
+                                 lo.num_kv_blocks, lo.num_preemptions)
+    return events.EventBatch(msg.worker_id, msg.epoch, msg.sequence, tuple(index_events), load, msg.sent_unix_s)
 
 
 class WorkerPool:
     """Workers by role; `set_addresses` (from discovery) starts and stops their subscriptions."""
 
     def __init__(self, index: PrefixIndex, subscriber: str,
-                 on_batch: Callable[[Worker, EventBatch, float], None] | None = None,
+                 on_batch: Callable[[Worker, events.EventBatch, float], None] | None = None,
                  on_index_error: Callable[[IndexUnavailable], None] | None = None,
                  auth: ClusterAuth | None = None) -> None:
         self.index = index
@@ -181,7 +173,7 @@ class WorkerPool:
         info = stub.Info(pb.InfoRequest(), timeout=5.0)
         if not self._accept_info(worker, info):
             raise _Resubscribe("model mismatch")
-        order = BatchOrder()
+        order = events.BatchOrder()
         stream = stub.StreamKVEvents(pb.KVEventsRequest(subscriber=self.subscriber))
         try:
             for msg in _events_or_info_polls(stream, stub, worker):
@@ -189,9 +181,9 @@ class WorkerPool:
                     return
                 batch = batch_from_proto(msg)
                 verdict = order.check(batch)
-                if verdict is BatchVerdict.GAP:
+                if verdict is events.BatchVerdict.GAP:
                     raise _Resubscribe(f"sequence gap at epoch {batch.epoch} seq {batch.sequence}")
-                if verdict is BatchVerdict.STALE:
+                if verdict is events.BatchVerdict.STALE:
                     continue
                 worker.worker_id = batch.worker_id or worker.worker_id
                 worker.last_batch = time.monotonic()

@@ -8,16 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from engine.metrics.buckets import E2E_BUCKETS, KV_TRANSFER_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
-
-# vLLM's bucket boundaries for the request latency histograms.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
-TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class EngineMetrics:
@@ -55,7 +47,7 @@ class EngineMetrics:
                                       "backend (nccl, gloo, grpc).", ["model_name", "backend"], registry=r)
         self.transfer_seconds = Histogram("kvflow:kv_transfer_seconds", "Duration of one request's KV transfer "
                                           "(overlapping prefill compute), by backend.", ["model_name", "backend"],
-                                          buckets=TRANSFER_BUCKETS, registry=r)
+                                          buckets=KV_TRANSFER_BUCKETS, registry=r)
         self.blocks_freed = counter("kvflow:kv_blocks_freed",
                                     "KV blocks freed after a transfer finished, was cancelled or its lease expired.")
         self.fallback = Counter("kvflow:disagg_fallback", "Disaggregated prefills that fell back to local "

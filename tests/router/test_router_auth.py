@@ -24,13 +24,6 @@ API_KEY = "router-test-key"
 TOKEN = "router-test-cluster-token-0123"
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[FakeWorkers]:
-    fakes = FakeWorkers()
-    yield fakes
-    fakes.close()
-
-
 def _channel(harness: RouterHarness) -> grpc.Channel:
     # Its own connection: channels of one process otherwise share one, and so one peer.
     return grpc.insecure_channel(harness.grpc_address, options=[("grpc.use_local_subchannel_pool", 1)])

@@ -5,6 +5,7 @@ and never an error inside a 200 stream."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import time
@@ -15,6 +16,10 @@ import grpc
 import httpx
 import pytest
 
+from cluster.wire import sampling_kwargs_from_proto, sampling_params_from_proto, sampling_params_to_proto
+from engine.sampling_params import SamplingParams
+from engine.structured.grammar import StructuredOutputsParams
+from kvflow.client import Client
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from tests.helpers.router_fakes import REFUSED_PROMPT, VOCAB_SIZE, FakeWorkers, RouterHarness
@@ -22,20 +27,6 @@ from tests.helpers.router_fakes import REFUSED_PROMPT, VOCAB_SIZE, FakeWorkers, 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[FakeWorkers]:
-    fake = FakeWorkers()
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def router(workers: FakeWorkers) -> Iterator[RouterHarness]:
-    harness = RouterHarness(workers)
-    yield harness
-    harness.close()
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +360,54 @@ def test_grpc_logit_bias_is_forwarded(router: RouterHarness, workers: FakeWorker
         responses = list(kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=10))
     assert responses[-1].WhichOneof("response") == "complete"
     assert dict(workers.decode.requests[-1].sampling_params.logit_bias) == {9: -1.5}
+
+
+# A value unlike the default for every SamplingParams field, within the router's bounds and the fake worker's
+# vocabulary; floats that float32 holds exactly. The tests below take the field list from the dataclass, so a field
+# added later without a value here fails them.
+EVERY_FIELD: dict[str, Any] = dict(
+    n=2, temperature=0.25, top_p=0.5, top_k=7, min_p=0.125, presence_penalty=0.5, frequency_penalty=-0.5,
+    repetition_penalty=1.25, seed=11, stop=["x", "yz"], stop_token_ids=[5, 9], include_stop_str_in_output=True,
+    ignore_eos=True, max_tokens=40, min_tokens=2, logprobs=3, prompt_logprobs=1, skip_special_tokens=False,
+    logit_bias={3: -100.0, 70: 2.5},
+    structured_outputs=StructuredOutputsParams(json='{"type":"object"}', disable_any_whitespace=True))
+SAMPLING_FIELDS = sorted(f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_"))
+
+
+def arrived(workers: FakeWorkers) -> SamplingParams:
+    """The sampling parameters of the last request the decode worker got, as the worker reads them."""
+    return sampling_params_from_proto(workers.decode.requests[-1].sampling_params)
+
+
+def test_grpc_front_forwards_every_sampling_field(router: RouterHarness, workers: FakeWorkers) -> None:
+    values = {name: EVERY_FIELD[name] for name in SAMPLING_FIELDS}
+    with Client(router.grpc_address, max_retries=0) as client:
+        assert client.generate([1, 2, 3], **values).choices
+    params = arrived(workers)
+    for name, value in values.items():
+        assert getattr(params, name) == value, name
+
+
+@pytest.mark.parametrize("name", SAMPLING_FIELDS)
+def test_grpc_front_forwards_each_sampling_field_alone(router: RouterHarness, workers: FakeWorkers,
+                                                       name: str) -> None:
+    sent = sampling_params_to_proto(SamplingParams(**{name: EVERY_FIELD[name]}), explicit_only=True)
+    with grpc.insecure_channel(router.grpc_address) as channel:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling_params=sent)
+        responses = list(kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=10))
+    assert responses[-1].WhichOneof("response") == "complete"
+    assert getattr(arrived(workers), name) == EVERY_FIELD[name]
+    # Nothing else is set on the way (the router fills max_tokens), so the worker's generation defaults still apply.
+    assert set(sampling_kwargs_from_proto(workers.decode.requests[-1].sampling_params)) <= {name, "n", "max_tokens"}
+
+
+def test_grpc_output_constraints_are_checked(router: RouterHarness) -> None:
+    params = pb.SamplingParams(structured_outputs=pb.StructuredOutputs(regex="(unclosed"))
+    error = grpc_error(router, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling_params=params))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in error.details()
+    error = grpc_error(router, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling_params=pb.SamplingParams(
+        structured_outputs=pb.StructuredOutputs())))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in error.details()
 
 
 # ---- flags -----------------------------------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""HTTP plumbing shared by the router's endpoints (`openai_api`, `openai_extras`, `openai_responses`, `chunk_stream`):
+reading a request body within the router's limits, error responses, and the SSE keep-alive.
+
+Invariants:
+- A body is read whole before anything parses it: at most --max-request-body-bytes (413, refused at once when its
+  declared length is larger) and within --request-body-timeout (408).
+- Every error response is OpenAI error JSON with the error's HTTP status, and carries the request's
+  `x-request-id` when the request has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from router.config import RouterConfig
+from router.errors import PayloadTooLarge, RequestTimeout, RouterError
+
+# An SSE comment: clients skip it, while proxies' idle timeouts see bytes on a silent stream.
+SSE_KEEPALIVE = ": keep-alive\n\n"
+# A declared length with more digits than this is larger than any limit a router can be given.
+_MAX_LENGTH_DIGITS = 20
+
+
+def error_response(error: RouterError, request_id: str | None = None) -> Response:
+    headers = {"x-request-id": request_id} if request_id else None
+    return Response(error.to_json(), status_code=error.http_status, headers=headers, media_type="application/json")
+
+
+async def read_body(request: Request, config: RouterConfig) -> bytes:
+    """The body, at most max_request_body_bytes (413) and received within request_body_timeout_s (408)."""
+    limit = config.max_request_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > _MAX_LENGTH_DIGITS or int(declared) > limit):
+        raise _too_large(limit)
+    try:
+        return await asyncio.wait_for(_receive(request, limit), config.request_body_timeout_s)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        raise RequestTimeout(f"the request body did not arrive within {config.request_body_timeout_s:g} s "
+                             "(--request-body-timeout)") from None
+
+
+async def _receive(request: Request, limit: int) -> bytes:
+    """The body's chunks as they come, refused as soon as they pass `limit` (a missing or false content-length
+    must not let a client make the router buffer more)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
