@@ -1,13 +1,18 @@
-"""Engines driven to completion and their outputs compared: the loops every scenario that steps an `LLMEngine` or
-times `LLM.generate` would otherwise write again.
+"""Engines driven to completion and their outputs compared: the loops every scenario that steps an `LLMEngine`,
+times `LLM.generate` or runs `kvflow bench throughput` would otherwise write again.
 
 Invariants: nothing here changes an engine's configuration; timings are wall-clock seconds around the call only
 (no warm-up: the scenario decides where warm-ups go)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -56,3 +61,12 @@ def decode_pairs(llm: Any, short: int, long: int, prompt_len: int, repeats: int
 
     seconds(short)
     return [(seconds(short), seconds(long)) for _ in range(repeats)], ids
+
+
+def bench_throughput_cli(*flags: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`kvflow bench throughput <flags>` in a fresh process (its own engine, as a user runs it): its JSON record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "throughput.json"
+        subprocess.run([sys.executable, "-m", "kvflow.cli", "--log-level", "WARNING", "bench", "throughput", *flags,
+                        "--output-json", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
