@@ -38,8 +38,8 @@ import httpx
 import psutil
 
 from bench.harness.records import RESULTS, log, write_json
+from bench.harness.serving import kvflow_serve
 from kvflow.benchmarks.serve import sse_events
-from kvflow.benchmarks.server import ServerProcess
 from kvflow.benchmarks.throughput import host_context
 from kvflow.launcher import free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -81,12 +81,10 @@ class Cluster:
 
     def __init__(self, workdir: Path, redis: Redis, token: str, *extra: str) -> None:
         self.token = token
-        own = Path(tempfile.mkdtemp(prefix="serve-", dir=workdir))  # this cluster's logs, under the suite's folder
-        self.server = ServerProcess.kvflow(
-            "serve", "--model", MODEL, "--prefill-workers", "1", "--decode-workers", "2", "--index", redis.url,
+        self.server = kvflow_serve(
+            workdir, "--model", MODEL, "--prefill-workers", "1", "--decode-workers", "2", "--index", redis.url,
             "--max-model-len", "2048", "--kv-cache-memory-bytes", str(512 << 20), "--drain-timeout", "20",
-            "--sse-keepalive-s", "2", "--log-dir", str(own / "workers"), "--disable-log-requests", *extra,
-            env={**os.environ, "KVFLOW_CLUSTER_TOKEN": token}, log_path=own / "serve.log")
+            "--sse-keepalive-s", "2", *extra, env={**os.environ, "KVFLOW_CLUSTER_TOKEN": token})
         self.url = self.server.url
         self.process = self.server.process
 
