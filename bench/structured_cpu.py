@@ -25,58 +25,10 @@ from bench.harness.records import RESULTS, cpu_name, write_json
 from cluster.auth import TOKEN_ENV
 from kvflow.benchmarks.server import ServerProcess
 
-
-def text(max_length: int) -> dict[str, Any]:
-    return {"type": "string", "maxLength": max_length}
-
-
-def integer(minimum: int, maximum: int) -> dict[str, Any]:
-    return {"type": "integer", "minimum": minimum, "maximum": maximum}
-
-
-def choice(*values: str) -> dict[str, Any]:
-    return {"type": "string", "enum": list(values)}
-
-
-def closed_object(**properties: dict[str, Any]) -> dict[str, Any]:
-    """An object with exactly these properties, all required."""
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-
-
-BOOLEAN = {"type": "boolean"}
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": closed_object(name=text(32), age=integer(0, 120), city=text(32)),
-    "product": closed_object(title=text(40), price={"type": "number", "minimum": 0}, in_stock=BOOLEAN,
-                             category=choice("food", "tools", "books", "toys")),
-    "weather": closed_object(city=text(32), temperature_c=integer(-60, 60),
-                             conditions=choice("sunny", "cloudy", "rain", "snow", "fog")),
-    "book": closed_object(title=text(40), author=text(32), year=integer(1000, 2100),
-                          tags={"type": "array", "items": text(16), "maxItems": 3}),
-    "event": closed_object(name=text(32), day=choice("monday", "tuesday", "wednesday", "thursday", "friday",
-                                                     "saturday", "sunday"),
-                           attendees=integer(1, 10000), online=BOOLEAN),
-}
-PROMPTS: dict[str, list[str]] = {
-    "person": ["Describe a famous scientist.", "Invent a character for a novel.", "Describe your best friend.",
-               "Tell me about a chef from Italy.", "Describe a teacher from Japan.", "Who painted the Mona Lisa?",
-               "Describe an astronaut.", "Invent a football player.", "Describe a musician from Brazil.",
-               "Tell me about a doctor in Kenya."],
-    "product": ["Describe a hammer for sale.", "A bag of apples in a shop.", "A children's puzzle game.",
-                "A cookbook about French cuisine.", "A cordless drill.", "A box of chocolates.",
-                "A wooden toy train.", "A novel about the sea.", "A set of screwdrivers.", "A loaf of bread."],
-    "weather": ["What is the weather in Paris today?", "Weather report for Oslo in winter.",
-                "Describe the weather in Cairo in summer.", "Is it raining in London?",
-                "The weather in Tokyo this morning.", "A foggy day in San Francisco.",
-                "Snow in Moscow today.", "A sunny afternoon in Madrid.", "Weather in Sydney right now.",
-                "A cloudy day in Berlin."],
-    "book": ["Tell me about a classic novel.", "Describe a science fiction book.", "A famous poetry collection.",
-             "A history book about Rome.", "A children's book about animals.", "A mystery novel.",
-             "A book about cooking.", "A biography of a president.", "A fantasy book with dragons.",
-             "A textbook about physics."],
-    "event": ["Plan a birthday party.", "Describe a music festival.", "A weekly team meeting.",
-              "A charity marathon.", "An online programming workshop.", "A wedding in June.",
-              "A book club gathering.", "A science conference.", "A company picnic.", "A chess tournament."],
-}
+# The five JSON schemas and each one's ten prompts.
+REQUESTS = json.loads((Path(__file__).resolve().parent / "data" / "structured_requests.json").read_text())
+SCHEMAS: dict[str, dict[str, Any]] = REQUESTS["schemas"]
+PROMPTS: dict[str, list[str]] = REQUESTS["prompts"]
 ENGINE = ["--kv-cache-memory-bytes", str(512 << 20), "--max-model-len", "2048"]
 PATHS = {"unified": ["--prefill-workers", "0", "--decode-workers", "1"],
          "pd": ["--prefill-workers", "1", "--decode-workers", "1", "--disagg-min-prompt-tokens", "0"]}

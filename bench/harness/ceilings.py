@@ -1,6 +1,6 @@
-"""The device ceilings a benchmark sets its figures against: copy and read bandwidth, matmul peak, the pinned
-host-to-device rate. Each takes the timer of the scenario that asks (CUDA events, a graph replay, triton's
-do_bench), so a ceiling is measured the way the figures beside it are.
+"""The device ceilings a benchmark sets its figures against: copy and read bandwidth, matmul peak. Each takes the
+timer of the scenario that asks (CUDA events, a graph replay, triton's do_bench), so a ceiling is measured the way
+the figures beside it are.
 
 Invariants: bandwidths count the bytes the operation must move (a copy reads and writes each byte: 2x its size),
 and buffers are dropped on return (the caller empties torch's cache when it wants the memory back)."""
@@ -35,10 +35,3 @@ def read_bytes_per_s(nbytes: int) -> float:
     a kernel that streams that many bytes of weights once."""
     buf = torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16)
     return nbytes / graph_seconds(lambda: buf.sum(dtype=torch.float32))
-
-
-def pinned_h2d_bytes_per_s(nbytes: int, timer: Timer) -> float:
-    """A pinned host buffer copied to the GPU: the PCIe rate that bounds streaming weights from the host."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return nbytes / timer(lambda: dst.copy_(src, non_blocking=True))
