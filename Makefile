@@ -41,7 +41,7 @@ lint: install
 	$(BIN)/ruff check .
 
 bench-cpu: install
-	bash bench/cpu_throughput.sh
+	$(BIN)/python -m bench.cpu_throughput
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The fault suite under load (issue #15): a real `kvflow serve` (SmolLM2 on CPU, 1 prefill + 2 decode workers,
 its own Redis index) and streaming clients, one fault at a time:
 
@@ -13,14 +12,13 @@ After each case: requests that succeeded, lost and duplicated tokens (every stre
 request's greedy text from an undisturbed run), KV blocks stranded on every worker (their Info, 10 s after the
 fault), worker restarts, and processes left behind. Writes bench/results/chaos_<model>_cpu.json (--out).
 
-    python bench/chaos.py [--requests 40] [--fault-requests 1000] [--concurrency 8]
+    python -m bench.chaos [--requests 40] [--fault-requests 1000] [--concurrency 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import secrets
@@ -30,35 +28,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import grpc
+import httpx
+import psutil
 
-import grpc  # noqa: E402
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from kvflow.benchmarks.throughput import host_context  # noqa: E402
-from protos.kvflow.v1 import kvflow_pb2 as pb  # noqa: E402
-from protos.kvflow.v1 import kvflow_pb2_grpc  # noqa: E402
+from bench.harness.records import RESULTS, log, write_json
+from bench.harness.serving import kvflow_serve
+from kvflow.benchmarks.serve import sse_events
+from kvflow.benchmarks.throughput import host_context
+from kvflow.launcher import free_port
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
 
 MODEL = "smollm2"
 OUTPUT_TOKENS = 48
 STRANDED_WAIT_S = 10.0
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+CASES = ("decode_kill", "prefill_kill", "redis_kill", "client_disconnect", "sigterm", "transfer_faults_5pct")
 
 
 # ---- processes ---------------------------------------------------------------------------------------------------
@@ -66,11 +56,8 @@ class Redis:
     def __init__(self, workdir: Path) -> None:
         self.port = free_port()
         self.workdir = workdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -89,32 +76,17 @@ class Redis:
             self.process.wait(10)
 
 
-class Serve:
-    def __init__(self, workdir: Path, redis: Redis, token: str, *extra: str) -> None:
-        self.port = free_port()
-        self.token = token
-        self.log_path = workdir / f"serve-{self.port}.log"
-        argv = [sys.executable, "-m", "kvflow.cli", "serve", "--model", MODEL, "--prefill-workers", "1",
-                "--decode-workers", "2", "--index", redis.url, "--port", str(self.port), "--grpc-port", "0",
-                "--max-model-len", "2048", "--kv-cache-memory-bytes", str(512 << 20), "--drain-timeout", "20",
-                "--sse-keepalive-s", "2", "--log-dir", str(workdir / f"workers-{self.port}"), "--disable-log-requests",
-                *extra]
-        self.process = subprocess.Popen(argv, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVFLOW_CLUSTER_TOKEN": token})
-        self.url = f"http://127.0.0.1:{self.port}"
+class Cluster:
+    """`kvflow serve` (1 prefill + 2 decode workers on the Redis index) and what the cases read from it."""
 
-    def wait(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvflow serve exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError("kvflow serve not healthy")
+    def __init__(self, workdir: Path, redis: Redis, token: str, *extra: str) -> None:
+        self.token = token
+        self.server = kvflow_serve(
+            workdir, "--model", MODEL, "--prefill-workers", "1", "--decode-workers", "2", "--index", redis.url,
+            "--max-model-len", "2048", "--kv-cache-memory-bytes", str(512 << 20), "--drain-timeout", "20",
+            "--sse-keepalive-s", "2", *extra, env={**os.environ, "KVFLOW_CLUSTER_TOKEN": token})
+        self.url = self.server.url
+        self.process = self.server.process
 
     def workers(self) -> list[tuple[str, str, psutil.Process]]:
         """(role, host:port, process) of the live workers."""
@@ -146,13 +118,15 @@ class Serve:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+    def wait_workers(self, count: int, timeout_s: float = 300) -> None:
+        """Until `count` workers answer Info again (after a restart)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            blocks = self.free_blocks()
+            if len(blocks) >= count and all(v >= 0 for v in blocks.values()):
+                return
+            time.sleep(1)
+        raise TimeoutError("workers did not come back")
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
@@ -184,10 +158,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, load: Load, drop
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(response):
                 if "error" in data:
                     result.error = str(data["error"].get("message"))
                     return result
@@ -223,30 +194,18 @@ def prompts_for(count: int, seed: int, long: bool = False) -> list[str]:
     rng = random.Random(seed)
     topics = ["copper mining", "the history of tea", "glaciers", "compilers", "bees", "railways", "volcanoes",
               "the printing press", "chess openings", "tides", "bread", "satellites"]
-    out = []
-    for i in range(count):
-        topic = rng.choice(topics)
-        body = f"Write a long, careful essay about {topic}, part {i}." + (" Give many details." * 60 if long else "")
-        out.append(body)
-    return out
+    return [f"Write a long, careful essay about {rng.choice(topics)}, part {i}."
+            + (" Give many details." * 60 if long else "") for i in range(count)]
 
 
 # ---- one case -----------------------------------------------------------------------------------------------------
-def run_case(name: str, serve: Serve, reference: dict[str, str], prompts: list[str], concurrency: int,
-             fault: Any = None, fault_after_streams: int = 2, drop_every: int = 0,
-             final: bool = False) -> dict[str, Any]:
-    """`final`: the fault ends the cluster (SIGTERM): blocks are not read afterwards, and the record counts the
-    requests in flight at the fault (a first token before it) apart from those sent after it (refused, 503)."""
-    baseline_blocks = serve.free_blocks()
-    restarts_before = serve.metric("kvflow:worker_restarts_total")
-    migrations_before = serve.metric("kvflow:migrations_total")
-    retries_before = serve.metric("kvflow:router_retries_total")
-    load = Load(prompts)
-    started = time.monotonic()
+def run_load(cluster: Cluster, load: Load, concurrency: int, fault: Callable[[], None] | None,
+             fault_after_streams: int, drop_every: int) -> list[float]:
+    """The load to its end, `fault` fired once `fault_after_streams` streams have a token; when it fired."""
     fault_at: list[float] = []
 
     async def with_fault() -> None:
-        task = asyncio.create_task(asyncio.to_thread(lambda: asyncio.run(drive(serve.url, load, concurrency,
+        task = asyncio.create_task(asyncio.to_thread(lambda: asyncio.run(drive(cluster.url, load, concurrency,
                                                                                drop_every))))
         if fault is not None:
             while load.first_tokens < fault_after_streams and not task.done():
@@ -256,35 +215,60 @@ def run_case(name: str, serve: Serve, reference: dict[str, str], prompts: list[s
         await task
 
     asyncio.run(with_fault())
-    duration = time.monotonic() - started
+    return fault_at
+
+
+def token_accounting(load: Load, reference: dict[str, str]) -> tuple[int, int, int]:
+    """(lost, duplicated, mismatched) over the streams that finished and were not dropped by their client."""
     lost = duplicated = mismatched = 0
-    ok = [r for r, p in zip(load.results, prompts, strict=True) if r.ok]
-    for result, prompt in zip(load.results, prompts, strict=True):
+    for result, prompt in zip(load.results, load.prompts, strict=True):
         if not result.ok or result.dropped:
             continue
         expected = reference.get(prompt)
-        if expected is not None and result.text != expected:
-            mismatched += 1
+        mismatched += expected is not None and result.text != expected
         lost += max(0, OUTPUT_TOKENS - result.completion_tokens)
         duplicated += max(0, result.completion_tokens - OUTPUT_TOKENS)
-    deadline = time.monotonic() + (0 if final else STRANDED_WAIT_S)
+    return lost, duplicated, mismatched
+
+
+def stranded_blocks(cluster: Cluster, baseline: dict[str, int], wait_s: float) -> dict[str, int]:
+    """Blocks each worker holds beyond its baseline, once that is 0 everywhere or `wait_s` has passed."""
+    deadline = time.monotonic() + wait_s
     stranded: dict[str, int] = {}
     while time.monotonic() < deadline:
-        now = serve.free_blocks()
-        stranded = {a: baseline_blocks[a] - now.get(a, -1) for a in baseline_blocks if a in now and now[a] >= 0}
+        now = cluster.free_blocks()
+        stranded = {a: baseline[a] - now.get(a, -1) for a in baseline if a in now and now[a] >= 0}
         if not any(stranded.values()):
             break
         time.sleep(0.5)
+    return stranded
+
+
+def run_case(name: str, cluster: Cluster, reference: dict[str, str], prompts: list[str], concurrency: int,
+             fault: Callable[[], None] | None = None, fault_after_streams: int = 2, drop_every: int = 0,
+             final: bool = False) -> dict[str, Any]:
+    """`final`: the fault ends the cluster (SIGTERM): blocks are not read afterwards, and the record counts the
+    requests in flight at the fault (a first token before it) apart from those sent after it (refused, 503)."""
+    counters = ("kvflow:worker_restarts_total", "kvflow:migrations_total", "kvflow:router_retries_total")
+    baseline_blocks = cluster.free_blocks()
+    before = [cluster.metric(c) for c in counters]
+    load = Load(prompts)
+    started = time.monotonic()
+    fault_at = run_load(cluster, load, concurrency, fault, fault_after_streams, drop_every)
+    duration = time.monotonic() - started
+    lost, duplicated, mismatched = token_accounting(load, reference)
+    stranded = stranded_blocks(cluster, baseline_blocks, 0 if final else STRANDED_WAIT_S)
+    ok = sum(r.ok for r in load.results)
     dropped = sum(1 for r in load.results if r.dropped)
+    # After SIGTERM the router is gone: its counters can no longer be read.
+    restarts, migrations, retries = (None if final else cluster.metric(c) - b for c, b in zip(counters, before,
+                                                                                              strict=True))
     record = {
-        "case": name, "requests": len(prompts), "succeeded": len(ok), "dropped_by_client": dropped,
-        "failed": len(prompts) - len(ok) - dropped, "success_rate": len(ok) / max(len(prompts) - dropped, 1),
+        "case": name, "requests": len(prompts), "succeeded": ok, "dropped_by_client": dropped,
+        "failed": len(prompts) - ok - dropped, "success_rate": ok / max(len(prompts) - dropped, 1),
         "text_mismatches": mismatched, "lost_tokens": lost, "duplicated_tokens": duplicated,
         "stranded_blocks": stranded, "stranded_blocks_total": sum(max(v, 0) for v in stranded.values()),
-        # After SIGTERM the router is gone: its counters can no longer be read.
-        "worker_restarts": None if final else serve.metric("kvflow:worker_restarts_total") - restarts_before,
-        "migrations": None if final else serve.metric("kvflow:migrations_total") - migrations_before,
-        "router_retries": None if final else serve.metric("kvflow:router_retries_total") - retries_before,
+        "worker_restarts": restarts, "migrations": migrations, "router_retries": retries,
         "errors": sorted({r.error for r in load.results if r.error})[:5], "duration_s": round(duration, 2),
     }
     if final and fault_at:
@@ -292,24 +276,85 @@ def run_case(name: str, serve: Serve, reference: dict[str, str], prompts: list[s
         record.update(in_flight_at_fault=len(in_flight), in_flight_finished=sum(r.ok for r in in_flight),
                       in_flight_finish_s=round(time.monotonic() - fault_at[0], 1),
                       refused_after_fault=sum(1 for r in load.results if r.first_token_at is None and not r.ok))
-    log(f"{name}: {record['succeeded']}/{record['requests'] - dropped} ok, mismatched {mismatched}, lost {lost}, "
-        f"duplicated {duplicated}, stranded {record['stranded_blocks_total']}, restarts {record['worker_restarts']}, "
-        f"migrations {record['migrations']}, retries {record['router_retries']}, errors {record['errors'][:2]}")
+    log(f"{name}: {ok}/{record['requests'] - dropped} ok, mismatched {mismatched}, lost {lost}, "
+        f"duplicated {duplicated}, stranded {record['stranded_blocks_total']}, restarts {restarts}, "
+        f"migrations {migrations}, retries {retries}, errors {record['errors'][:2]}")
     return record
 
 
-def wait_workers(serve: Serve, count: int, timeout_s: float = 300) -> None:
-    """Until `count` workers answer Info again (after a restart)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        blocks = serve.free_blocks()
-        if len(blocks) >= count and all(v >= 0 for v in blocks.values()):
-            return
-        time.sleep(1)
-    raise TimeoutError("workers did not come back")
+# ---- the suite ----------------------------------------------------------------------------------------------------
+def leftovers(workdir: Path) -> list[int]:
+    """Processes still running whose command line names the suite's working directory."""
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and str(workdir) in " ".join(p.info["cmdline"])]
 
 
-CASES = ("decode_kill", "prefill_kill", "redis_kill", "client_disconnect", "sigterm", "transfer_faults_5pct")
+def kill_busiest(cluster: Cluster, role: str) -> Callable[[], None]:
+    def act() -> None:
+        # The busiest one (fewest free KV blocks): the prefix-aware router may keep one worker idle.
+        free = cluster.free_blocks()
+        victims = sorted((free.get(a, 0), a, p) for r, a, p in cluster.workers() if r == role)
+        victims[0][2].kill()
+    return act
+
+
+def reference_texts(cluster: Cluster, batches: list[list[str]], concurrency: int) -> dict[str, str]:
+    """Each prompt's greedy text from an undisturbed run."""
+    reference: dict[str, str] = {}
+    for batch in batches:
+        calm = Load(batch)
+        asyncio.run(drive(cluster.url, calm, concurrency))
+        reference.update({p: r.text for p, r in zip(batch, calm.results, strict=True) if r.ok})
+    return reference
+
+
+def sigterm_case(cluster: Cluster, workdir: Path, reference: dict[str, str], prompts: list[str],
+                 concurrency: int) -> dict[str, Any]:
+    started = time.monotonic()
+    record = run_case("sigterm", cluster, reference, prompts, concurrency,
+                      lambda: cluster.process.send_signal(signal.SIGTERM), fault_after_streams=4, final=True)
+    cluster.process.wait(120)
+    record.update(serve_exit_code=cluster.process.returncode, shutdown_s=round(time.monotonic() - started, 1),
+                  stranded_blocks={}, stranded_blocks_total=0,  # the cluster is gone: nothing to strand
+                  leftover_processes=leftovers(workdir))
+    return record
+
+
+def cases_on_one_cluster(cluster: Cluster, redis: Redis, workdir: Path, wanted: set[str],
+                         prompt_sets: dict[str, list[str]], concurrency: int) -> list[dict[str, Any]]:
+    prompts, long_prompts = prompt_sets["short"], prompt_sets["long"]
+    faults_sample = prompt_sets["faults"][:100] if "transfer_faults_5pct" in wanted else []  # a checked sample
+    reference = reference_texts(cluster, [prompts, long_prompts, faults_sample], concurrency)
+    records = [run_case("baseline", cluster, reference, prompts, concurrency)]
+    if "decode_kill" in wanted:
+        records.append(run_case("decode_kill", cluster, reference, prompts, concurrency,
+                                kill_busiest(cluster, "decode")))
+        cluster.wait_workers(3)
+    if "prefill_kill" in wanted:
+        records.append(run_case("prefill_kill", cluster, reference, long_prompts, concurrency,
+                                kill_busiest(cluster, "prefill"), fault_after_streams=0))
+        cluster.wait_workers(3)
+
+    def redis_flap() -> None:
+        redis.kill()
+        time.sleep(3)
+        redis.start()
+
+    if "redis_kill" in wanted:
+        records.append(run_case("redis_kill", cluster, reference, prompts, concurrency, redis_flap))
+    if "client_disconnect" in wanted:
+        records.append(run_case("client_disconnect", cluster, reference, prompts, concurrency, drop_every=2))
+    if "sigterm" in wanted:
+        records.append(sigterm_case(cluster, workdir, reference, prompts, concurrency))
+    cluster.server.stop(120)
+    if "transfer_faults_5pct" in wanted:
+        faulty = Cluster(workdir, redis, cluster.token, "--kv-transfer-fault-rate", "0.05")
+        try:
+            faulty.server.wait_ready(600)
+            records.append(run_case("transfer_faults_5pct", faulty, reference, prompt_sets["faults"], concurrency))
+        finally:
+            faulty.server.stop(120)
+    return records
 
 
 def main() -> int:
@@ -317,93 +362,28 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=40, help="requests per case")
     parser.add_argument("--fault-requests", type=int, default=1000, help="requests of the 5 %% fault case")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos_smollm2_cpu.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "chaos_smollm2_cpu.json")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="a subset (default: all)")
     args = parser.parse_args()
-    wanted = set(args.cases)
     workdir = Path(tempfile.mkdtemp(prefix="kvflow-chaos-"))
     redis = Redis(workdir)
     redis.start()
-    token = secrets.token_urlsafe(24)
-    records: list[dict[str, Any]] = []
-    prompts = prompts_for(args.requests, seed=1)
-    long_prompts = prompts_for(args.requests, seed=2, long=True)
-    fault_prompts = prompts_for(args.fault_requests, seed=3)
-    serve = Serve(workdir, redis, token)
+    prompt_sets = {"short": prompts_for(args.requests, seed=1), "long": prompts_for(args.requests, seed=2, long=True),
+                   "faults": prompts_for(args.fault_requests, seed=3)}
+    cluster = Cluster(workdir, redis, secrets.token_urlsafe(24))
     try:
-        serve.wait()
-        log(f"kvflow serve up ({serve.url}); reference run")
-        reference: dict[str, str] = {}
-        for batch in (prompts, long_prompts, fault_prompts[:100] if "transfer_faults_5pct" in wanted else []):  # faults: a checked sample
-            calm = Load(batch)
-            asyncio.run(drive(serve.url, calm, args.concurrency))
-            reference.update({p: r.text for p, r in zip(batch, calm.results, strict=True) if r.ok})
-        records.append(run_case("baseline", serve, reference, prompts, args.concurrency))
-
-        def kill(role: str) -> Any:
-            def act() -> None:
-                # The busiest one (fewest free KV blocks): the prefix-aware router may keep one worker idle.
-                free = serve.free_blocks()
-                victims = sorted((free.get(a, 0), a, p) for r, a, p in serve.workers() if r == role)
-                victims[0][2].kill()
-            return act
-
-        if "decode_kill" in wanted:
-            records.append(run_case("decode_kill", serve, reference, prompts, args.concurrency, kill("decode")))
-            wait_workers(serve, 3)
-        if "prefill_kill" in wanted:
-            records.append(run_case("prefill_kill", serve, reference, long_prompts, args.concurrency,
-                                    kill("prefill"), fault_after_streams=0))
-            wait_workers(serve, 3)
-
-        def redis_flap() -> None:
-            redis.kill()
-            time.sleep(3)
-            redis.start()
-
-        if "redis_kill" in wanted:
-            records.append(run_case("redis_kill", serve, reference, prompts, args.concurrency, redis_flap))
-        if "client_disconnect" in wanted:
-            records.append(run_case("client_disconnect", serve, reference, prompts, args.concurrency,
-                                    drop_every=2))
-        if "sigterm" in wanted:
-            sigterm_start = time.monotonic()
-            records.append(run_case("sigterm", serve, reference, prompts, args.concurrency,
-                                    lambda: serve.process.send_signal(signal.SIGTERM), fault_after_streams=4,
-                                    final=True))
-            serve.process.wait(120)
-            records[-1]["serve_exit_code"] = serve.process.returncode
-            records[-1]["shutdown_s"] = round(time.monotonic() - sigterm_start, 1)
-            records[-1]["stranded_blocks"] = {}  # the cluster is gone: nothing to strand
-            records[-1]["stranded_blocks_total"] = 0
-            leftover = [p.pid for p in psutil.process_iter(["cmdline"])
-                        if p.info["cmdline"] and str(workdir) in " ".join(p.info["cmdline"])]
-            records[-1]["leftover_processes"] = leftover
-        else:
-            serve.stop()
-
-        if "transfer_faults_5pct" in wanted:
-            faulty = Serve(workdir, redis, token, "--kv-transfer-fault-rate", "0.05")
-            try:
-                faulty.wait()
-                records.append(run_case("transfer_faults_5pct", faulty, reference, fault_prompts,
-                                        args.concurrency))
-            finally:
-                faulty.stop()
+        cluster.server.wait_ready(600)
+        log(f"kvflow serve up ({cluster.url}); reference run")
+        records = cases_on_one_cluster(cluster, redis, workdir, set(args.cases), prompt_sets, args.concurrency)
     finally:
-        serve.stop()
+        cluster.server.stop(120)
         redis.kill()
-    leftover_all = [p.pid for p in psutil.process_iter(["cmdline"])
-                    if p.info["cmdline"] and str(workdir) in " ".join(p.info["cmdline"])]
-    summary = {
+    write_json(args.out, {
         "workload": f"chaos_{MODEL}_cpu", "device": host_context()["cpu_model"], "model": MODEL,
         "cluster": "1 prefill + 2 decode workers, Redis index, --drain-timeout 20", "output_tokens": OUTPUT_TOKENS,
-        "concurrency": args.concurrency, "cases": records, "leftover_processes": leftover_all,
-        "command": "python bench/chaos.py " + " ".join(sys.argv[1:]), "context": host_context(),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1) + "\n")
-    log(f"wrote {args.out}")
+        "concurrency": args.concurrency, "cases": records, "leftover_processes": leftovers(workdir),
+        "command": "python -m bench.chaos " + " ".join(sys.argv[1:]), "context": host_context(),
+    }, indent=1)
     return 0
 
 

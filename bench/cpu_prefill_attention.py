@@ -12,31 +12,28 @@ the torch path it replaces (paged gather + SDPA), SmolLM2-135M shapes (fp32, 9 q
    separate processes with KVFLOW_CPU_PREFILL_ATTENTION=0 (old) and 1 (new), alternating, each run preceded by a
    wait for the 1-minute load average to settle (the dev box is a shared 2-core VM) and recorded with it.
 
-    python bench/cpu_prefill_attention.py                    # both parts -> bench/results/cpu_prefill_attention.json
-    python bench/cpu_prefill_attention.py --skip-throughput  # parts 1 and 2
+    python -m bench.cpu_prefill_attention                    # all parts -> bench/results/cpu_prefill_attention.json
+    python -m bench.cpu_prefill_attention --skip-throughput  # parts 1 and 2
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.harness.records import RESULTS, write_json
+from bench.harness.runs import bench_throughput_cli, timed_generate
 from engine.runner.attention import AttentionBatch, TorchPagedAttention
 from kernels.cpu_prefill_attention import SWITCH_ENV
-from kvflow.benchmarks.throughput import host_context
+from kvflow.benchmarks.throughput import host_context, random_prompts
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "bench" / "results" / "cpu_prefill_attention.json"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 # name: (query lengths, cached prefix lengths)
 LAYER_CASES: dict[str, tuple[list[int], list[int]]] = {
@@ -56,6 +53,7 @@ THROUGHPUT = {
     "64x128in_128out": ["--num-prompts", "64", "--input-len", "128", "--output-len", "128", "--ignore-eos"],
     "32x512in_1out": ["--num-prompts", "32", "--input-len", "512", "--output-len", "1", "--ignore-eos"],
 }
+MODEL = ["--model", "smollm2", "--dtype", "float32"]
 
 
 def load_1m() -> float:
@@ -63,24 +61,44 @@ def load_1m() -> float:
 
 
 def layer_case(query_lens: list[int], cached: list[int]) -> tuple[Any, ...]:
+    """Queries (a view into a fused qkv, as the engine passes them), a paged cache in shuffled blocks holding
+    every sequence's context, the batch, and the attention FLOPs."""
     gen = torch.Generator().manual_seed(0)
     seq_lens = [c + n for c, n in zip(cached, query_lens, strict=True)]
     per_seq = [(s + BLOCK - 1) // BLOCK for s in seq_lens]
-    num_blocks = sum(per_seq) + 1
-    key_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    value_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, slots = [], []
-    for n, c, s in zip(per_seq, cached, seq_lens, strict=True):
-        table, ids = ids[:n], ids[n:]
-        tables.append(table)
-        slots += [table[t // BLOCK] * BLOCK + t % BLOCK for t in range(c, s)]
-    tokens = sum(query_lens)
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
-    q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)  # a view into qkv, as the engine passes it
-    batch = AttentionBatch(query_lens, seq_lens, tables, slots)
+    caches = [torch.randn(sum(per_seq) + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2)]  # K, V
+    tables = [t.tolist() for t in (torch.randperm(sum(per_seq), generator=gen) + 1).split(per_seq)]  # never block 0
+    slots = [table[t // BLOCK] * BLOCK + t % BLOCK for table, c, s in zip(tables, cached, seq_lens, strict=True)
+             for t in range(c, s)]
+    qkv = torch.randn(sum(query_lens), (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
     flops = sum(4 * HEADS * HEAD_DIM * (n * (n + 1) // 2 + c * n) for n, c in zip(query_lens, cached, strict=True))
-    return q, (key_cache, value_cache), batch, flops
+    return q, tuple(caches), AttentionBatch(query_lens, seq_lens, tables, slots), flops
+
+
+def one_layer_case(arms: dict[str, TorchPagedAttention], query_lens: list[int], cached: list[int],
+                   rounds: int) -> dict[str, Any]:
+    q, kv, batch, flops = layer_case(query_lens, cached)
+    meta = arms["new_kernel_ms"].build_metadata(batch, torch.device("cpu"))
+    scale = HEAD_DIM ** -0.5
+    outs = {arm: backend._attend_cached(q, kv, meta, scale) for arm, backend in arms.items()}  # warm-up
+    error = ((outs["new_kernel_ms"] - outs["old_sdpa_ms"]).norm() / outs["old_sdpa_ms"].norm()).item()
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    loads = []
+    for _ in range(rounds):  # alternating, so drift on the shared box hits both arms alike
+        loads.append(load_1m())
+        for arm, backend in arms.items():
+            start = time.perf_counter()
+            backend._attend_cached(q, kv, meta, scale)
+            times[arm].append(round((time.perf_counter() - start) * 1e3, 3))
+    row: dict[str, Any] = {arm: statistics.median(samples) for arm, samples in times.items()}
+    row["speedup"] = round(row["old_sdpa_ms"] / row["new_kernel_ms"], 2)
+    row["gflop_s_old"] = round(flops / row["old_sdpa_ms"] / 1e6, 1)
+    row["gflop_s_new"] = round(flops / row["new_kernel_ms"] / 1e6, 1)
+    row["rel_diff_vs_sdpa"] = float(f"{error:.2e}")
+    row["samples_ms"] = times
+    row["load_1m"] = [min(loads), max(loads)]
+    return row
 
 
 def bench_layers(rounds: int) -> dict[str, Any]:
@@ -89,30 +107,9 @@ def bench_layers(rounds: int) -> dict[str, Any]:
         raise RuntimeError(f"the prefill kernel is not built (or {SWITCH_ENV}=0): nothing to compare")
     old = TorchPagedAttention(BLOCK)
     old.cpu_prefill_kernel = None
-    scale = HEAD_DIM ** -0.5
     results: dict[str, Any] = {}
     for name, (query_lens, cached) in LAYER_CASES.items():
-        q, kv, batch, flops = layer_case(query_lens, cached)
-        meta = new.build_metadata(batch, torch.device("cpu"))
-        arms = {"old_sdpa_ms": old, "new_kernel_ms": new}
-        outs = {arm: backend._attend_cached(q, kv, meta, scale) for arm, backend in arms.items()}  # warm-up
-        error = ((outs["new_kernel_ms"] - outs["old_sdpa_ms"]).norm() / outs["old_sdpa_ms"].norm()).item()
-        times: dict[str, list[float]] = {arm: [] for arm in arms}
-        loads = []
-        for _ in range(rounds):  # alternating, so drift on the shared box hits both arms alike
-            loads.append(load_1m())
-            for arm, backend in arms.items():
-                start = time.perf_counter()
-                backend._attend_cached(q, kv, meta, scale)
-                times[arm].append(round((time.perf_counter() - start) * 1e3, 3))
-        row: dict[str, Any] = {arm: statistics.median(samples) for arm, samples in times.items()}
-        row["speedup"] = round(row["old_sdpa_ms"] / row["new_kernel_ms"], 2)
-        row["gflop_s_old"] = round(flops / row["old_sdpa_ms"] / 1e6, 1)
-        row["gflop_s_new"] = round(flops / row["new_kernel_ms"] / 1e6, 1)
-        row["rel_diff_vs_sdpa"] = float(f"{error:.2e}")
-        row["samples_ms"] = times
-        row["load_1m"] = [min(loads), max(loads)]
-        results[name] = row
+        row = results[name] = one_layer_case({"old_sdpa_ms": old, "new_kernel_ms": new}, query_lens, cached, rounds)
         print(f"{name:32s} old {row['old_sdpa_ms']:7.2f} ms  new {row['new_kernel_ms']:7.2f} ms  "
               f"x{row['speedup']:.2f}  ({row['gflop_s_old']} -> {row['gflop_s_new']} GFLOP/s, load "
               f"{row['load_1m'][0]}-{row['load_1m'][1]})", flush=True)
@@ -120,9 +117,7 @@ def bench_layers(rounds: int) -> dict[str, Any]:
 
 
 def bench_prefill_step(rounds: int) -> dict[str, Any]:
-    from engine.sampling_params import SamplingParams
-    from kvflow import LLM
-    from kvflow.benchmarks.throughput import random_prompts
+    from kvflow import LLM, SamplingParams
 
     llm = LLM("smollm2", dtype="float32", enable_prefix_caching=False)
     backend = llm.llm_engine.runner.attn_backend
@@ -137,11 +132,9 @@ def bench_prefill_step(rounds: int) -> dict[str, Any]:
     for i in range(rounds):
         for arm in ("old", "new"):
             backend.cpu_prefill_kernel = kernel if arm == "new" else None
-            prompts = random_prompts(16, 512, vocab, seed=2 * i + (arm == "new"))
             loads.append(load_1m())
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            times[arm].append(round(time.perf_counter() - start, 3))
+            seconds = timed_generate(llm, random_prompts(16, 512, vocab, seed=2 * i + (arm == "new")), params)[1]
+            times[arm].append(round(seconds, 3))
         print(f"prefill step 16 x 512: old {times['old'][-1]} s, new {times['new'][-1]} s (load {loads[-1]})",
               flush=True)
     llm.close()
@@ -160,32 +153,22 @@ def settle(max_load: float, max_wait_s: float) -> float:
 
 
 def bench_throughput(repeats: int, max_load: float, max_wait_s: float) -> dict[str, Any]:
-    kvflow = str(Path(sys.executable).parent / "kvflow")
-    base = [kvflow, "--log-level", "WARNING", "bench", "throughput", "--model", "smollm2", "--dtype", "float32"]
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for workload, flags in THROUGHPUT.items():
-            runs: list[dict[str, Any]] = []
-            for i in range(repeats):
-                for arm, switch in (("old", "0"), ("new", "1")):
-                    load = settle(max_load, max_wait_s)
-                    path = Path(tmp) / f"{workload}_{arm}_{i}.json"
-                    env = {**os.environ, SWITCH_ENV: switch}
-                    subprocess.run([*base, *flags, "--output-json", str(path)], env=env, check=True,
-                                   stdout=subprocess.DEVNULL)
-                    run = json.loads(path.read_text())
-                    runs.append({"arm": arm, "load_1m_before": load, "output_tok_s": run["output_tok_s"],
-                                 "total_tok_s": run["total_tok_s"], "elapsed_s": run["elapsed_s"]})
-                    print(f"{workload} {arm}: {run['total_tok_s']} total tok/s, {run['output_tok_s']} out tok/s "
-                          f"(load before {load})", flush=True)
-            results[workload] = {
-                "command": " ".join(["kvflow", *base[1:], *flags]) + f"  # with {SWITCH_ENV}=0 (old) / 1 (new)",
-                "runs": runs,
-                **{f"median_total_tok_s_{arm}": statistics.median(r["total_tok_s"] for r in runs if r["arm"] == arm)
-                   for arm in ("old", "new")},
-                **{f"median_output_tok_s_{arm}": statistics.median(r["output_tok_s"] for r in runs
-                                                                   if r["arm"] == arm) for arm in ("old", "new")},
-            }
+    for workload, flags in THROUGHPUT.items():
+        runs: list[dict[str, Any]] = []
+        for _ in range(repeats):
+            for arm, switch in (("old", "0"), ("new", "1")):
+                load = settle(max_load, max_wait_s)
+                run = bench_throughput_cli(*MODEL, *flags, env={**os.environ, SWITCH_ENV: switch})
+                runs.append({"arm": arm, "load_1m_before": load, "output_tok_s": run["output_tok_s"],
+                             "total_tok_s": run["total_tok_s"], "elapsed_s": run["elapsed_s"]})
+                print(f"{workload} {arm}: {run['total_tok_s']} total tok/s, {run['output_tok_s']} out tok/s "
+                      f"(load before {load})", flush=True)
+        medians = {f"median_{key}_{arm}": statistics.median(r[key] for r in runs if r["arm"] == arm)
+                   for key in ("total_tok_s", "output_tok_s") for arm in ("old", "new")}
+        results[workload] = {
+            "command": " ".join(["kvflow", "--log-level", "WARNING", "bench", "throughput", *MODEL, *flags])
+            + f"  # with {SWITCH_ENV}=0 (old) / 1 (new)", "runs": runs, **medians}
     return results
 
 
@@ -197,7 +180,7 @@ def main() -> None:
     parser.add_argument("--settle-load", type=float, default=1.0)
     parser.add_argument("--settle-max-s", type=float, default=60.0)
     parser.add_argument("--skip-throughput", action="store_true")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_prefill_attention.json")
     args = parser.parse_args()
     if min(args.rounds, args.step_rounds, args.repeats) < 1:
         raise ValueError("--rounds, --step-rounds and --repeats must be at least 1")
@@ -208,14 +191,13 @@ def main() -> None:
         "switch": f"{SWITCH_ENV}=0 keeps the old path",
         "context": {**host_context(), "threads": torch.get_num_threads(),
                     "ld_preload": os.environ.get("LD_PRELOAD", "")},
-        "command": "python bench/cpu_prefill_attention.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.cpu_prefill_attention " + " ".join(sys.argv[1:]),
         "per_layer": bench_layers(args.rounds),
         "prefill_step_in_process": bench_prefill_step(args.step_rounds),
     }
     if not args.skip_throughput:
         result["throughput"] = bench_throughput(args.repeats, args.settle_load, args.settle_max_s)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"-> {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

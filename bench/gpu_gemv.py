@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The batch-1 decode step's weight GEMVs alone, timed as the engine runs them, per streaming variant.
 
 For Llama-3.1-8B and Qwen2.5-0.5B layer shapes, every layer's four single-row GEMVs (qkv, o, gate|up, down with
@@ -11,8 +10,8 @@ tiles x flags per weight shape (each layer's GEMV of that shape back to back), t
 best, and the vocabulary projection (fused argmax) through the tl.dot kernel vs the GEMV configs. The streaming
 variants' outputs must equal each other bit for bit (same tiles, same summation order).
 
-    PYTHONUNBUFFERED=1 python3 bench/gpu_gemv.py      # prints the record as JSON
-    python3 bench/gpu_bench.py --only gemv             # records it with the other results
+    PYTHONUNBUFFERED=1 python -m bench.gpu_gemv      # prints the record as JSON
+    python -m bench.gpu_bench --only gemv            # records it with the other results
 """
 
 from __future__ import annotations
@@ -21,22 +20,17 @@ import functools
 import itertools
 import json
 import os
-import statistics
-import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from kernels.silu_and_mul import silu_and_mul  # noqa: E402
-from kernels.small_gemm import GemvConfig, small_gemm  # noqa: E402
+from bench.harness.ceilings import read_bytes_per_s
+from bench.harness.timing import graph_seconds
+from kernels.silu_and_mul import silu_and_mul
+from kernels.small_gemm import GemvConfig, small_gemm
 
 DEV = torch.device("cuda")
 SHAPES = {  # hidden, q + 2 kv columns, intermediate, layers, vocabulary
@@ -52,32 +46,8 @@ STREAMING = {  # the default tiles (per shape) with each streaming flag: results
     "all_flags": GemvConfig(pipelined=True, evict_first=True),
 }
 SWEEP_FLAGS = {"prefetch": GemvConfig(), "pipelined_prefetch": GemvConfig(pipelined=True)}
+WEIGHTS = ("qkv", "o", "gate_up", "down")
 GemvChoice = GemvConfig | dict[str, GemvConfig] | None  # one config, one per weight name, or None: cuBLAS
-
-
-def graph_seconds(fn: Callable[[], Any], reps: int = 20) -> float:
-    """Median seconds of one replay of a CUDA graph holding one call of fn."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def read_bytes_per_s(nbytes: int) -> float:
-    """A pure streaming read (torch.sum over bf16, fp32 accumulation) of nbytes, the GEMVs' own ceiling."""
-    buf = torch.randn(nbytes // 2, device=DEV).to(torch.bfloat16)
-    return nbytes / graph_seconds(lambda: buf.sum(dtype=torch.float32))
 
 
 class Layers:
@@ -97,7 +67,7 @@ class Layers:
         self.residual = torch.randn(1, hidden, generator=g, device=DEV).to(torch.bfloat16)
         self.out: torch.Tensor | None = None
 
-    def weight_bytes(self, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:
+    def weight_bytes(self, names: tuple[str, ...] = WEIGHTS) -> int:
         return sum(lw[n].numel() * 2 for lw in self.weights for n in names)
 
     def step(self, cfg: GemvChoice) -> None:
@@ -145,15 +115,36 @@ def gemv_stream_record() -> tuple[dict[str, Any], list[tuple[str, bool, str]]]:
         record[label], check = _model_entry(label, layers)
         checks.append(check)
         record[label]["lm_head"] = _lm_head_entry(hidden, vocab)
-        _save_partial(record)
+        if os.environ.get("OUT"):  # partial results survive a timeout
+            Path(os.environ["OUT"], "gemv_stream.json").write_text(json.dumps(record, indent=1))
         del layers
         torch.cuda.empty_cache()
     return record, checks
 
 
-def _save_partial(record: dict[str, Any]) -> None:
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gemv_stream.json").write_text(json.dumps(record, indent=1))
+def _variants_check(label: str, layers: Layers) -> tuple[str, bool, str]:
+    outputs = {}
+    for name, cfg in STREAMING.items():
+        layers.step(cfg)
+        outputs[name] = layers.out.clone()  # type: ignore[union-attr]
+    same = [n for n in STREAMING if torch.equal(outputs[n], outputs["no_flags"])]
+    return (f"gemv_stream_variants_bit_equal_{label}", len(same) == len(STREAMING),
+            f"{len(same)}/{len(STREAMING)} streaming variants bit-identical to the one without flags")
+
+
+def _shape_sweep(label: str, layers: Layers) -> dict[str, dict[str, float]]:
+    """Per weight shape, every sweep config's µs per call, fastest first."""
+    sweep: dict[str, dict[str, float]] = {}
+    configs = sweep_configs()
+    for wname in WEIGHTS:
+        times = {name: round(1e6 * graph_seconds(functools.partial(layers.one_shape, wname, cfg))
+                             / len(layers.weights), 2) for name, cfg in configs.items()}
+        sweep[wname] = dict(sorted(times.items(), key=lambda kv: kv[1]))
+        best_us = next(iter(sweep[wname].values()))
+        wbytes = layers.weight_bytes((wname,)) / len(layers.weights)
+        print(f"gemv_stream {label} {wname}: best {list(sweep[wname].items())[:5]} ({wbytes / best_us / 1e3:.0f} "
+              "GB/s)", flush=True)
+    return sweep
 
 
 def _model_entry(label: str, layers: Layers) -> tuple[dict[str, Any], tuple[str, bool, str]]:
@@ -161,38 +152,20 @@ def _model_entry(label: str, layers: Layers) -> tuple[dict[str, Any], tuple[str,
     entry: dict[str, Any] = {"weight_bytes": nbytes, "read_gbps": read_bytes_per_s(nbytes) / 1e9,
                              "norm_fused": layers.fuse_norm}
 
-    def chain(name: str, cfg: GemvChoice) -> float:
+    def chain(name: str, cfg: GemvChoice) -> None:
         t = graph_seconds(functools.partial(layers.step, cfg))
         entry[name] = {"us": round(1e6 * t, 1), "gbps": round(nbytes / t / 1e9, 1)}
         print(f"gemv_stream {label} {name}: {entry[name]}", flush=True)
-        return t
 
     chain("cublas", None)
     chain("before", BEFORE)
-    outputs = {}
     for name, cfg in STREAMING.items():
         chain(name, cfg)
-        layers.step(cfg)
-        outputs[name] = layers.out.clone()  # type: ignore[union-attr]
-    same = [n for n in STREAMING if torch.equal(outputs[n], outputs["no_flags"])]
-    check = (f"gemv_stream_variants_bit_equal_{label}", len(same) == len(STREAMING),
-             f"{len(same)}/{len(STREAMING)} streaming variants bit-identical to the one without flags")
-    sweep: dict[str, dict[str, float]] = {}
-    best: dict[str, GemvConfig] = {}
-    configs = sweep_configs()
-    for wname in ("qkv", "o", "gate_up", "down"):
-        times = {}
-        for name, cfg in configs.items():
-            t = graph_seconds(functools.partial(layers.one_shape, wname, cfg))
-            times[name] = round(1e6 * t / len(layers.weights), 2)
-        sweep[wname] = dict(sorted(times.items(), key=lambda kv: kv[1]))
-        best[wname] = configs[next(iter(sweep[wname]))]
-        wbytes = layers.weight_bytes((wname,)) / len(layers.weights)
-        print(f"gemv_stream {label} {wname}: best {list(sweep[wname].items())[:5]} "
-              f"({wbytes / sweep[wname][next(iter(sweep[wname]))] / 1e3:.0f} GB/s)", flush=True)
-    entry["sweep_us_per_call"] = sweep
+    check = _variants_check(label, layers)
+    sweep = entry["sweep_us_per_call"] = _shape_sweep(label, layers)
     entry["best_per_shape"] = {w: next(iter(sweep[w])) for w in sweep}
-    chain("best_per_shape", best)
+    configs = sweep_configs()
+    chain("best_per_shape", {w: configs[name] for w, name in entry["best_per_shape"].items()})
     return entry, check
 
 
@@ -202,11 +175,10 @@ def _lm_head_entry(hidden: int, vocab: int) -> dict[str, float]:
     w = (torch.randn(vocab, hidden, generator=g, device=DEV) / hidden**0.5).to(torch.bfloat16)
     x = torch.randn(1, hidden, generator=g, device=DEV).to(torch.bfloat16)
     logits = torch.empty(1, vocab, device=DEV)
-    times = {"dot": graph_seconds(functools.partial(small_gemm, x, w, out=logits, argmax=True)),
-             "gemv_default": graph_seconds(functools.partial(small_gemm, x, w, out=logits, argmax=True, impl="gemv"))}
+    head = functools.partial(small_gemm, x, w, out=logits, argmax=True)
+    times = {"dot": graph_seconds(head), "gemv_default": graph_seconds(functools.partial(head, impl="gemv"))}
     for name, cfg in sweep_configs().items():
-        times[name] = graph_seconds(functools.partial(small_gemm, x, w, out=logits, argmax=True, impl="gemv",
-                                                      gemv=cfg))
+        times[name] = graph_seconds(functools.partial(head, impl="gemv", gemv=cfg))
     ranked = dict(sorted(((k, round(1e6 * v, 2)) for k, v in times.items()), key=lambda kv: kv[1]))
     print(f"gemv_stream lm_head {vocab}x{hidden}: dot {ranked['dot']} us, best {list(ranked.items())[:4]}",
           flush=True)

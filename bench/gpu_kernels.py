@@ -1,27 +1,23 @@
-#!/usr/bin/env python3
 """Check and time every kernel in kernels/ on a CUDA GPU at real model shapes.
 
-Order of work (METHOD.md): print the device and versions; measure the two ceilings (a large
-device-to-device copy, counting bytes read + written, and a bf16 matmul); then for each
-kernel and shape: poison the output with NaN, run once, compare with the plain torch
-reference in float64 by ||out - ref|| / ||ref||, and time with ``triton.testing.do_bench``
-(median; it flushes L2 before every repetition, so the numbers are cold-cache). Achieved
-GB/s counts the fewest bytes the kernel must move (each input read once, each output
-written once); roofline fraction = achieved GB/s / measured copy GB/s.
+Order of work (METHOD.md): print the device and versions; measure the two ceilings (a large device-to-device
+copy, counting bytes read + written, and a bf16 matmul); then for each kernel and shape: poison the output with
+NaN, run once, compare with the plain torch reference in float64 by ||out - ref|| / ||ref||, and time with
+``triton.testing.do_bench`` (median; it flushes L2 before every repetition, so the numbers are cold-cache).
+Achieved GB/s counts the fewest bytes the kernel must move (each input read once, each output written once);
+roofline fraction = achieved GB/s / measured copy GB/s.
 
-Full results go to $OUT/gpu_kernels.json when OUT is set and to
-bench/results/gpu_kernels_<device>.json with --record; a short table is printed last.
+Full results go to $OUT/gpu_kernels.json when OUT is set and to bench/results/gpu_kernels_<device>.json with
+--record; a short table is printed last.
 
-    PYTHONUNBUFFERED=1 python3 bench/gpu_kernels.py --record
+    PYTHONUNBUFFERED=1 python -m bench.gpu_kernels --record
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 import time
 import traceback
@@ -29,24 +25,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref  # noqa: E402
-from kernels.paged_decode_attention import (  # noqa: E402
+from bench.harness.ceilings import copy_bytes_per_s, matmul_flops_per_s
+from bench.harness.records import RESULTS, device_slug
+from bench.harness.timing import capture_graph
+from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from kernels.paged_decode_attention import (
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
-from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
-from kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_ref  # noqa: E402
-from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 
 MODELS: dict[str, dict[str, int]] = {
     "llama3.1-8b": {"H": 32, "Hkv": 8, "D": 128, "hidden": 4096, "inter": 14336},
@@ -57,13 +52,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PAGE = 16
 DEV = torch.device("cuda")
-
-RESULTS: list[dict[str, Any]] = []
-STATE: dict[str, Any] = {"copy_gbps": float("nan"), "matmul_tflops": float("nan"), "deadline": math.inf}
-
-
-def esize(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -80,77 +68,7 @@ def median_ms(fn: Callable[[], Any], rep: int = 60) -> float:
 def graph_ms(fn: Callable[[], Any]) -> float:
     """Median time of ``fn`` replayed from a CUDA graph: GPU time without Python launch cost
     (the engine replays decode steps from graphs). do_bench still flushes L2 before each replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay)
-
-
-def record(kernel: str, model: str, dtype: str, shape: str, ms: float, nbytes: float, err: float,
-           flops: float = 0.0, **extra: Any) -> None:
-    tol = TOL[DT[dtype]] if dtype in DT else 0.0
-    row = {
-        "kernel": kernel,
-        "model": model,
-        "dtype": dtype,
-        "shape": shape,
-        "time_us": ms * 1e3,
-        "bytes": nbytes,
-        "gbps": nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan"),
-        "tflops": flops / (ms * 1e-3) / 1e12 if ms > 0 and flops else None,
-        "rel_err": err,
-        "tol": tol,
-        "ok": bool(err == err and err < tol),
-        **extra,
-    }
-    row["roofline"] = row["gbps"] / STATE["copy_gbps"]
-    if extra.get("graph_us"):
-        row["graph_gbps"] = nbytes / (extra["graph_us"] * 1e-6) / 1e9
-        row["graph_roofline"] = row["graph_gbps"] / STATE["copy_gbps"]
-    if row["tflops"] is not None:
-        row["mm_frac"] = row["tflops"] / STATE["matmul_tflops"]
-    RESULTS.append(row)
-    tf = f" {row['tflops']:7.1f} TF/s" if row["tflops"] is not None else ""
-    if row.get("graph_us"):
-        tf += f" | graph {row['graph_us']:8.1f} us {100 * row['graph_roofline']:5.1f}%"
-    print(f"  {kernel:<16} {model:<13} {dtype:<4} {shape:<30} {row['time_us']:9.1f} us "
-          f"{row['gbps']:8.1f} GB/s {100 * row['roofline']:5.1f}%{tf}  err {err:.2e} "
-          f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
-
-
-def out_of_time(section: str) -> bool:
-    if time.time() > STATE["deadline"]:
-        print(f"  [skipped {section}: time budget spent]", flush=True)
-        RESULTS.append({"kernel": section, "skipped": "time budget"})
-        return True
-    return False
-
-
-# ----------------------------------------------------------------------------- ceilings
-
-
-def measure_ceilings() -> None:
-    n = 1 << 29  # 512 Mi bf16 = 1 GiB per buffer
-    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), rep=100)
-    STATE["copy_gbps"] = 2 * n * 2 / (ms * 1e-3) / 1e9
-    m = 8192
-    a = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b, rep=100)
-    STATE["matmul_tflops"] = 2 * m**3 / (ms * 1e-3) / 1e12
-    torch.cuda.empty_cache()
-    print(f"copy bandwidth (read+write, 1 GiB): {STATE['copy_gbps']:.0f} GB/s; "
-          f"bf16 matmul 8192^3: {STATE['matmul_tflops']:.0f} TFLOP/s", flush=True)
-
-
-# ----------------------------------------------------------------------------- helpers
+    return median_ms(capture_graph(fn).replay)
 
 
 def make_paged(lens: list[int], hkv: int, d: int, dtype: torch.dtype, g: torch.Generator
@@ -181,331 +99,295 @@ def check_rows(n: int, k: int = 8) -> torch.Tensor:
     return torch.unique(torch.cat([torch.arange(min(k, n)), torch.arange(max(0, n - k), n)])).to(DEV)
 
 
-# ------------------------------------------------------------------------------ decode
+class KernelBench:
+    """The run's ceilings, time budget and result rows; each case method checks, times and records one shape."""
 
+    def __init__(self, budget_s: float) -> None:
+        self.results: list[dict[str, Any]] = []
+        self.copy_gbps = self.matmul_tflops = float("nan")
+        self.deadline = time.time() + budget_s
 
-def decode_case(model: str, dtype_name: str, batch: int, ctx: int | list[int], g: torch.Generator,
-                variants: list[dict[str, int]] | None = None, tag: str = "") -> None:
-    if out_of_time("decode_case"):
-        return
-    cfg = MODELS[model]
-    dtype = DT[dtype_name]
-    lens = ctx if isinstance(ctx, list) else [ctx] * batch
-    kc, vc, bt = make_paged(lens, cfg["Hkv"], cfg["D"], dtype, g)
-    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    q = torch.randn((batch, cfg["H"], cfg["D"]), device=DEV, dtype=dtype)
-    scale = cfg["D"] ** -0.5
-    es = esize(dtype)
-    nbytes = sum(lens) * cfg["Hkv"] * cfg["D"] * 2 * es + 2 * q.numel() * es + bt.numel() * 4
-    sel = check_rows(batch)
-    kr, vr, btr = sub_cache(kc, vc, bt, sel)
-    ref = paged_decode_attention_ref(q[sel].double(), kr, vr, btr, sl[sel], scale)
-    shape = f"B={batch} ctx={'mixed' if isinstance(ctx, list) else ctx}{tag}"
-    for var in variants or [{"max_seq_len": max(lens)}]:
-        out = torch.full_like(q, float("nan"))
-        paged_decode_attention(q, kc, vc, bt, sl, scale, out=out, **var)
+    def measure_ceilings(self) -> None:
+        timer = lambda fn: median_ms(fn, rep=100) / 1e3  # noqa: E731
+        self.copy_gbps = copy_bytes_per_s(torch.randn(1 << 29, device=DEV, dtype=torch.bfloat16), timer) / 1e9
+        self.matmul_tflops = matmul_flops_per_s(8192, timer) / 1e12
+        torch.cuda.empty_cache()
+        print(f"copy bandwidth (read+write, 1 GiB): {self.copy_gbps:.0f} GB/s; "
+              f"bf16 matmul 8192^3: {self.matmul_tflops:.0f} TFLOP/s", flush=True)
+
+    def out_of_time(self, section: str) -> bool:
+        if time.time() > self.deadline:
+            print(f"  [skipped {section}: time budget spent]", flush=True)
+            self.results.append({"kernel": section, "skipped": "time budget"})
+            return True
+        return False
+
+    def record(self, kernel: str, model: str, dtype: str, shape: str, ms: float, nbytes: float, err: float,
+               flops: float = 0.0, **extra: Any) -> None:
+        tol = TOL[DT[dtype]] if dtype in DT else 0.0
+        row = {"kernel": kernel, "model": model, "dtype": dtype, "shape": shape, "time_us": ms * 1e3,
+               "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan"),
+               "tflops": flops / (ms * 1e-3) / 1e12 if ms > 0 and flops else None, "rel_err": err, "tol": tol,
+               "ok": bool(err == err and err < tol), **extra}
+        row["roofline"] = row["gbps"] / self.copy_gbps
+        if extra.get("graph_us"):
+            row["graph_gbps"] = nbytes / (extra["graph_us"] * 1e-6) / 1e9
+            row["graph_roofline"] = row["graph_gbps"] / self.copy_gbps
+        if row["tflops"] is not None:
+            row["mm_frac"] = row["tflops"] / self.matmul_tflops
+        self.results.append(row)
+        tf = f" {row['tflops']:7.1f} TF/s" if row["tflops"] is not None else ""
+        if row.get("graph_us"):
+            tf += f" | graph {row['graph_us']:8.1f} us {100 * row['graph_roofline']:5.1f}%"
+        print(f"  {kernel:<16} {model:<13} {dtype:<4} {shape:<30} {row['time_us']:9.1f} us "
+              f"{row['gbps']:8.1f} GB/s {100 * row['roofline']:5.1f}%{tf}  err {err:.2e} "
+              f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
+
+    # ---- attention -------------------------------------------------------------------------------------------
+    def decode_case(self, model: str, dtype_name: str, batch: int, ctx: int | list[int], g: torch.Generator,
+                    variants: list[dict[str, int]] | None = None, tag: str = "") -> None:
+        if self.out_of_time("decode_case"):
+            return
+        cfg, dtype = MODELS[model], DT[dtype_name]
+        lens = ctx if isinstance(ctx, list) else [ctx] * batch
+        kc, vc, bt = make_paged(lens, cfg["Hkv"], cfg["D"], dtype, g)
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        q = torch.randn((batch, cfg["H"], cfg["D"]), device=DEV, dtype=dtype)
+        scale = cfg["D"] ** -0.5
+        es = dtype.itemsize
+        nbytes = sum(lens) * cfg["Hkv"] * cfg["D"] * 2 * es + 2 * q.numel() * es + bt.numel() * 4
+        sel = check_rows(batch)
+        kr, vr, btr = sub_cache(kc, vc, bt, sel)
+        ref = paged_decode_attention_ref(q[sel].double(), kr, vr, btr, sl[sel], scale)
+        shape = f"B={batch} ctx={'mixed' if isinstance(ctx, list) else ctx}{tag}"
+        for var in variants or [{"max_seq_len": max(lens)}]:
+            out = torch.full_like(q, float("nan"))
+
+            def call(var: dict[str, int] = var, out: torch.Tensor = out) -> None:
+                paged_decode_attention(q, kc, vc, bt, sl, scale, out=out, **var)
+
+            call()
+            torch.cuda.synchronize()
+            err = rel_err(out[sel], ref) if torch.isfinite(out).all() else float("nan")
+            ms, gms = median_ms(call), graph_ms(call)
+            splits = var.get("num_splits", default_num_splits(batch, cfg["Hkv"], DEV, var.get("max_seq_len")))
+            vtxt = "".join(f" {k[:3]}={v}" for k, v in var.items() if k not in ("num_splits", "max_seq_len"))
+            self.record("decode_attn", model, dtype_name, f"{shape} s={splits}{vtxt}", ms, nbytes, err,
+                        graph_us=gms * 1e3, **var)
+
+    def decode_graph_check(self, g: torch.Generator) -> None:
+        """The launcher must be CUDA-graph capturable (no host sync) and give the same output."""
+        cfg = MODELS["llama3.1-8b"]
+        lens = torch.randint(1, 4096, (48,), generator=g).tolist()
+        kc, vc, bt = make_paged(lens, cfg["Hkv"], cfg["D"], torch.bfloat16, g)
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        q = torch.randn((48, cfg["H"], cfg["D"]), device=DEV, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        eager = paged_decode_attention(q, kc, vc, bt, sl, 0.088, num_splits=4)
+        graph = capture_graph(lambda: paged_decode_attention(q, kc, vc, bt, sl, 0.088, out=out, num_splits=4))
+        out.fill_(float("nan"))
+        graph.replay()
         torch.cuda.synchronize()
-        err = rel_err(out[sel], ref)
-        if not torch.isfinite(out).all():
-            err = float("nan")
-        def call(var: dict[str, int] = var, out: torch.Tensor = out) -> None:
-            paged_decode_attention(q, kc, vc, bt, sl, scale, out=out, **var)
+        same = bool(torch.equal(out, eager))
+        nbytes = sum(lens) * cfg["Hkv"] * cfg["D"] * 2 * 2 + 2 * q.numel() * 2
+        print(f"  CUDA graph capture/replay of decode (B=48 mixed, s=4): identical={same}", flush=True)
+        self.record("decode_graph", "llama3.1-8b", "bf16", "B=48 ctx=mixed s=4 graph", median_ms(graph.replay),
+                    nbytes, 0.0 if same else 1.0)
 
-        ms = median_ms(call)
-        gms = graph_ms(call)
-        splits = var.get("num_splits", default_num_splits(batch, cfg["Hkv"], DEV, var.get("max_seq_len")))
-        vtxt = "".join(f" {k[:3]}={v}" for k, v in var.items() if k not in ("num_splits", "max_seq_len"))
-        record("decode_attn", model, dtype_name, f"{shape} s={splits}{vtxt}", ms, nbytes, err,
-               graph_us=gms * 1e3, **var)
+    def prefill_case(self, model: str, dtype_name: str, q_lens: list[int], prefixes: list[int], g: torch.Generator,
+                     tag: str, sdpa: bool = False, variants: list[dict[str, int]] | None = None) -> None:
+        if self.out_of_time("prefill_case"):
+            return
+        cfg, dtype = MODELS[model], DT[dtype_name]
+        h, hkv, d = cfg["H"], cfg["Hkv"], cfg["D"]
+        lens = [a + b for a, b in zip(q_lens, prefixes, strict=True)]
+        kc, vc, bt = make_paged(lens, hkv, d, dtype, g)
+        cu_list = [0]
+        for n in q_lens:
+            cu_list.append(cu_list[-1] + n)
+        cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        q = torch.randn((cu_list[-1], h, d), device=DEV, dtype=dtype)
+        scale = d**-0.5
+        flops = sum(4.0 * h * d * (n * p + n * (n + 1) / 2) for n, p in zip(q_lens, prefixes, strict=True))
+        nbytes = 2 * q.numel() * dtype.itemsize + sum(lens) * hkv * d * 2 * dtype.itemsize
+        sel = sorted({0, min(1, len(q_lens) - 1), len(q_lens) - 1})  # reference on a few sequences
+        sel_t = torch.tensor(sel, device=DEV)
+        kr, vr, btr = sub_cache(kc, vc, bt, sel_t)
+        cur = [0]
+        for i in sel:
+            cur.append(cur[-1] + q_lens[i])
+        ref = paged_prefill_attention_ref(torch.cat([q[cu_list[i] : cu_list[i + 1]] for i in sel]).double(), kr, vr,
+                                          btr, torch.tensor(cur, dtype=torch.int32, device=DEV), sl[sel_t], scale)
+        for var in variants or [{}]:
+            out = torch.full_like(q, float("nan"))
 
+            def call(var: dict[str, int] = var, out: torch.Tensor = out) -> None:
+                paged_prefill_attention(q, kc, vc, bt, cu, sl, scale, out=out, max_q_len=max(q_lens), **var)
 
-def decode_graph_check(g: torch.Generator) -> None:
-    """The launcher must be CUDA-graph capturable (no host sync) and give the same output."""
-    cfg = MODELS["llama3.1-8b"]
-    lens = torch.randint(1, 4096, (48,), generator=g).tolist()
-    kc, vc, bt = make_paged(lens, cfg["Hkv"], cfg["D"], torch.bfloat16, g)
-    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    q = torch.randn((48, cfg["H"], cfg["D"]), device=DEV, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    eager = paged_decode_attention(q, kc, vc, bt, sl, 0.088, num_splits=4)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        paged_decode_attention(q, kc, vc, bt, sl, 0.088, out=out, num_splits=4)  # warm-up/compile
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(q, kc, vc, bt, sl, 0.088, out=out, num_splits=4)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    same = bool(torch.equal(out, eager))
-    ms = median_ms(graph.replay)
-    nbytes = sum(lens) * cfg["Hkv"] * cfg["D"] * 2 * 2 + 2 * q.numel() * 2
-    print(f"  CUDA graph capture/replay of decode (B=48 mixed, s=4): identical={same}", flush=True)
-    record("decode_graph", "llama3.1-8b", "bf16", "B=48 ctx=mixed s=4 graph", ms, nbytes, 0.0 if same else 1.0)
+            call()
+            torch.cuda.synchronize()
+            o_sel = torch.cat([out[cu_list[i] : cu_list[i + 1]] for i in sel])
+            err = rel_err(o_sel, ref) if torch.isfinite(out).all() else float("nan")
+            vtxt = "".join(f" {k.split('_')[-1][:1]}{k[:1]}={v}" for k, v in var.items())
+            self.record("prefill_attn", model, dtype_name, tag + vtxt, median_ms(call), nbytes, err, flops=flops,
+                        **var)
+        if sdpa and len(q_lens) == 1 and prefixes[0] == 0:
+            # Yardstick: torch's fused causal attention on dense (unpaged) tensors of the same problem.
+            n = q_lens[0]
+            qd = q.transpose(0, 1).unsqueeze(0)
+            kd = torch.randn((1, hkv, n, d), device=DEV, dtype=dtype)
+            vd = torch.randn((1, hkv, n, d), device=DEV, dtype=dtype)
+            fn = torch.nn.functional.scaled_dot_product_attention
+            ms = median_ms(lambda: fn(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True))
+            self.record("torch_sdpa", model, dtype_name, tag + " dense", ms, nbytes, 0.0, flops=flops)
 
-
-# ----------------------------------------------------------------------------- prefill
-
-
-def prefill_case(model: str, dtype_name: str, q_lens: list[int], prefixes: list[int], g: torch.Generator,
-                 tag: str, sdpa: bool = False, variants: list[dict[str, int]] | None = None) -> None:
-    if out_of_time("prefill_case"):
-        return
-    cfg = MODELS[model]
-    dtype = DT[dtype_name]
-    h, hkv, d = cfg["H"], cfg["Hkv"], cfg["D"]
-    lens = [a + b for a, b in zip(q_lens, prefixes, strict=True)]
-    kc, vc, bt = make_paged(lens, hkv, d, dtype, g)
-    cu_list = [0]
-    for n in q_lens:
-        cu_list.append(cu_list[-1] + n)
-    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEV)
-    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    q = torch.randn((cu_list[-1], h, d), device=DEV, dtype=dtype)
-    scale = d**-0.5
-    es = esize(dtype)
-    flops = sum(4.0 * h * d * (n * p + n * (n + 1) / 2) for n, p in zip(q_lens, prefixes, strict=True))
-    nbytes = 2 * q.numel() * es + sum(lens) * hkv * d * 2 * es
-    max_q = max(q_lens)
-    sel = sorted({0, min(1, len(q_lens) - 1), len(q_lens) - 1})  # reference on a few sequences
-    sel_t = torch.tensor(sel, device=DEV)
-    kr, vr, btr = sub_cache(kc, vc, bt, sel_t)
-    cur = [0]
-    for i in sel:
-        cur.append(cur[-1] + q_lens[i])
-    ref = paged_prefill_attention_ref(torch.cat([q[cu_list[i] : cu_list[i + 1]] for i in sel]).double(), kr, vr,
-                                      btr, torch.tensor(cur, dtype=torch.int32, device=DEV), sl[sel_t], scale)
-    for var in variants or [{}]:
-        out = torch.full_like(q, float("nan"))
-        paged_prefill_attention(q, kc, vc, bt, cu, sl, scale, out=out, max_q_len=max_q, **var)
+    # ---- elementwise -----------------------------------------------------------------------------------------
+    def kv_write_case(self, model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
+        if self.out_of_time("kv_write_case"):
+            return
+        hkv, d, dtype = MODELS[model]["Hkv"], MODELS[model]["D"], DT[dtype_name]
+        num_blocks = tokens // PAGE + 64
+        key = torch.randn((tokens, hkv, d), device=DEV, dtype=dtype)
+        value = torch.randn((tokens, hkv, d), device=DEV, dtype=dtype)
+        slots = torch.randperm(num_blocks * PAGE, generator=g)[:tokens].to(DEV)
+        slots[::97] = -1
+        kc = torch.full((num_blocks, PAGE, hkv, d), float("nan"), device=DEV, dtype=dtype)
+        vc = torch.full_like(kc, float("nan"))
+        kr, vr = kc.clone(), vc.clone()
+        write_kv_cache(key, value, kc, vc, slots)
+        write_kv_cache_ref(key, value, kr, vr, slots)
         torch.cuda.synchronize()
-        o_sel = torch.cat([out[cu_list[i] : cu_list[i + 1]] for i in sel])
-        err = rel_err(o_sel, ref) if torch.isfinite(out).all() else float("nan")
+        same = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in ((kc, kr), (vc, vr)))
+        nbytes = 4 * int((slots >= 0).sum()) * hkv * d * dtype.itemsize + tokens * 8
+        ms = median_ms(lambda: write_kv_cache(key, value, kc, vc, slots))
+        self.record("kv_write", model, dtype_name, f"T={tokens}", ms, nbytes, 0.0 if same else 1.0)
 
-        def call(var: dict[str, int] = var, out: torch.Tensor = out) -> None:
-            paged_prefill_attention(q, kc, vc, bt, cu, sl, scale, out=out, max_q_len=max_q, **var)
+    def rms_case(self, model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
+        if self.out_of_time("rms_case"):
+            return
+        n, dtype = MODELS[model]["hidden"], DT[dtype_name]
+        es = dtype.itemsize
+        x = torch.randn((tokens, n), device=DEV, dtype=dtype)
+        w = torch.randn((n,), device=DEV, dtype=dtype)
+        out = torch.full_like(x, float("nan"))
+        rms_norm(x, w, 1e-6, out=out)
+        err = rel_err(out, rms_norm_ref(x.double(), w.double(), 1e-6))
+        ms = median_ms(lambda: rms_norm(x, w, 1e-6, out=out))
+        self.record("rms_norm", model, dtype_name, f"T={tokens} N={n}", ms, 2 * x.numel() * es + n * es, err)
+        r = torch.randn((tokens, n), device=DEV, dtype=dtype)
+        xr, rr = x.double(), r.double()
+        fused_add_rms_norm_ref(xr, rr, w.double(), 1e-6)
+        fused_add_rms_norm(x, r, w, 1e-6)
+        err = max(rel_err(x, xr), rel_err(r, rr))
+        ms = median_ms(lambda: fused_add_rms_norm(x, r, w, 1e-6))  # in place: values drift, shapes don't
+        self.record("fused_add_rms", model, dtype_name, f"T={tokens} N={n}", ms, 4 * x.numel() * es + n * es, err)
 
-        ms = median_ms(call)
-        vtxt = "".join(f" {k.split('_')[-1][:1]}{k[:1]}={v}" for k, v in var.items())
-        record("prefill_attn", model, dtype_name, tag + vtxt, ms, nbytes, err, flops=flops, **var)
-    if sdpa and len(q_lens) == 1 and prefixes[0] == 0:
-        # Yardstick: torch's fused causal attention on dense (unpaged) tensors of the same problem.
-        n = q_lens[0]
-        qd = q.transpose(0, 1).unsqueeze(0)
-        kd = torch.randn((1, hkv, n, d), device=DEV, dtype=dtype)
-        vd = torch.randn((1, hkv, n, d), device=DEV, dtype=dtype)
-        fn = torch.nn.functional.scaled_dot_product_attention
-        ms = median_ms(lambda: fn(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True))
-        record("torch_sdpa", model, dtype_name, tag + " dense", ms, nbytes, 0.0, flops=flops)
+    def rotary_case(self, model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
+        if self.out_of_time("rotary_case"):
+            return
+        cfg, dtype = MODELS[model], DT[dtype_name]
+        h, hkv, d = cfg["H"], cfg["Hkv"], cfg["D"]
+        qkv = torch.randn((tokens, (h + 2 * hkv) * d), device=DEV, dtype=dtype)
+        q, k = qkv[:, : h * d], qkv[:, h * d : (h + hkv) * d]  # views into the fused projection
+        cache = build_cos_sin_cache(32768, d, base=500000.0, device=DEV)
+        pos = torch.randint(0, 32768, (tokens,), generator=g).to(DEV)
+        qr, kr = q.double(), k.double()
+        rotary_embedding_ref(pos, qr, kr, cache.double())
+        rotary_embedding(pos, q, k, cache)
+        err = max(rel_err(q, qr), rel_err(k, kr))
+        nbytes = 2 * (q.numel() + k.numel()) * dtype.itemsize + tokens * (d * 4 + 8)
+        ms = median_ms(lambda: rotary_embedding(pos, q, k, cache))
+        self.record("rotary", model, dtype_name, f"T={tokens} q+k in place", ms, nbytes, err)
 
+    def silu_case(self, model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
+        if self.out_of_time("silu_case"):
+            return
+        inter, dtype = MODELS[model]["inter"], DT[dtype_name]
+        x = torch.randn((tokens, 2 * inter), device=DEV, dtype=dtype)
+        out = torch.full((tokens, inter), float("nan"), device=DEV, dtype=dtype)
+        silu_and_mul(x, out=out)
+        err = rel_err(out, silu_and_mul_ref(x.double()))
+        ms = median_ms(lambda: silu_and_mul(x, out=out))
+        self.record("silu_and_mul", model, dtype_name, f"T={tokens} I={inter}", ms,
+                    3 * tokens * inter * dtype.itemsize, err)
 
-# --------------------------------------------------------------------- elementwise kernels
-
-
-def kv_write_case(model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
-    if out_of_time("kv_write_case"):
-        return
-    cfg = MODELS[model]
-    dtype = DT[dtype_name]
-    hkv, d = cfg["Hkv"], cfg["D"]
-    num_blocks = tokens // PAGE + 64
-    key = torch.randn((tokens, hkv, d), device=DEV, dtype=dtype)
-    value = torch.randn((tokens, hkv, d), device=DEV, dtype=dtype)
-    slots = torch.randperm(num_blocks * PAGE, generator=g)[:tokens].to(DEV)
-    slots[::97] = -1
-    kc = torch.full((num_blocks, PAGE, hkv, d), float("nan"), device=DEV, dtype=dtype)
-    vc = torch.full_like(kc, float("nan"))
-    kr, vr = kc.clone(), vc.clone()
-    write_kv_cache(key, value, kc, vc, slots)
-    write_kv_cache_ref(key, value, kr, vr, slots)
-    torch.cuda.synchronize()
-    same = torch.equal(kc.nan_to_num(7.0), kr.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), vr.nan_to_num(7.0))
-    err = 0.0 if same else 1.0
-    written = int((slots >= 0).sum())
-    nbytes = 4 * written * hkv * d * esize(dtype) + tokens * 8
-    ms = median_ms(lambda: write_kv_cache(key, value, kc, vc, slots))
-    record("kv_write", model, dtype_name, f"T={tokens}", ms, nbytes, err)
-
-
-def rms_case(model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
-    if out_of_time("rms_case"):
-        return
-    n = MODELS[model]["hidden"]
-    dtype = DT[dtype_name]
-    es = esize(dtype)
-    x = torch.randn((tokens, n), device=DEV, dtype=dtype)
-    w = torch.randn((n,), device=DEV, dtype=dtype)
-    out = torch.full_like(x, float("nan"))
-    rms_norm(x, w, 1e-6, out=out)
-    err = rel_err(out, rms_norm_ref(x.double(), w.double(), 1e-6))
-    ms = median_ms(lambda: rms_norm(x, w, 1e-6, out=out))
-    record("rms_norm", model, dtype_name, f"T={tokens} N={n}", ms, 2 * x.numel() * es + n * es, err)
-    r = torch.randn((tokens, n), device=DEV, dtype=dtype)
-    xr, rr = x.double(), r.double()
-    fused_add_rms_norm_ref(xr, rr, w.double(), 1e-6)
-    fused_add_rms_norm(x, r, w, 1e-6)
-    err = max(rel_err(x, xr), rel_err(r, rr))
-    ms = median_ms(lambda: fused_add_rms_norm(x, r, w, 1e-6))  # in place: values drift, shapes don't
-    record("fused_add_rms", model, dtype_name, f"T={tokens} N={n}", ms, 4 * x.numel() * es + n * es, err)
-
-
-def rotary_case(model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
-    if out_of_time("rotary_case"):
-        return
-    cfg = MODELS[model]
-    dtype = DT[dtype_name]
-    h, hkv, d = cfg["H"], cfg["Hkv"], cfg["D"]
-    qkv = torch.randn((tokens, (h + 2 * hkv) * d), device=DEV, dtype=dtype)
-    q, k = qkv[:, : h * d], qkv[:, h * d : (h + hkv) * d]  # views into the fused projection
-    cache = build_cos_sin_cache(32768, d, base=500000.0, device=DEV)
-    pos = torch.randint(0, 32768, (tokens,), generator=g).to(DEV)
-    qr, kr = q.double(), k.double()
-    rotary_embedding_ref(pos, qr, kr, cache.double())
-    rotary_embedding(pos, q, k, cache)
-    err = max(rel_err(q, qr), rel_err(k, kr))
-    nbytes = 2 * (q.numel() + k.numel()) * esize(dtype) + tokens * (d * 4 + 8)
-    ms = median_ms(lambda: rotary_embedding(pos, q, k, cache))
-    record("rotary", model, dtype_name, f"T={tokens} q+k in place", ms, nbytes, err)
-
-
-def silu_case(model: str, dtype_name: str, tokens: int, g: torch.Generator) -> None:
-    if out_of_time("silu_case"):
-        return
-    inter = MODELS[model]["inter"]
-    dtype = DT[dtype_name]
-    x = torch.randn((tokens, 2 * inter), device=DEV, dtype=dtype)
-    out = torch.full((tokens, inter), float("nan"), device=DEV, dtype=dtype)
-    silu_and_mul(x, out=out)
-    err = rel_err(out, silu_and_mul_ref(x.double()))
-    ms = median_ms(lambda: silu_and_mul(x, out=out))
-    record("silu_and_mul", model, dtype_name, f"T={tokens} I={inter}", ms, 3 * tokens * inter * esize(dtype), err)
-
-
-# -------------------------------------------------------------------------------- main
-
-
-def run_section(name: str, fn: Callable[[], None]) -> None:
-    if out_of_time(name):
-        return
-    print(f"[{name}]", flush=True)
-    try:
-        fn()
-    except Exception as exc:  # keep going: one broken section must not cost the whole lease
-        traceback.print_exc()
-        RESULTS.append({"kernel": name, "error": repr(exc)})
-    torch.cuda.empty_cache()
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--record", action="store_true", help="also write bench/results/gpu_kernels_<device>.json")
-    ap.add_argument("--budget", type=float, default=230.0, help="seconds after which remaining sections are skipped")
-    ap.add_argument("--quick", action="store_true", help="fewer shapes and no tuning sweep")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    STATE["deadline"] = t0 + args.budget
-    props = torch.cuda.get_device_properties(0)
-    meta = {
-        "device": torch.cuda.get_device_name(0),
-        "sm_count": props.multi_processor_count,
-        "l2_bytes": getattr(props, "L2_cache_size", None),
-        "mem_bytes": props.total_memory,
-        "capability": list(torch.cuda.get_device_capability(0)),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": sys.version.split()[0],
-        "timing": "triton.testing.do_bench median, L2 flushed before each repetition",
-        "page_size": PAGE,
-    }
-    print(f"device: {meta['device']} ({meta['sm_count']} SMs, L2 {meta['l2_bytes']}), torch {meta['torch']}, "
-          f"triton {meta['triton']}, cuda {meta['cuda']}", flush=True)
-    measure_ceilings()
-    g = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-
-    def decode_all() -> None:
-        shapes = [(1, 128), (1, 4096), (1, 32768), (16, 1024), (64, 2048), (256, 512), (256, 2048), (32, 8192)]
-        if args.quick:
-            shapes = [(1, 32768), (64, 2048), (256, 512)]
+    # ---- sections --------------------------------------------------------------------------------------------
+    def decode_all(self, g: torch.Generator, quick: bool) -> None:
+        shapes = [(1, 32768), (64, 2048), (256, 512)] if quick else \
+            [(1, 128), (1, 4096), (1, 32768), (16, 1024), (64, 2048), (256, 512), (256, 2048), (32, 8192)]
         for model in MODELS:
             for b, ctx in shapes:
-                decode_case(model, "bf16", b, ctx, g)
-            decode_case(model, "bf16", 64, torch.randint(1, 8192, (64,), generator=g).tolist(), g)
+                self.decode_case(model, "bf16", b, ctx, g)
+            self.decode_case(model, "bf16", 64, torch.randint(1, 8192, (64,), generator=g).tolist(), g)
             for b, ctx in [(1, 32768), (64, 2048)]:
-                decode_case(model, "fp32", b, ctx, g)
+                self.decode_case(model, "fp32", b, ctx, g)
 
-    def decode_tune() -> None:
+    def decode_tune(self, g: torch.Generator) -> None:
         tiles = [{"block_n": n, "num_warps": w} for n in (64, 128) for w in (4, 8)]
-        decode_case("llama3.1-8b", "bf16", 1, 32768, g, variants=tiles)
-        decode_case("qwen2.5-0.5b", "bf16", 256, 2048, g, variants=tiles)
+        self.decode_case("llama3.1-8b", "bf16", 1, 32768, g, variants=tiles)
+        self.decode_case("qwen2.5-0.5b", "bf16", 256, 2048, g, variants=tiles)
         for model, b, ctx in [("llama3.1-8b", 1, 32768), ("llama3.1-8b", 16, 1024), ("qwen2.5-0.5b", 16, 4096),
                               ("qwen2.5-0.5b", 1, 32768)]:
-            decode_case(model, "bf16", b, ctx, g, variants=[{"num_splits": s} for s in (1, 4, 16, 32, 64)])
+            self.decode_case(model, "bf16", b, ctx, g, variants=[{"num_splits": s} for s in (1, 4, 16, 32, 64)])
 
-    def prefill_tune() -> None:
-        tiles = [
-            {"block_m": m, "block_n": n, "num_warps": w, "num_stages": st}
-            for m, n, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
-                                (128, 128, 8, 2), (64, 32, 4, 3)]
-        ]
-        prefill_case("llama3.1-8b", "bf16", [8192], [0], g, "B=1 q=8192", variants=tiles)
-        prefill_case("llama3.1-8b", "bf16", [512] * 4, [3584] * 4, g, "B=4 q=512 prefix=3584", variants=tiles)
-        prefill_case("qwen2.5-0.5b", "bf16", [8192], [0], g, "B=1 q=8192", variants=tiles)
+    def prefill_tune(self, g: torch.Generator) -> None:
+        tiles = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st}
+                 for m, n, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
+                                     (128, 128, 8, 2), (64, 32, 4, 3)]]
+        self.prefill_case("llama3.1-8b", "bf16", [8192], [0], g, "B=1 q=8192", variants=tiles)
+        self.prefill_case("llama3.1-8b", "bf16", [512] * 4, [3584] * 4, g, "B=4 q=512 prefix=3584", variants=tiles)
+        self.prefill_case("qwen2.5-0.5b", "bf16", [8192], [0], g, "B=1 q=8192", variants=tiles)
 
-    def prefill_all() -> None:
+    def prefill_all(self, g: torch.Generator) -> None:
         for model in MODELS:
-            prefill_case(model, "bf16", [2048], [0], g, "B=1 q=2048", sdpa=True)
-            prefill_case(model, "bf16", [8192], [0], g, "B=1 q=8192", sdpa=True)
-            prefill_case(model, "bf16", [512] * 4, [3584] * 4, g, "B=4 q=512 prefix=3584")
+            self.prefill_case(model, "bf16", [2048], [0], g, "B=1 q=2048", sdpa=True)
+            self.prefill_case(model, "bf16", [8192], [0], g, "B=1 q=8192", sdpa=True)
+            self.prefill_case(model, "bf16", [512] * 4, [3584] * 4, g, "B=4 q=512 prefix=3584")
             ql = torch.randint(1, 512, (16,), generator=g).tolist()
             pf = torch.randint(0, 2048, (16,), generator=g).tolist()
-            prefill_case(model, "bf16", ql, pf, g, "B=16 mixed q/prefix")
-            prefill_case(model, "fp32", [512, 300], [512, 0], g, "B=2 q=512/300")
+            self.prefill_case(model, "bf16", ql, pf, g, "B=16 mixed q/prefix")
+            self.prefill_case(model, "fp32", [512, 300], [512, 0], g, "B=2 q=512/300")
 
-    def elementwise_all() -> None:
+    def elementwise_all(self, g: torch.Generator) -> None:
+        cases = (self.kv_write_case, self.rms_case, self.rotary_case, self.silu_case)
         for model in MODELS:
             for dt in ("bf16", "fp32"):
-                kv_write_case(model, dt, 8192, g)
-                rms_case(model, dt, 8192, g)
-                rotary_case(model, dt, 8192, g)
-                silu_case(model, dt, 8192, g)
-            kv_write_case(model, "bf16", 256, g)
-            rms_case(model, "bf16", 256, g)
-            rotary_case(model, "bf16", 256, g)
-            silu_case(model, "bf16", 256, g)
+                for case in cases:
+                    case(model, dt, 8192, g)
+            for case in cases:
+                case(model, "bf16", 256, g)
 
-    run_section("decode", decode_all)
-    run_section("decode_graph", lambda: decode_graph_check(g))
-    run_section("prefill", prefill_all)
-    run_section("elementwise", elementwise_all)
-    if not args.quick:
-        run_section("decode_tune", decode_tune)
-        run_section("prefill_tune", prefill_tune)
+    def run_section(self, name: str, fn: Callable[[], None]) -> None:
+        if self.out_of_time(name):
+            return
+        print(f"[{name}]", flush=True)
+        try:
+            fn()
+        except Exception as exc:  # keep going: one broken section must not cost the whole lease
+            traceback.print_exc()
+            self.results.append({"kernel": name, "error": repr(exc)})
+        torch.cuda.empty_cache()
 
-    meta["copy_gbps"] = STATE["copy_gbps"]
-    meta["matmul_tflops"] = STATE["matmul_tflops"]
-    meta["wall_s"] = time.time() - t0
-    doc = {"meta": meta, "results": RESULTS}
-    text = json.dumps(doc, indent=1, default=float)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_kernels.json").write_text(text)
-    if args.record:
-        slug = re.sub(r"[^A-Za-z0-9]+", "_", meta["device"]).strip("_").lower()
-        path = ROOT / "bench" / "results" / f"gpu_kernels_{slug}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
 
-    rows = [r for r in RESULTS if "time_us" in r]
+def device_meta() -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    meta = {"device": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
+            "l2_bytes": getattr(props, "L2_cache_size", None), "mem_bytes": props.total_memory,
+            "capability": list(torch.cuda.get_device_capability(0)), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+            "timing": "triton.testing.do_bench median, L2 flushed before each repetition", "page_size": PAGE}
+    print(f"device: {meta['device']} ({meta['sm_count']} SMs, L2 {meta['l2_bytes']}), torch {meta['torch']}, "
+          f"triton {meta['triton']}, cuda {meta['cuda']}", flush=True)
+    return meta
+
+
+def print_table(meta: dict[str, Any], results: list[dict[str, Any]]) -> int:
+    """The short table; 1 if any row is over tolerance or any section errored or was skipped."""
+    rows = [r for r in results if "time_us" in r]
     fails = [r for r in rows if not r["ok"]]
-    errors = [r for r in RESULTS if "error" in r or "skipped" in r]
-    print(f"\n{meta['device']}: copy {STATE['copy_gbps']:.0f} GB/s, bf16 mm {STATE['matmul_tflops']:.0f} TFLOP/s; "
+    errors = [r for r in results if "error" in r or "skipped" in r]
+    print(f"\n{meta['device']}: copy {meta['copy_gbps']:.0f} GB/s, bf16 mm {meta['matmul_tflops']:.0f} TFLOP/s; "
           f"{len(rows)} rows, {len(fails)} over tolerance, {len(errors)} sections errored/skipped, "
           f"{meta['wall_s']:.0f} s")
     print(f"{'kernel':<14}{'model':<13}{'dt':<5}{'shape':<34}{'us':>9}{'GB/s':>8}{'roof':>6}{'TF/s':>7}{'err':>9}"
@@ -521,6 +403,38 @@ def main() -> int:
     for r in errors:
         print("ERROR/SKIP:", r)
     return 1 if fails or errors else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", action="store_true", help="also write bench/results/gpu_kernels_<device>.json")
+    ap.add_argument("--budget", type=float, default=230.0, help="seconds after which remaining sections are skipped")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and no tuning sweep")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    meta = device_meta()
+    bench = KernelBench(args.budget)
+    bench.measure_ceilings()
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    bench.run_section("decode", lambda: bench.decode_all(g, args.quick))
+    bench.run_section("decode_graph", lambda: bench.decode_graph_check(g))
+    bench.run_section("prefill", lambda: bench.prefill_all(g))
+    bench.run_section("elementwise", lambda: bench.elementwise_all(g))
+    if not args.quick:
+        bench.run_section("decode_tune", lambda: bench.decode_tune(g))
+        bench.run_section("prefill_tune", lambda: bench.prefill_tune(g))
+    meta.update(copy_gbps=bench.copy_gbps, matmul_tflops=bench.matmul_tflops, wall_s=time.time() - t0)
+    text = json.dumps({"meta": meta, "results": bench.results}, indent=1, default=float)
+    paths = [Path(os.environ["OUT"], "gpu_kernels.json")] if os.environ.get("OUT") else []
+    paths += [RESULTS / f"gpu_kernels_{device_slug(meta['device'])}.json"] if args.record else []
+    for path in paths:
+        path.write_text(text)
+        print(f"wrote {path}")
+    return print_table(meta, bench.results)
 
 
 if __name__ == "__main__":

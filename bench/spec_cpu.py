@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Speculative decoding on CPU: SmolLM2 (fp32) at batch 1, speculation off vs n-gram prompt lookup vs a
 layer-truncated SmolLM2 draft, on an input-grounded set (summarize / edit a given text or code) and an
 open-ended chat set.
@@ -6,10 +5,10 @@ open-ended chat set.
 Each prompt runs off, n-gram and draft back to back (interleaved, so a contended machine's load drifts hit all
 three alike); greedy, so the outputs must be identical (checked). Per set: tok/s of each (output tokens / wall
 time of the generate calls), speedup over off, and vLLM's mean acceptance length (1 + accepted / drafts).
-Writes bench/results/spec_cpu_smollm2.json.
+Writes bench/results/spec_cpu_smollm2.json after every prompt (a stopped run keeps what it measured).
 
-    python3 bench/spec_cpu.py                      # all prompts, 96 tokens each
-    python3 bench/spec_cpu.py --num-prompts 3 --max-tokens 48
+    python -m bench.spec_cpu                      # all prompts, 96 tokens each
+    python -m bench.spec_cpu --num-prompts 3 --max-tokens 48
 """
 
 from __future__ import annotations
@@ -17,20 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from engine.sampling_params import SamplingParams  # noqa: E402
-from kvflow.llm import LLM  # noqa: E402
+from bench.harness.records import RESULTS, cpu_name, write_json
+from kvflow import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # A real self-speculative draft: the first 12 of SmolLM2's 30 layers, the same weights, norm and lm_head.
@@ -46,48 +39,76 @@ _CODE = ("def average(numbers):\n    total = 0\n    for n in numbers:\n        t
 _EMAIL = ("Hi team, the release is moved from Friday to Monday because the tests on the payment service are still "
           "failing. Please finish your reviews by Thursday evening. Thanks, Anna")
 _CSV = "name,age,city\nAlice,34,Paris\nBob,28,London\nCarla,45,Madrid\nDaniel,39,Berlin\n"
-
-GROUNDED = [
-    f"Add type hints to every function in this Python code. Return the whole code.\n\n{_CODE}",
-    f"Rename the variable `total` to `running_sum` in this code and return the full code.\n\n{_CODE}",
-    f"Summarize this news text in two sentences.\n\n{_TEXT}",
-    f"Fix the spelling and return the corrected text: {_TEXT.replace('council', 'councel')}",
-    f"Rewrite this email in a more formal tone, keeping every detail.\n\n{_EMAIL}",
-    f"Convert this CSV to a Markdown table.\n\n{_CSV}",
-    f"Add a docstring to each function in this code and return the code.\n\n{_CODE}",
-    f"Copy this text and put each sentence on its own line.\n\n{_TEXT}",
-]
-CHAT = [
-    "Write a short poem about the sea.",
-    "What are three good habits for staying healthy?",
-    "Tell me a fun fact about space.",
-    "How do I make a cup of tea?",
-    "Give me some ideas for a birthday party.",
-    "Why is the sky blue?",
-    "What should I pack for a weekend hiking trip?",
-    "Explain what a computer virus is.",
-]
+SETS = {
+    "input_grounded": [
+        f"Add type hints to every function in this Python code. Return the whole code.\n\n{_CODE}",
+        f"Rename the variable `total` to `running_sum` in this code and return the full code.\n\n{_CODE}",
+        f"Summarize this news text in two sentences.\n\n{_TEXT}",
+        f"Fix the spelling and return the corrected text: {_TEXT.replace('council', 'councel')}",
+        f"Rewrite this email in a more formal tone, keeping every detail.\n\n{_EMAIL}",
+        f"Convert this CSV to a Markdown table.\n\n{_CSV}",
+        f"Add a docstring to each function in this code and return the code.\n\n{_CODE}",
+        f"Copy this text and put each sentence on its own line.\n\n{_TEXT}",
+    ],
+    "open_chat": [
+        "Write a short poem about the sea.", "What are three good habits for staying healthy?",
+        "Tell me a fun fact about space.", "How do I make a cup of tea?", "Give me some ideas for a birthday party.",
+        "Why is the sky blue?", "What should I pack for a weekend hiking trip?", "Explain what a computer virus is.",
+    ],
+}
 
 
-def _run(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], float]:
+def chat_ids(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], float]:
     start = time.perf_counter()
     out = llm.chat([{"role": "user", "content": prompt}], params)[0]
     return list(out.outputs[0].token_ids), time.perf_counter() - start
 
 
-def _acceptance(before: tuple[int, int, int], llm: LLM) -> dict[str, Any]:
+def counters(llm: LLM) -> tuple[int, int, int]:
     s = llm.stats
-    drafts = s.spec_decode_num_drafts - before[0]
-    drafted = s.spec_decode_num_draft_tokens - before[1]
-    accepted = s.spec_decode_num_accepted_tokens - before[2]
+    return s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
+
+
+def acceptance(before: tuple[int, int, int], llm: LLM) -> dict[str, Any]:
+    drafts, drafted, accepted = (now - then for now, then in zip(counters(llm), before, strict=True))
     return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None}
 
 
-def _counters(llm: LLM) -> tuple[int, int, int]:
-    s = llm.stats
-    return s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
+class SetRun:
+    """One prompt set's running totals per config, and the record they make so far."""
+
+    def __init__(self, configs: dict[str, LLM]) -> None:
+        self.configs = configs
+        self.tokens = dict.fromkeys(configs, 0)
+        self.seconds = dict.fromkeys(configs, 0.0)
+        self.before = {name: counters(llm) for name, llm in configs.items()}
+        self.identical = {name: True for name in configs if name != "off"}
+
+    def prompt(self, label: str, prompt: str, params: SamplingParams) -> None:
+        reference = None
+        for name, llm in self.configs.items():  # interleaved: off, n-gram, draft for each prompt
+            ids, elapsed = chat_ids(llm, prompt, params)
+            self.tokens[name] += len(ids)
+            self.seconds[name] += elapsed
+            if name == "off":
+                reference = ids
+            elif ids != reference:
+                self.identical[name] = False
+            print(f"{label} {name}: {len(ids)} tokens in {elapsed:.2f}s ({len(ids) / elapsed:.1f} tok/s)", flush=True)
+
+    def record(self, num_prompts: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_prompts": num_prompts, "load_average": os.getloadavg()[0]}
+        for name in self.configs:
+            out[f"{name}_tok_s"] = round(self.tokens[name] / self.seconds[name], 3)
+            out[f"{name}_output_tokens"] = self.tokens[name]
+            out[f"{name}_seconds"] = round(self.seconds[name], 2)
+        for name in self.identical:
+            out[f"{name}_speedup"] = round(out[f"{name}_tok_s"] / out["off_tok_s"], 3)
+            out[f"{name}_greedy_identical"] = self.identical[name]
+            out[f"{name}_acceptance"] = acceptance(self.before[name], self.configs[name])
+        return out
 
 
 def main() -> None:
@@ -95,60 +116,28 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per set (at most 8)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--no-draft", action="store_true", help="skip the layer-truncated draft")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_cpu_smollm2.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "spec_cpu_smollm2.json")
     args = parser.parse_args()
     engine = {"max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20, "device": "cpu", "seed": 0}
-    configs: dict[str, LLM] = {"off": LLM("smollm2", **engine), "ngram": LLM("smollm2", speculative_config=NGRAM,
-                                                                              **engine)}
-    if not args.no_draft:
-        configs["draft"] = LLM("smollm2", speculative_config=DRAFT, **engine)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    specs = {"off": None, "ngram": NGRAM, **({} if args.no_draft else {"draft": DRAFT})}
+    configs = {name: LLM("smollm2", speculative_config=spec, **engine) for name, spec in specs.items()}
     for llm in configs.values():  # warm-up (allocator, packed weights)
-        _run(llm, "Hello", SamplingParams(temperature=0.0, max_tokens=4))
+        chat_ids(llm, "Hello", SamplingParams(temperature=0.0, max_tokens=4))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     sets: dict[str, Any] = {}
     record = {
         "workload": f"SmolLM2-135M-Instruct fp32, CPU, batch 1, chat template, greedy, max_tokens={args.max_tokens}; "
                     "speculation off vs n-gram vs layer-truncated draft, interleaved per prompt",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-        "ngram_config": NGRAM,
-        "draft_config": None if args.no_draft else DRAFT,
-        "sets": sets,
-    }
-    for set_name, prompts in (("input_grounded", GROUNDED), ("open_chat", CHAT)):
-        prompts = prompts[: args.num_prompts]
-        tokens = dict.fromkeys(configs, 0)
-        seconds = dict.fromkeys(configs, 0.0)
-        before = {name: _counters(llm) for name, llm in configs.items()}
-        identical = {name: True for name in configs if name != "off"}
-        for i, prompt in enumerate(prompts):
-            reference = None
-            for name, llm in configs.items():  # interleaved: off, n-gram, draft for each prompt
-                ids, elapsed = _run(llm, prompt, params)
-                tokens[name] += len(ids)
-                seconds[name] += elapsed
-                if name == "off":
-                    reference = ids
-                elif ids != reference:
-                    identical[name] = False
-                print(f"{set_name} #{i} {name}: {len(ids)} tokens in {elapsed:.2f}s ({len(ids) / elapsed:.1f} tok/s)",
-                      flush=True)
-            result: dict[str, Any] = {"num_prompts": i + 1, "load_average": os.getloadavg()[0]}
-            for name in configs:
-                result[f"{name}_tok_s"] = round(tokens[name] / seconds[name], 3)
-                result[f"{name}_output_tokens"] = tokens[name]
-                result[f"{name}_seconds"] = round(seconds[name], 2)
-            for name in configs:
-                if name == "off":
-                    continue
-                result[f"{name}_speedup"] = round(result[f"{name}_tok_s"] / result["off_tok_s"], 3)
-                result[f"{name}_greedy_identical"] = identical[name]
-                result[f"{name}_acceptance"] = _acceptance(before[name], configs[name])
-            sets[set_name] = result
-            record["complete"] = set_name == "open_chat" and i + 1 == len(prompts)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")  # after every prompt: a stop keeps it
+        "device": f"cpu: {cpu_name()}, {torch.get_num_threads()} torch threads",
+        "ngram_config": NGRAM, "draft_config": None if args.no_draft else DRAFT, "sets": sets}
+    for set_name, prompts in SETS.items():
+        run = SetRun(configs)
+        for i, prompt in enumerate(prompts[: args.num_prompts]):
+            run.prompt(f"{set_name} #{i}", prompt, params)
+            sets[set_name] = run.record(i + 1)
+            record["complete"] = set_name == "open_chat" and i + 1 == len(prompts[: args.num_prompts])
+            write_json(args.out, record)
         print(json.dumps({set_name: sets[set_name]}, indent=1), flush=True)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -36,6 +38,17 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return host_context()["cpu_model"]
+
+
+@contextmanager
+def pd_pair(spec: ClusterSpec, ready_timeout_s: float) -> Iterator[tuple[WorkerCluster, str, str, Any]]:
+    """The cluster of `spec` started and ready: (cluster, prefill address, decode address, a Generation stub on the
+    decode worker presenting the cluster token)."""
+    with WorkerCluster(spec) as cluster:
+        cluster.wait_ready(ready_timeout_s, progress=False)
+        prefill, decode = cluster.addresses("prefill")[0], cluster.addresses("decode")[0]
+        with spec.auth.channel(decode) as channel:
+            yield cluster, prefill, decode, kvflow_pb2_grpc.GenerationStub(channel)
 
 
 def _one(stub: kvflow_pb2_grpc.GenerationStub, prompt: list[int], prefill_address: str, local: bool,
@@ -64,6 +77,35 @@ def _one(stub: kvflow_pb2_grpc.GenerationStub, prompt: list[int], prefill_addres
     raise RuntimeError("the stream ended without a complete message")
 
 
+def _timed_runs(stub: kvflow_pb2_grpc.GenerationStub, fresh: Any, prefill: str, reps: int, output_len: int
+                ) -> dict[str, list[dict[str, Any]]]:
+    """Local and disaggregated TTFTs, alternating, after a warm-up of both paths (link setup, kernels)."""
+    for local in (True, False, True, False):
+        _one(stub, fresh(), prefill, local, output_len)
+    runs: dict[str, list[dict[str, Any]]] = {"local": [], "disaggregated": []}
+    for _ in range(reps):
+        for local in (True, False):
+            runs["local" if local else "disaggregated"].append(_one(stub, fresh(), prefill, local, output_len))
+    return runs
+
+
+def _length_record(runs: dict[str, list[dict[str, Any]]], kv_bytes: int) -> dict[str, Any]:
+    disagg = runs["disaggregated"]
+    wire = statistics.median(r["wire_s"] for r in disagg)
+    ttft_disagg = statistics.median(r["ttft_s"] for r in disagg)
+    ttft_local = statistics.median(r["ttft_s"] for r in runs["local"])
+    return {
+        "kv_bytes": kv_bytes, "transfer_ms": wire * 1e3, "transfer_gbps": kv_bytes / wire / 1e9 if wire > 0 else None,
+        "ttft_disagg_s": ttft_disagg, "ttft_local_s": ttft_local, "ttft_ratio": ttft_disagg / ttft_local,
+        "transfer_share_of_ttft": wire / ttft_disagg,
+        "breakdown_ms": {key: statistics.median(r[key] for r in disagg) * 1e3 for key in (
+            "decode_queue_s", "pull_s", "wire_s", "prefill_worker_queue_s", "prefill_worker_first_token_s",
+            "prefill_worker_done_s", "decode_ttft_s")},
+        "local_decode_ttft_ms": statistics.median(r["decode_ttft_s"] for r in runs["local"]) * 1e3,
+        "all_disaggregated": {r["path"] for r in disagg} == {"disaggregated"},
+    }
+
+
 def run_pd_bench(engine_args: EngineArgs, prompt_lens: list[int], reps: int, output_len: int,
                  kv_transfer_backend: str, prefill_gpus: tuple[int, ...] | None = None,
                  decode_gpus: tuple[int, ...] | None = None, gpu_memory_utilization: float | None = None,
@@ -76,52 +118,17 @@ def run_pd_bench(engine_args: EngineArgs, prompt_lens: list[int], reps: int, out
                        gpu_memory_utilization=gpu_memory_utilization, auth=ClusterAuth.from_env().with_token())
     rng = random.Random(seed)
     records = []
-    with WorkerCluster(spec) as cluster:
-        cluster.wait_ready(900, progress=False)
-        prefill, decode = cluster.addresses("prefill")[0], cluster.addresses("decode")[0]
-        with spec.auth.channel(decode) as channel:
-            stub = kvflow_pb2_grpc.GenerationStub(channel)
-            decode_info = stub.Info(pb.InfoRequest(), timeout=30)
-            layout = decode_info.kv_layout
-            vocab = decode_info.vocab_size
-            bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * \
-                {"float32": 4, "bfloat16": 2, "float16": 2}[layout.dtype]
-            for length in prompt_lens:
-                fresh = lambda n=length: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
-                for local in (True, False, True, False):  # warm-up: link setup, kernels at this length
-                    _one(stub, fresh(), prefill, local, output_len)
-                runs: dict[str, list[dict[str, Any]]] = {"local": [], "disaggregated": []}
-                for _ in range(reps):
-                    for local in (True, False):
-                        result = _one(stub, fresh(), prefill, local, output_len)
-                        runs["local" if local else "disaggregated"].append(result)
-                disagg = runs["disaggregated"]
-                paths = {r["path"] for r in disagg}
-                kv_bytes = -(-length // layout.block_size) * layout.block_size * bytes_per_token
-                wire = statistics.median(r["wire_s"] for r in disagg)
-                ttft_disagg = statistics.median(r["ttft_s"] for r in disagg)
-                ttft_local = statistics.median(r["ttft_s"] for r in runs["local"])
-                records.append({
-                    "workload": f"pd_transfer_{engine_args.model}_{length}",
-                    "device": device_name(),
-                    "model": engine_args.model,
-                    "dtype": layout.dtype,
-                    "kv_transfer_backend": kv_transfer_backend,
-                    "prompt_tokens": length,
-                    "kv_bytes": kv_bytes,
-                    "transfer_ms": wire * 1e3,
-                    "transfer_gbps": kv_bytes / wire / 1e9 if wire > 0 else None,
-                    "ttft_disagg_s": ttft_disagg,
-                    "ttft_local_s": ttft_local,
-                    "ttft_ratio": ttft_disagg / ttft_local,
-                    "transfer_share_of_ttft": wire / ttft_disagg,
-                    "breakdown_ms": {key: statistics.median(r[key] for r in disagg) * 1e3 for key in (
-                        "decode_queue_s", "pull_s", "wire_s", "prefill_worker_queue_s",
-                        "prefill_worker_first_token_s", "prefill_worker_done_s", "decode_ttft_s")},
-                    "local_decode_ttft_ms": statistics.median(r["decode_ttft_s"] for r in runs["local"]) * 1e3,
-                    "all_disaggregated": paths == {"disaggregated"},
-                    "reps": reps,
-                    "runs": runs,
-                    "context": host_context(),
-                })
+    with pd_pair(spec, 900) as (_, prefill, _, stub):
+        decode_info = stub.Info(pb.InfoRequest(), timeout=30)
+        layout = decode_info.kv_layout
+        bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * \
+            {"float32": 4, "bfloat16": 2, "float16": 2}[layout.dtype]
+        for length in prompt_lens:
+            fresh = lambda n=length: [rng.randrange(100, decode_info.vocab_size) for _ in range(n)]  # noqa: E731
+            runs = _timed_runs(stub, fresh, prefill, reps, output_len)
+            kv_bytes = -(-length // layout.block_size) * layout.block_size * bytes_per_token
+            records.append({"workload": f"pd_transfer_{engine_args.model}_{length}", "device": device_name(),
+                            "model": engine_args.model, "dtype": layout.dtype,
+                            "kv_transfer_backend": kv_transfer_backend, "prompt_tokens": length,
+                            **_length_record(runs, kv_bytes), "reps": reps, "runs": runs, "context": host_context()})
     return records

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
-import time
 from typing import Any
 
 import httpx
@@ -20,7 +17,8 @@ from cluster.auth import ClusterAuth
 from cluster.routing.policy import POLICY_NAMES
 from engine.config import EngineArgs
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
-from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
+from kvflow.benchmarks.server import ServerProcess
+from kvflow.launcher import ClusterSpec, WorkerCluster
 
 
 def _metric(text: str, name: str) -> float:
@@ -43,6 +41,22 @@ def _histogram_quantile(text: str, name: str, quantile: float) -> float | None:
     return next(bound for bound, count in sorted(buckets) if count >= quantile * total)
 
 
+def _policy_result(base: str, prompts: list[list[int]], output_len: int, max_concurrency: int) -> dict[str, Any]:
+    outcome, duration = asyncio.run(run_benchmark(base, None, prompts, output_len, float("inf"), max_concurrency,
+                                                  None))
+    summary = summarize(outcome, duration)
+    metrics = httpx.get(f"{base}/metrics").text
+    queries = _metric(metrics, "vllm:prefix_cache_queries_total")
+    hits = _metric(metrics, "vllm:prefix_cache_hits_total")
+    return {"ttft_p50_s": summary["median_ttft_ms"] / 1e3, "ttft_p99_s": summary["p99_ttft_ms"] / 1e3,
+            "ttft_mean_s": summary["mean_ttft_ms"] / 1e3, "e2el_p50_s": summary["median_e2el_ms"] / 1e3,
+            "prefix_hit_rate": hits / queries if queries else 0.0,
+            "matched_blocks": _metric(metrics, "kvflow:route_prefix_matched_blocks_total"),
+            "index_lag_p99_s_upper_bound": _histogram_quantile(metrics, "kvflow:index_lag_seconds", 0.99),
+            "completed": summary["completed"], "failed": summary["failed"],
+            "request_throughput": summary["request_throughput"]}
+
+
 def run_routing_bench(engine_args: EngineArgs, prefill_workers: int, decode_workers: int, num_prefixes: int,
                       prefix_len: int, input_len: int, output_len: int, repeats: int, max_concurrency: int,
                       policies: tuple[str, ...] = POLICY_NAMES) -> dict[str, Any]:
@@ -53,42 +67,13 @@ def run_routing_bench(engine_args: EngineArgs, prefill_workers: int, decode_work
     with WorkerCluster(spec) as cluster:
         cluster.wait_ready()
         for n, policy in enumerate(policies):
-            port = free_port()
-            router = subprocess.Popen(
-                [sys.executable, "-m", "kvflow.cli", "router", "--prefill", ",".join(cluster.addresses("prefill")),
-                 "--decode", ",".join(cluster.addresses("decode")), "--routing", policy, "--port", str(port),
-                 "--grpc-port", "0", "--disable-log-requests", "--disable-log-stats"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **auth.env()})
-            base = f"http://127.0.0.1:{port}"
-            try:
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() > deadline or router.poll() is not None:
-                        raise RuntimeError(f"router for policy {policy} did not become healthy")
-                    time.sleep(0.3)
+            with ServerProcess.kvflow(
+                    "router", "--prefill", ",".join(cluster.addresses("prefill")), "--decode",
+                    ",".join(cluster.addresses("decode")), "--routing", policy, "--disable-log-requests",
+                    "--disable-log-stats", env={**os.environ, **auth.env()}) as router:
+                router.wait_ready(120)
                 prompts = make_prompts("shared-prefix", num_prefixes * repeats, input_len, prefix_len,
                                        num_prefixes, seed=1000 + n, vocab=400 if engine_args.model.startswith(
                                            "tiny") else 30000)
-                outcome, duration = asyncio.run(run_benchmark(base, None, prompts, output_len, float("inf"),
-                                                              max_concurrency, None))
-                summary = summarize(outcome, duration)
-                metrics = httpx.get(f"{base}/metrics").text
-                queries = _metric(metrics, "vllm:prefix_cache_queries_total")
-                hits = _metric(metrics, "vllm:prefix_cache_hits_total")
-                results[policy] = {
-                    "ttft_p50_s": summary["median_ttft_ms"] / 1e3, "ttft_p99_s": summary["p99_ttft_ms"] / 1e3,
-                    "ttft_mean_s": summary["mean_ttft_ms"] / 1e3, "e2el_p50_s": summary["median_e2el_ms"] / 1e3,
-                    "prefix_hit_rate": hits / queries if queries else 0.0,
-                    "matched_blocks": _metric(metrics, "kvflow:route_prefix_matched_blocks_total"),
-                    "index_lag_p99_s_upper_bound": _histogram_quantile(metrics, "kvflow:index_lag_seconds", 0.99),
-                    "completed": summary["completed"], "failed": summary["failed"],
-                    "request_throughput": summary["request_throughput"]}
-            finally:
-                router.terminate()
-                router.wait(30)
+                results[policy] = _policy_result(router.url, prompts, output_len, max_concurrency)
     return results

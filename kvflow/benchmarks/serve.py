@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
 
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 for a single-token answer)."""
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
 
 def make_prompts(dataset: str, num_prompts: int, input_len: int, prefix_len: int, num_prefixes: int,
                  seed: int, vocab: int = 30000) -> list[list[int]]:
@@ -44,6 +50,14 @@ def make_prompts(dataset: str, num_prompts: int, input_len: int, prefix_len: int
     raise ValueError(f"unknown dataset {dataset!r}: random, prefix-repetition or shared-prefix")
 
 
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an OpenAI-style server-sent event stream, up to its `[DONE]`; comments and keep-alive
+    lines are skipped."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
                       api_key: str | None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
@@ -56,10 +70,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
+            async for data in sse_events(response):
                 if "error" in data:
                     result.error = data["error"]["message"]
                     return result
@@ -116,7 +127,7 @@ def summarize(results: list[RequestResult], duration_s: float, goodput: dict[str
     out["request_throughput"] = len(ok) / duration_s
     out["output_throughput"] = out["total_output_tokens"] / duration_s
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration_s
-    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpot = [r.tpot_s for r in ok if r.output_tokens > 1]
     series = {"ttft": [r.ttft_s for r in ok], "tpot": tpot, "itl": [x for r in ok for x in r.itl_s],
               "e2el": [r.e2e_s for r in ok]}
     for name, values in series.items():
@@ -129,9 +140,8 @@ def summarize(results: list[RequestResult], duration_s: float, goodput: dict[str
     if goodput:
         good = 0
         for r in ok:
-            r_tpot = (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
             if r.ttft_s * 1e3 <= goodput.get("ttft", float("inf")) and \
-                    r_tpot * 1e3 <= goodput.get("tpot", float("inf")) and \
+                    r.tpot_s * 1e3 <= goodput.get("tpot", float("inf")) and \
                     r.e2e_s * 1e3 <= goodput.get("e2el", float("inf")):
                 good += 1
         out["request_goodput"] = good / duration_s

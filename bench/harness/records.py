@@ -1,0 +1,42 @@
+"""Result records and the device facts they carry: where results go, how a record is written, how a device is
+named in a record and in a file name, and the timestamped progress line the long scenarios print.
+
+Invariants: `RESULTS` is bench/results/ of this checkout whatever the working directory; a record is written
+whole (JSON, newline-terminated), its folder made first."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def write_json(path: Path, record: Any, indent: int = 2) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=indent, default=str) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3' (the tail of a results file name)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def gpu_name(otherwise: str = "cpu") -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else otherwise
+
+
+def cpu_name() -> str:
+    return platform.processor() or platform.machine()
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
