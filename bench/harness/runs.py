@@ -44,25 +44,6 @@ def first_divergence(ours: Sequence[int], theirs: Sequence[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
 
 
-def decode_pairs(llm: Any, short: int, long: int, prompt_len: int, repeats: int
-                 ) -> tuple[list[tuple[float, float]], list[int]]:
-    """Batch-1 decode timed as the difference of two greedy generations of one prompt (`short` and `long` new
-    tokens: prefill and start-up cancel): a warm-up, then `repeats` (short, long) wall-clock pairs, and the long
-    run's token ids."""
-    from kvflow import SamplingParams
-
-    prompt = {"prompt_token_ids": [(7 * i + 11) % 20000 + 10 for i in range(prompt_len)]}
-    ids: list[int] = []
-
-    def seconds(n: int) -> float:
-        outs, elapsed = timed_generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        ids[:] = outs[0].outputs[0].token_ids
-        return elapsed
-
-    seconds(short)
-    return [(seconds(short), seconds(long)) for _ in range(repeats)], ids
-
-
 def bench_throughput_cli(*flags: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """`kvflow bench throughput <flags>` in a fresh process (its own engine, as a user runs it): its JSON record."""
     with tempfile.TemporaryDirectory() as tmp:
