@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.quant.group_quant import module_weight_bytes
+from engine.quant.quant_layers import module_weight_bytes
 from kvflow import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,8 +49,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.quant.fp8_linear import Fp8Linear, fp8_matmul_ref  # noqa: E402
-from engine.quant.group_quant import QuantWeight, fp16_bits, pack_int4, quant_matmul, quant_matmul_ref  # noqa: E402
+from engine.quant.group_quant import QuantWeight, fp16_bits, pack_int4, quant_matmul_ref  # noqa: E402
 from engine.quant.kn_layout import KNWeight, from_kn, to_kn  # noqa: E402
+from engine.quant.quant_layers import quant_matmul  # noqa: E402
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
@@ -588,7 +589,7 @@ def part_awq_e2e(smoke: bool) -> dict[str, Any]:
 
     from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
-    from engine.quant.group_quant import QuantLinear
+    from engine.quant.quant_layers import QuantLinear
     from engine.sampling_params import SamplingParams
 
     device = "cpu" if smoke else "cuda"

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.quant.group_quant import QuantLinear, QuantWeight, dequantize, fp16_bits, pack_int4
+from engine.quant.group_quant import QuantWeight, dequantize, fp16_bits, pack_int4
+from engine.quant.quant_layers import QuantLinear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)

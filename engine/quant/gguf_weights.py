@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.quant.group_quant import QuantEmbedding, QuantLinear, QuantWeight, dequantize
+from engine.quant.group_quant import QuantWeight, dequantize
+from engine.quant.quant_layers import QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,11 @@ from engine.quant.group_quant import (
     QuantWeight,
     dequantize,
     fp16_bits,
-    module_weight_bytes,
     pack_int4,
-    quant_matmul,
     quant_matmul_ref,
     unpack_int4,
 )
+from engine.quant.quant_layers import module_weight_bytes, quant_matmul
 from kernels.cpu_quant_gemm import load_quant_extension
 from tests.helpers.oracle import PROMPTS
 
