@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from engine.config import EngineArgs  # noqa: E402
+from engine.arg_utils import EngineArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.models.presets import preset_hf_config  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

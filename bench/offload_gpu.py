@@ -192,7 +192,7 @@ def derive(runs: dict[str, dict[str, Any]]) -> None:
 
 def smoke_refusals() -> dict[str, str]:
     """cpu_offload_gb > 0 on CPU is refused at configuration (no GPU memory to offload from)."""
-    from engine.config import EngineArgs
+    from engine.arg_utils import EngineArgs
 
     out = {}
     for gb in OFFLOAD_GB[1:]:

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 
-from engine.config import EngineArgs  # noqa: E402
+from engine.arg_utils import EngineArgs  # noqa: E402
 from kvflow.benchmarks.pd import device_name, run_pd_bench  # noqa: E402
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize  # noqa: E402
 from kvflow.launcher import free_port  # noqa: E402

@@ -587,7 +587,7 @@ def part_awq_e2e(smoke: bool) -> dict[str, Any]:
 
     from tests.test_quant_awq_gptq import build
 
-    from engine.config import EngineArgs
+    from engine.arg_utils import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.quant.quant_layers import QuantLinear
     from engine.sampling_params import SamplingParams

@@ -39,8 +39,8 @@ from cluster.transfer.link import PrefillLinks
 from cluster.wire import MAX_MESSAGE_BYTES, layout_to_proto
 from cluster.worker.events import KVEventHub
 from cluster.worker.faults import FaultInjector
+from engine.arg_utils import EngineArgs
 from engine.async_engine import AsyncEngine
-from engine.config import EngineArgs
 from engine.kv_port import KVPort
 from engine.llm_engine import LLMEngine
 from engine.metrics.prometheus import EngineMetrics

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelArch
+from engine.models.arch import ModelArch
 from engine.parallel.layout import RankShard
 from engine.quant.kv_fp8 import DEFAULT_KV_SCALES, KVScales
 from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelArch
 from engine.errors import ModelNotAvailable
+from engine.models.arch import ModelArch
 from engine.models.presets import PRESETS, preset_hf_config
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import ModelArch
 from engine.errors import ModelNotAvailable
+from engine.models.arch import ModelArch
 from engine.parallel.layout import RankShard
 
 

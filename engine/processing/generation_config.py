@@ -38,7 +38,7 @@ def parse_override(text: str | dict[str, Any] | None) -> dict[str, Any] | None:
 def resolve_generation_defaults(generation_config: str, model_path: str | None,
                                 override: dict[str, Any] | None) -> dict[str, Any]:
     """The sampling defaults in SamplingParams names."""
-    from engine.models.loader import load_generation_defaults  # it imports engine.config, which imports this
+    from engine.models.loader import load_generation_defaults  # lazily: torch and transformers
 
     check_generation_config(generation_config)
     if generation_config == "auto":

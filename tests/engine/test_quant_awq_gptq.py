@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.loader import arch_from_hf_config
 from engine.models.presets import preset_hf_config

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.models.loader import hf_state_dict, resolve_model, smollm2_gguf_path
 from engine.quant.gguf_weights import blocks_to_quant, read_gguf
 from engine.quant.group_quant import (

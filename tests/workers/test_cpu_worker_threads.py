@@ -18,7 +18,7 @@ from cluster.transfer.contract import PullJob, PullResult, tensor_bytes
 from cluster.wire import BACKEND_ENUMS, layout_to_proto
 from cluster.worker.runtime import ChannelPool, in_passing_thread
 from decode_worker.transports import GrpcKVTransport
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.kv_layout import KVSlice
 from engine.kv_port import KVPort
 from engine.sampling_params import SamplingParams
