@@ -1,20 +1,20 @@
 """A model's architecture shape, read once from its HF config (engine/models/loader.py `arch_from_hf_config`).
 
 Plain data with no torch and no model code: `engine/config.py` (which the router and the CLI import) names it in
-`ModelConfig`, and the runner, the KV sizing and the tensor-parallel layout read it.
+`ModelConfig`, and the runner, the KV sizing and the tensor-parallel layout read it. `architecture` is the HF
+`architectures` name the model runs as, the key of engine/models/registry.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 
 @dataclass(frozen=True)
 class ModelArch:
     """Architecture shape read from an HF config; what the model code and KV sizing need."""
 
-    family: Literal["llama", "qwen2", "qwen3"]
+    architecture: str  # e.g. "LlamaForCausalLM": picks the model class (engine/models/registry.py)
     vocab_size: int
     hidden_size: int
     num_layers: int

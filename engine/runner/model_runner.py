@@ -32,6 +32,7 @@ import torch
 from engine.config import EngineConfig
 from engine.models.llama import CausalLM, DecoderLayer
 from engine.models.loader import hf_state_dict
+from engine.models.registry import model_class
 from engine.outputs import (
     ModelRunnerOutput,
     NewRequestData,
@@ -264,8 +265,9 @@ class ModelRunner:
         build_dtype = self.dtype if self.on_cuda else torch.get_default_dtype()
         offload = self._offload_plan(fused)
         with torch.device(self.device), default_dtype(build_dtype):
-            model = CausalLM(arch, config.model.hf_config, self.attn_backend, config.model.max_model_len,
-                             fused_ops=fused, shard=self.shard, group=tp_group, host_layers=offload.num_layers)
+            model = model_class(arch.architecture)(
+                arch, config.model.hf_config, self.attn_backend, config.model.max_model_len, fused_ops=fused,
+                shard=self.shard, group=tp_group, host_layers=offload.num_layers)
         if offload.num_layers:  # before loading: the offloaded layers' weights go straight to pinned host memory
             model.weight_stream = LayerWeightStream(model.layers[: offload.num_layers], self.device)
         if config.model.quantization is not None:

@@ -90,7 +90,7 @@ def test_read_gguf_equals_the_dequantized_checkpoint() -> None:
     """The native tensors (Q/K rows reordered as transformers does) dequantize to exactly the default form."""
     resolved = resolve_model("smollm2")
     dense = hf_state_dict(resolved.path)  # type: ignore[arg-type]
-    native = read_gguf(smollm2_gguf_path(), resolved.arch.num_heads, resolved.arch.num_kv_heads)
+    native = read_gguf(smollm2_gguf_path(), resolved.arch)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.3.mlp.down_proj.weight", "model.norm.weight"):
         t = native[name]
