@@ -22,7 +22,7 @@ import torch
 
 from bench.harness.runs import first_divergence, step_until_done
 from bench.harness.timing import graph_seconds
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.presets import preset_hf_config
 from engine.sampling_params import SamplingParams

@@ -37,7 +37,7 @@ from typing import Any
 from bench.harness.records import RESULTS, log, write_json
 from bench.harness.runs import bench_throughput_cli
 from bench.harness.serving import kvflow_serve, worker_logs
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from kvflow.benchmarks.pd import device_name, pd_pair, run_pd_bench
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
 from kvflow.benchmarks.server import ServerProcess

@@ -19,7 +19,7 @@ import torch
 
 from bench.harness.records import RESULTS, cpu_name, write_json
 from bench.harness.runs import timed_generate
-from engine.quant.group_quant import module_weight_bytes
+from engine.quant.quant_layers import module_weight_bytes
 from kvflow import LLM, SamplingParams
 
 TEXT = Path(__file__).resolve().parent / "data" / "quant_ppl_text.txt"

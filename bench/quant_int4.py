@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness.timing import capture_graph, graph_seconds, wall_seconds
-from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, quant_matmul, quant_matmul_ref
+from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, quant_matmul_ref
 from engine.quant.kn_layout import KNWeight, from_kn, to_kn
+from engine.quant.quant_layers import quant_matmul
 
 HIDDEN, INTER, LAYERS = 4096, 14336, 32  # Llama-3.1-8B
 # The kn GEMM's tiles (BLOCK_M, BLOCK_N, BLOCK_R word rows, warps, SWAP_AB), and the dense path (dequantize W once,

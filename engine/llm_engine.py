@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineArgs, EngineConfig
+from engine.arg_utils import EngineArgs
+from engine.config import EngineConfig
 from engine.core.block_hash import BlockHasher
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestStatus

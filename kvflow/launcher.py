@@ -40,7 +40,7 @@ import grpc
 from tqdm.auto import tqdm
 
 from cluster.auth import TOKEN_ENV, ClusterAuth
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.lifeline import lifeline_env
 from engine.runner.cpu_memory import tcmalloc_preload
 from protos.kvflow.v1 import kvflow_pb2 as pb

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.metrics.stat_logger import StatLogger
 from engine.metrics.stats import EngineStats

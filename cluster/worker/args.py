@@ -11,7 +11,7 @@ import dataclasses
 
 from cluster.auth import add_cluster_auth_args
 from cluster.transfer.backends import KV_TRANSFER_BACKENDS
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 
 DRAIN_TIMEOUT_S = 30.0  # --drain-timeout default
 

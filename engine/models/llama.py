@@ -13,15 +13,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelArch
+from engine.models.arch import ModelArch
+from engine.models.weight_map import TPSplit, checkpoint_keys, column_parallel, is_norm_weight, row_parallel
 from engine.parallel.layout import RankShard
 from engine.quant.kv_fp8 import DEFAULT_KV_SCALES, KVScales
 from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention
@@ -315,7 +316,36 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, 
 class CausalLM(nn.Module):
     """With `shard` and `group` (tensor parallelism, engine/parallel/): this rank's slice of every split weight,
     a vocab-parallel embedding (each rank embeds the ids in its rows, then one all-reduce) and lm_head (local
-    logits all-gathered, so every rank, and the sampler, sees the full vocabulary)."""
+    logits all-gathered, so every rank, and the sampler, sees the full vocabulary).
+
+    The class attributes declare its weights for the loaders and the sharder (engine/models/weight_map.py)."""
+
+    packed_modules_mapping: ClassVar[Mapping[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    # Megatron-style: q|k|v and gate|up column-parallel, o and down row-parallel (one all-reduce after each);
+    # the norms are replicated.
+    tp_plan: ClassVar[Mapping[str, TPSplit]] = {
+        "embed_tokens": column_parallel("vocab"), "lm_head": column_parallel("vocab"),
+        "q_proj": column_parallel("q_heads"), "k_proj": column_parallel("kv_heads"),
+        "v_proj": column_parallel("kv_heads"), "o_proj": row_parallel("q_heads"),
+        "gate_proj": column_parallel("intermediate"), "up_proj": column_parallel("intermediate"),
+        "down_proj": row_parallel("intermediate"),
+    }
+    checkpoint_prefix: ClassVar[str] = "model."
+    top_level_modules: ClassVar[tuple[str, ...]] = ("lm_head",)
+    # transformers' GGUF names for the Llama family (llama.cpp's `blk.N.*`)
+    gguf_tensor_names: ClassVar[Mapping[str, str]] = {
+        "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
+        "blk.{}.attn_q": "layers.{}.self_attn.q_proj", "blk.{}.attn_k": "layers.{}.self_attn.k_proj",
+        "blk.{}.attn_v": "layers.{}.self_attn.v_proj", "blk.{}.attn_output": "layers.{}.self_attn.o_proj",
+        "blk.{}.ffn_gate": "layers.{}.mlp.gate_proj", "blk.{}.ffn_up": "layers.{}.mlp.up_proj",
+        "blk.{}.ffn_down": "layers.{}.mlp.down_proj", "blk.{}.attn_norm": "layers.{}.input_layernorm",
+        "blk.{}.ffn_norm": "layers.{}.post_attention_layernorm", "blk.{}.attn_q_norm": "layers.{}.self_attn.q_norm",
+        "blk.{}.attn_k_norm": "layers.{}.self_attn.k_norm",
+    }
+    gguf_permuted_heads: ClassVar[Mapping[str, str]] = {"q_proj": "num_heads", "k_proj": "num_kv_heads"}
 
     def __init__(self, arch: ModelArch, hf_config: Any, backend: AttentionBackend, max_positions: int,
                  fused_ops: bool = False, shard: RankShard | None = None, group: Collectives | None = None,
@@ -404,48 +434,21 @@ class CausalLM(nn.Module):
         return "gemv" if self.small_gemm_mode.impl == "gemv" and prefers_gemv_head(self.arch.hidden_size) else "dot"
 
     def _head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.head_module().weight
+
+    def head_module(self) -> nn.Module:
+        """The module whose weight computes the logits: lm_head, or the embedding when they are tied."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights, fusing q|k|v and gate|up; every parameter must be covered."""
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            if name not in own:
-                raise ValueError(f"unexpected weight {name}")
-            if own[name].shape != tensor.shape:
-                raise ValueError(f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(own[name].shape)}")
-            with torch.no_grad():
-                own[name].copy_(tensor)
-            loaded.add(name)
-
-        def take(key: str) -> torch.Tensor:
-            return state[key]
-
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
-        put("norm.weight", take("model.norm.weight"))
-        if self.lm_head is not None:
-            put("lm_head.weight", take("lm_head.weight"))
-        for i in range(self.arch.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            attn = src + "self_attn."
-            put(dst + "self_attn.qkv_proj.weight",
-                torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0))
-            if self.arch.qkv_bias:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]))
-            put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
-            if self.arch.qk_norm:
-                put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
-                put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
-            put(dst + "mlp.gate_up_proj.weight",
-                torch.cat([take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")], dim=0))
-            put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
-            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
-            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
-        missing = set(own) - loaded
-        if missing:
-            raise ValueError(f"weights missing for: {', '.join(sorted(missing))}")
+        """Load HF-named weights, stacking the packed ones (q|k|v, gate|up); every parameter must be covered."""
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                parts = [state[key] for key in checkpoint_keys(type(self), name)]
+                tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                if param.shape != tensor.shape:
+                    raise ValueError(f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}")
+                param.copy_(tensor)
 
     def init_dummy_weights(self, seed: int, device: torch.device | None = None) -> None:
         """Random weights with sane scales (values do not change speed; outputs stay finite). `device`: where the
@@ -455,7 +458,7 @@ class CausalLM(nn.Module):
             for index, (name, param) in enumerate(self.named_parameters()):
                 where = param.device if device is None else device
                 gen = torch.Generator(device=where).manual_seed(seed * 1000 + index)
-                if name.endswith("norm.weight"):
+                if is_norm_weight(name):
                     param.fill_(1.0)
                 elif where == param.device:
                     param.normal_(0.0, 0.02, generator=gen)

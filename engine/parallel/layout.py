@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import ModelArch
+from engine.models.arch import ModelArch
 
 
 def _runs(total: int, parts: int) -> list[tuple[int, int]]:

@@ -5,6 +5,9 @@ TP=N and TP=1 hold the same model in both cases.
 GGUF checkpoints are dequantized once into a cached safetensors directory (engine/models/loader.py), so they load
 sharded too. Dummy weights are generated full-size one tensor at a time and sliced (transient: the largest
 tensor, never the whole model).
+
+Which weight splits how comes from the model class's declarations (`tp_plan`, `packed_modules_mapping`: engine/models/
+weight_map.py); this module knows only what each split unit means for a rank (`RankShard`'s runs).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import ModelArch
 from engine.errors import ModelNotAvailable
+from engine.models.arch import ModelArch
+from engine.models.registry import model_class
+from engine.models.weight_map import TPSplit, fused_splits, is_norm_weight, tp_split
 from engine.parallel.layout import RankShard
 
 
@@ -35,6 +40,26 @@ def _kv_take(source: Any, kv_heads: tuple[int, ...], head_dim: int) -> torch.Ten
     return block.index_select(0, index)
 
 
+def _unit_size(split: TPSplit, arch: ModelArch) -> int:
+    """The full length of a split dim."""
+    hd = arch.head_dim
+    sizes = {"vocab": arch.vocab_size, "q_heads": arch.num_heads * hd, "kv_heads": arch.num_kv_heads * hd,
+             "intermediate": arch.intermediate_size}
+    return sizes[split.unit]
+
+
+def _take(source: Any, split: TPSplit, arch: ModelArch, shard: RankShard) -> torch.Tensor:
+    """This rank's run of `source` (a tensor or a safetensors slice) along the split dim."""
+    if split.unit == "kv_heads":  # whole heads, possibly repeated: gathered rows
+        if split.dim != 0:
+            raise ValueError("KV heads split the output rows only")
+        return _kv_take(source, shard.kv_heads, arch.head_dim)
+    runs = {"vocab": shard.vocab, "q_heads": _head_rows(*shard.q_heads, arch.head_dim),
+            "intermediate": shard.intermediate}
+    start, end = runs[split.unit]
+    return source[start:end] if split.dim == 0 else source[:, start:end]
+
+
 def load_sharded_state(path: str, arch: ModelArch, shard: RankShard) -> dict[str, torch.Tensor]:
     """HF-named tensors of this rank's shard, read slice by slice from the safetensors files (no full tensor of a
     split weight is ever read)."""
@@ -43,81 +68,51 @@ def load_sharded_state(path: str, arch: ModelArch, shard: RankShard) -> dict[str
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelNotAvailable(f"no *.safetensors weights in {path}")
-    hd = arch.head_dim
-    q_rows = _head_rows(*shard.q_heads, hd)
-    inter = shard.intermediate
+    model = model_class(arch.architecture)
     state: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                sl = handle.get_slice(key)
-                if key in ("model.embed_tokens.weight", "lm_head.weight"):
-                    state[key] = sl[shard.vocab[0] : shard.vocab[1]]
-                elif key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-                    state[key] = sl[q_rows[0] : q_rows[1]]
-                elif key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
-                                   "self_attn.v_proj.bias")):
-                    state[key] = _kv_take(sl, shard.kv_heads, hd)
-                elif key.endswith("self_attn.o_proj.weight"):
-                    state[key] = sl[:, q_rows[0] : q_rows[1]]
-                elif key.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-                    state[key] = sl[inter[0] : inter[1]]
-                elif key.endswith("mlp.down_proj.weight"):
-                    state[key] = sl[:, inter[0] : inter[1]]
-                else:  # norms: replicated
+                split = tp_split(model, key)
+                if split is None:  # replicated (norms)
                     state[key] = handle.get_tensor(key)
+                else:
+                    state[key] = _take(handle.get_slice(key), split, arch, shard)
     return state
 
 
-def full_fused_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
-    """The unsharded shape of one of the model's (fused) parameters."""
-    h, hd = arch.hidden_size, arch.head_dim
-    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * hd
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        return (arch.vocab_size, h)
-    if name.endswith("qkv_proj.weight"):
-        return (qkv, h)
-    if name.endswith("qkv_proj.bias"):
-        return (qkv,)
-    if name.endswith("o_proj.weight"):
-        return (h, arch.num_heads * hd)
-    if name.endswith("gate_up_proj.weight"):
-        return (2 * arch.intermediate_size, h)
-    if name.endswith("down_proj.weight"):
-        return (h, arch.intermediate_size)
-    raise ValueError(f"{name} is not split across ranks")
+def _full_shape(name: str, splits: list[TPSplit], arch: ModelArch) -> tuple[int, ...]:
+    """The unsharded shape of a parameter whose parts (stacked along dim 0) split as `splits`."""
+    if splits[0].dim == 1:
+        if len(splits) != 1:
+            raise ValueError(f"{name}: a row-parallel weight has one part")
+        return (arch.hidden_size, _unit_size(splits[0], arch))
+    rows = sum(_unit_size(split, arch) for split in splits)
+    return (rows,) if name.endswith(".bias") else (rows, arch.hidden_size)
 
 
-def shard_fused(name: str, full: torch.Tensor, arch: ModelArch, shard: RankShard) -> torch.Tensor:
-    """This rank's slice of a full (fused-layout) parameter: q|k|v and gate|up are sliced part by part."""
-    hd = arch.head_dim
-    q0, q1 = _head_rows(*shard.q_heads, hd)
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        return full[shard.vocab[0] : shard.vocab[1]]
-    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-        q, k, v = full.split([arch.num_heads * hd, arch.num_kv_heads * hd, arch.num_kv_heads * hd])
-        return torch.cat([q[q0:q1], _kv_take(k, shard.kv_heads, hd), _kv_take(v, shard.kv_heads, hd)])
-    if name.endswith("o_proj.weight"):
-        return full[:, q0:q1]
-    i0, i1 = shard.intermediate
-    if name.endswith("gate_up_proj.weight"):
-        gate, up = full.split(arch.intermediate_size)
-        return torch.cat([gate[i0:i1], up[i0:i1]])
-    if name.endswith("down_proj.weight"):
-        return full[:, i0:i1]
-    return full
+def _shard_stacked(full: torch.Tensor, splits: list[TPSplit], arch: ModelArch, shard: RankShard) -> torch.Tensor:
+    """This rank's slice of a full parameter: each stacked part (q|k|v, gate|up) sliced on its own."""
+    if splits[0].dim == 1:
+        return _take(full, splits[0], arch, shard)
+    parts = full.split([_unit_size(split, arch) for split in splits])
+    return torch.cat([_take(part, split, arch, shard) for part, split in zip(parts, splits, strict=True)])
 
 
 def init_dummy_sharded(model: nn.Module, seed: int, arch: ModelArch, shard: RankShard) -> None:
     """`CausalLM.init_dummy_weights` of the full model, sliced: each split tensor is drawn at full size with the
     same generator as TP=1 and only this rank's slice kept."""
+    declarations = type(model)
     with torch.no_grad():
         for index, (name, param) in enumerate(model.named_parameters()):
-            if name.endswith("norm.weight"):
+            if is_norm_weight(name):
                 param.fill_(1.0)
                 continue
+            splits = fused_splits(declarations, name)  # type: ignore[arg-type]
+            if splits is None:
+                raise ValueError(f"{name} is not split across ranks")
             gen = torch.Generator(device=param.device).manual_seed(seed * 1000 + index)
-            full = torch.empty(full_fused_shape(name, arch), dtype=param.dtype, device=param.device)
+            full = torch.empty(_full_shape(name, splits, arch), dtype=param.dtype, device=param.device)
             full.normal_(0.0, 0.02, generator=gen)
-            param.copy_(shard_fused(name, full, arch, shard))
+            param.copy_(_shard_stacked(full, splits, arch, shard))
             del full

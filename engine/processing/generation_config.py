@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from engine.errors import json_object_argument
 
 # generation_config.json name -> SamplingParams name
 NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -29,28 +30,15 @@ def check_generation_config(value: str) -> None:
 
 def parse_override(text: str | dict[str, Any] | None) -> dict[str, Any] | None:
     """The override as a dict (CLI: a JSON object); unknown keys are refused, naming them."""
-    if text is None or isinstance(text, dict):
-        value = text
-    else:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--override-generation-config must be a JSON object: {exc}") from None
-    if value is None:
+    if text is None:
         return None
-    if not isinstance(value, dict):
-        raise ValueError("override_generation_config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
-    unknown = sorted(set(value) - set(NAMES))
-    if unknown:
-        raise ValueError(f"override_generation_config: unsupported key(s) {', '.join(unknown)} (supported: "
-                         f"{', '.join(NAMES)})")
-    return value
+    return json_object_argument(text, "--override-generation-config", NAMES)
 
 
 def resolve_generation_defaults(generation_config: str, model_path: str | None,
                                 override: dict[str, Any] | None) -> dict[str, Any]:
     """The sampling defaults in SamplingParams names."""
-    from engine.models.loader import load_generation_defaults  # it imports engine.config, which imports this
+    from engine.models.loader import load_generation_defaults  # lazily: torch and transformers
 
     check_generation_config(generation_config)
     if generation_config == "auto":

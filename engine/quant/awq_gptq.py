@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.quant.group_quant import QuantLinear, QuantWeight, dequantize, fp16_bits, pack_int4
+from engine.models.weight_map import checkpoint_modules, decoder_linear_paths, replace_module
+from engine.quant.group_quant import QuantWeight, dequantize, fp16_bits, pack_int4
+from engine.quant.quant_layers import QuantLinear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -72,13 +74,9 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
                        zeros=z.t().contiguous())
 
 
-PARTS = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
-         "gate_up_proj": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
-
-
 def load_awq_gptq(model: nn.Module, state: dict[str, torch.Tensor], method: str, qc: dict[str, Any]) -> None:
-    """Fill a built `CausalLM`: dense tensors as usual, each decoder linear as a QuantLinear (fused q|k|v and
-    gate|up) from its packed tensors."""
+    """Fill a built model: dense tensors as usual, each decoder linear as a QuantLinear (its packed modules'
+    parts stacked, as the model class declares them) from its packed tensors."""
     check_config(method, qc)
     group = int(qc.get("group_size", qc.get("q_group_size")))
     quant: dict[str, QuantWeight] = {}
@@ -97,16 +95,14 @@ def load_awq_gptq(model: nn.Module, state: dict[str, torch.Tensor], method: str,
         dense[base + ".weight"] = dequantize(w)
     model.load_hf_state_dict(dense)  # type: ignore[operator]
     del dense
-    for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
-        for attr, (block, names) in PARTS.items():
-            bases = [f"model.layers.{i}.{block}.{n}" for n in names]
-            missing = [b for b in bases if b not in quant]
-            if missing:
-                raise ValueError(f"{method} checkpoint: {', '.join(missing)} not quantized (no qweight)")
-            parent = getattr(layer, block)
-            old = getattr(parent, attr)
-            w = QuantWeight.cat([quant[b] for b in bases])
-            w = w.to(old.weight.device)
-            bias = None if old.bias is None else old.bias.detach()
-            setattr(parent, attr, QuantLinear(w, bias))
+    for path in decoder_linear_paths(model):
+        bases = checkpoint_modules(type(model), path)  # type: ignore[arg-type]
+        missing = [b for b in bases if b not in quant]
+        if missing:
+            raise ValueError(f"{method} checkpoint: {', '.join(missing)} not quantized (no qweight)")
+        old = model.get_submodule(path)
+        w = QuantWeight.cat([quant[b] for b in bases]).to(old.weight.device)
+        bias = None if old.bias is None else old.bias.detach()
+        replace_module(model, path, QuantLinear(w, bias))
+    for layer in model.layers:  # type: ignore[attr-defined]
         layer.small_gemm = False  # the fused single-row GEMVs read dense `.weight`s

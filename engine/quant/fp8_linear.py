@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.models.weight_map import checkpoint_keys, decoder_linear_paths, replace_module
 from kernels.fp8_kv import FP8_DTYPE as FP8
 from kernels.fp8_kv import FP8_MAX
 from kernels.fp8_quant import INV_FP8_MAX, MIN_SCALE  # MIN_SCALE: an all-zero token still gets a finite scale
@@ -79,16 +80,12 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 W8A8"
 
 
-LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
-
-
 def quantize_model_fp8(model: nn.Module) -> None:
     """Swap every decoder linear of a loaded dense model for an Fp8Linear (embedding and head stay dense), one
     at a time so the dense weights are freed as it goes."""
+    for path in decoder_linear_paths(model):
+        replace_module(model, path, Fp8Linear.from_dense(model.get_submodule(path)))  # type: ignore[arg-type]
     for layer in model.layers:  # type: ignore[attr-defined]
-        for block, attr in LINEARS:
-            parent = getattr(layer, block)
-            setattr(parent, attr, Fp8Linear.from_dense(getattr(parent, attr)))
         layer.small_gemm = False  # the fused single-row GEMVs read dense `.weight`s
 
 
@@ -104,20 +101,17 @@ def load_fp8_checkpoint(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
     for k in [k for k in dense if k.endswith(".input_scale")]:  # activations are quantized per token instead
         dense.pop(k)
     model.load_hf_state_dict(dense)  # type: ignore[operator]
-    parts = {"qkv_proj": ("self_attn", ["q_proj", "k_proj", "v_proj"]), "o_proj": ("self_attn", ["o_proj"]),
-             "gate_up_proj": ("mlp", ["gate_proj", "up_proj"]), "down_proj": ("mlp", ["down_proj"])}
-    for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
-        for attr, (block, names) in parts.items():
-            keys = [f"model.layers.{i}.{block}.{n}.weight" for n in names]
-            if not all(k in scales for k in keys):
-                raise ValueError(f"fp8 checkpoint: {', '.join(k for k in keys if k not in scales)} lack a "
-                                 "weight_scale (every decoder linear must be fp8)")
-            parent = getattr(layer, block)
-            old = getattr(parent, attr)
-            device = old.weight.device
-            weight = torch.cat([state[k] for k in keys]).to(device)
-            scale = torch.cat([_per_channel(scales[k], state[k].shape[0]) for k in keys]).to(device)
-            setattr(parent, attr, Fp8Linear(weight, scale, None if old.bias is None else old.bias.detach()))
+    for path in decoder_linear_paths(model):
+        keys = checkpoint_keys(type(model), f"{path}.weight")  # type: ignore[arg-type]
+        if not all(k in scales for k in keys):
+            raise ValueError(f"fp8 checkpoint: {', '.join(k for k in keys if k not in scales)} lack a "
+                             "weight_scale (every decoder linear must be fp8)")
+        old = model.get_submodule(path)
+        device = old.weight.device
+        weight = torch.cat([state[k] for k in keys]).to(device)
+        scale = torch.cat([_per_channel(scales[k], state[k].shape[0]) for k in keys]).to(device)
+        replace_module(model, path, Fp8Linear(weight, scale, None if old.bias is None else old.bias.detach()))
+    for layer in model.layers:  # type: ignore[attr-defined]
         layer.small_gemm = False
 
 

@@ -4,7 +4,9 @@ dequantized to the model dtype by the gguf package and logged.
 
 Tensor names, and the Q/K row order of Llama-architecture files (llama.cpp permutes those rows for its rotary
 layout; transformers' `LlamaTensorProcessor` undoes it), follow transformers' GGUF loader, which produces the
-default dequantized form: the same rows in the same order, so both forms compute the same function.
+default dequantized form: the same rows in the same order, so both forms compute the same function. The names and
+the permuted modules are the model class's declarations (`gguf_tensor_names`, `gguf_permuted_heads`:
+engine/models/weight_map.py); the loader walks the built model's modules and fills each from its checkpoint names.
 """
 
 from __future__ import annotations
@@ -17,42 +19,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.quant.group_quant import QuantEmbedding, QuantLinear, QuantWeight, dequantize
+from engine.models.arch import ModelArch
+from engine.models.registry import model_class
+from engine.models.weight_map import checkpoint_keys, gguf_checkpoint_key, leaf, replace_module
+from engine.quant.group_quant import QuantWeight, dequantize
+from engine.quant.quant_layers import QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 GGUF_GROUP = 32
-LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
 
 
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor of the file: quantized (`quant`) or dense float32 (`dense`)."""
 
-    name: str  # HF name (model.layers.0.self_attn.q_proj.weight)
+    name: str  # its checkpoint (HF) name, as the model class spells it
     type_name: str
     quant: QuantWeight | None
     dense: torch.Tensor | None
-
-
-def hf_name(gguf_name: str) -> str:
-    base, _, suffix = gguf_name.rpartition(".")
-    if base == "token_embd":
-        return f"model.embed_tokens.{suffix}"
-    if base == "output_norm":
-        return f"model.norm.{suffix}"
-    if base == "output":
-        return f"lm_head.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no mapping to the supported architectures")
 
 
 def blocks_to_quant(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantWeight:
@@ -81,23 +67,25 @@ def qk_row_permutation(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(rows)
 
 
-def read_gguf(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, GGUFTensor]:
-    """Every tensor of a GGUF file under its HF name; Q4_0 / Q4_1 / Q8_0 stay quantized."""
+def read_gguf(path: str | Path, arch: ModelArch) -> dict[str, GGUFTensor]:
+    """Every tensor of a GGUF file under its HF name (`arch`'s model class names them); Q4_0 / Q4_1 / Q8_0 stay
+    quantized."""
     from gguf import GGUFReader
     from gguf.quants import dequantize as gguf_dequantize
 
+    model = model_class(arch.architecture)
     reader = GGUFReader(str(path))
     field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    file_arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
     out: dict[str, GGUFTensor] = {}
     dense_types: dict[str, int] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = gguf_checkpoint_key(model, t.name)
         type_name = t.tensor_type.name
         shape = [int(s) for s in reversed(t.shape.tolist())]  # GGUF lists dims innermost first
-        perm = None
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name) and name.endswith(".weight"):
-            perm = qk_row_permutation(shape[0], num_heads if ".q_proj." in name else num_kv_heads)
+        module, _, kind = name.rpartition(".")
+        heads = model.gguf_permuted_heads.get(leaf(module)) if file_arch == "llama" and kind == "weight" else None
+        perm = qk_row_permutation(shape[0], getattr(arch, heads)) if heads is not None else None
         if type_name in NATIVE_TYPES and len(shape) == 2:
             quant = blocks_to_quant(type_name, t.data, shape[0], shape[1])
             out[name] = GGUFTensor(name, type_name, quant.rows(perm) if perm is not None else quant, None)
@@ -125,70 +113,79 @@ def _fused(parts: list[GGUFTensor], what: str) -> QuantWeight | torch.Tensor:
     return torch.cat([p.dense if p.dense is not None else dequantize(p.quant) for p in parts], dim=0)  # type: ignore[arg-type]
 
 
-def _set_linear(parent: nn.Module, attr: str, weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None) -> None:
-    old = getattr(parent, attr)
+def _set_linear(old: nn.Module, weight: QuantWeight | torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """The linear to hold `weight`: a new QuantLinear, or `old` with the dense values copied in."""
     if isinstance(weight, QuantWeight):  # read on the host; held where the model is (kn layout on CUDA)
-        setattr(parent, attr, QuantLinear(weight.to(old.weight.device),
-                                          None if bias is None else bias.to(old.weight.device, old.weight.dtype)))
-        return
+        return QuantLinear(weight.to(old.weight.device),
+                           None if bias is None else bias.to(old.weight.device, old.weight.dtype))
     with torch.no_grad():
         old.weight.copy_(weight)
         if bias is not None:
             old.bias.copy_(bias)
+    return old
+
+
+class _FileTensors:
+    """A GGUF file's tensors by checkpoint name, remembering which ones the model took."""
+
+    def __init__(self, tensors: dict[str, GGUFTensor], path: str | Path) -> None:
+        self.tensors, self.path = tensors, path
+        self.used: set[str] = set()
+
+    def take(self, key: str) -> GGUFTensor:
+        if key not in self.tensors:
+            raise ValueError(f"GGUF file {self.path} lacks tensor {key}")
+        self.used.add(key)
+        return self.tensors[key]
+
+    def dense(self, key: str) -> torch.Tensor:
+        t = self.take(key)
+        return t.dense if t.dense is not None else dequantize(t.quant)  # type: ignore[arg-type]
+
+    def check_all_used(self) -> None:
+        unused = set(self.tensors) - self.used
+        if unused:
+            raise ValueError(f"GGUF tensors not used by the model: {', '.join(sorted(unused))}")
+
+
+def _load_linear(model: nn.Module, path: str, linear: nn.Linear, tensors: _FileTensors) -> None:
+    declarations = type(model)
+    parts = [tensors.take(key) for key in checkpoint_keys(declarations, f"{path}.weight")]  # type: ignore[arg-type]
+    if len(parts) > 1:
+        weight = _fused(parts, path)
+    else:
+        weight = parts[0].quant if parts[0].quant is not None else parts[0].dense  # type: ignore[assignment]
+    bias = None if linear.bias is None else torch.cat(
+        [tensors.dense(key) for key in checkpoint_keys(declarations, f"{path}.bias")])  # type: ignore[arg-type]
+    replace_module(model, path, _set_linear(linear, weight, bias))
+
+
+def _load_embedding(model: nn.Module, path: str, embedding: nn.Embedding, tensors: _FileTensors) -> None:
+    embed = tensors.take(checkpoint_keys(type(model), f"{path}.weight")[0])  # type: ignore[arg-type]
+    if embed.quant is not None:
+        replace_module(model, path, QuantEmbedding(embed.quant.to(embedding.weight.device), embedding.weight.dtype))
+        return
+    with torch.no_grad():
+        embedding.weight.copy_(embed.dense)  # type: ignore[arg-type]
 
 
 def load_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> None:
-    """Fill a freshly built `CausalLM` from a GGUF file, replacing its linears (and the embedding / head) with
+    """Fill a freshly built model from a GGUF file, replacing its linears (and the embedding / head) with
     quantized modules where the tensor type allows; the dense tensors (norms, ...) are copied in."""
-    arch = model.arch  # type: ignore[attr-defined]
-    tensors = read_gguf(gguf_path, arch.num_heads, arch.num_kv_heads)
-    dtype = model.norm.weight.dtype  # type: ignore[union-attr]
-    used: set[str] = set()
-
-    def take(name: str) -> GGUFTensor:
-        if name not in tensors:
-            raise ValueError(f"GGUF file {gguf_path} lacks tensor {name}")
-        used.add(name)
-        return tensors[name]
-
-    def dense(name: str) -> torch.Tensor:
-        t = take(name)
-        return t.dense if t.dense is not None else dequantize(t.quant)  # type: ignore[arg-type]
-
-    def copy(param: torch.Tensor, name: str) -> None:
-        with torch.no_grad():
-            param.copy_(dense(name))
-
-    embed = take("model.embed_tokens.weight")
-    if embed.quant is not None:
-        model.embed_tokens = QuantEmbedding(embed.quant.to(model.norm.weight.device), dtype)  # type: ignore[assignment, union-attr]
-    else:
-        copy(model.embed_tokens.weight, embed.name)  # type: ignore[union-attr]
-    copy(model.norm.weight, "model.norm.weight")  # type: ignore[union-attr]
-    if model.lm_head is not None:  # type: ignore[attr-defined]
-        head = take("lm_head.weight")
-        _set_linear(model, "lm_head", head.quant if head.quant is not None else head.dense, None)  # type: ignore[arg-type]
-    head_module = model.lm_head if model.lm_head is not None else model.embed_tokens  # type: ignore[attr-defined]
-    if isinstance(head_module, (QuantLinear, QuantEmbedding)):  # the logits head override (any device)
-        model.cpu_logits_head = head_module if isinstance(head_module, QuantLinear) else head_module.logits  # type: ignore[assignment]
-    for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
-        src = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [take(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
-        bias = torch.cat([dense(f"{src}self_attn.{p}_proj.bias") for p in "qkv"]) if arch.qkv_bias else None
-        _set_linear(attn, "qkv_proj", _fused(qkv, f"layer {i} qkv"), bias)
-        o = take(f"{src}self_attn.o_proj.weight")
-        _set_linear(attn, "o_proj", o.quant if o.quant is not None else o.dense, None)  # type: ignore[arg-type]
-        gate_up = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
-        _set_linear(mlp, "gate_up_proj", _fused(gate_up, f"layer {i} gate_up"), None)
-        down = take(f"{src}mlp.down_proj.weight")
-        _set_linear(mlp, "down_proj", down.quant if down.quant is not None else down.dense, None)  # type: ignore[arg-type]
-        copy(layer.input_layernorm.weight, f"{src}input_layernorm.weight")
-        copy(layer.post_attention_layernorm.weight, f"{src}post_attention_layernorm.weight")
-        if arch.qk_norm:
-            copy(attn.q_norm.weight, f"{src}self_attn.q_norm.weight")
-            copy(attn.k_norm.weight, f"{src}self_attn.k_norm.weight")
+    tensors = _FileTensors(read_gguf(gguf_path, model.arch), gguf_path)  # type: ignore[arg-type]
+    for path, module in list(model.named_modules()):  # a snapshot: loading replaces modules
+        if isinstance(module, nn.Linear):
+            _load_linear(model, path, module, tensors)
+        elif isinstance(module, nn.Embedding):
+            _load_embedding(model, path, module, tensors)
+        else:  # the norms' scales
+            for name, param in module.named_parameters(recurse=False):
+                key = checkpoint_keys(type(model), f"{path}.{name}")[0]  # type: ignore[arg-type]
+                with torch.no_grad():
+                    param.copy_(tensors.dense(key))
+    head = model.head_module()  # type: ignore[operator]
+    if isinstance(head, (QuantLinear, QuantEmbedding)):  # the logits head override (any device)
+        model.cpu_logits_head = head if isinstance(head, QuantLinear) else head.logits  # type: ignore[assignment]
+    for layer in model.layers:  # type: ignore[attr-defined]
         layer.small_gemm = False  # the fused single-row GEMVs read dense `.weight`s
-    unused = set(tensors) - used
-    if unused:
-        raise ValueError(f"GGUF tensors not used by the model: {', '.join(sorted(unused))}")
+    tensors.check_all_used()

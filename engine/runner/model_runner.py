@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.kv_layout import DTYPES
 from engine.models.llama import CausalLM, DecoderLayer
 from engine.models.loader import hf_state_dict
+from engine.models.registry import model_class
 from engine.outputs import (
     ModelRunnerOutput,
     PositionLogprobs,
@@ -99,8 +100,9 @@ def load_model(config: EngineConfig, device: torch.device, attn_backend: Attenti
     build_dtype = dtype if on_cuda else torch.get_default_dtype()
     offload = _offload_plan(config, dtype, attn_backend, shard, fused, single_gpu=on_cuda and tp_group is None)
     with torch.device(device), default_dtype(build_dtype):
-        model = CausalLM(arch, config.model.hf_config, attn_backend, config.model.max_model_len,
-                         fused_ops=fused, shard=shard, group=tp_group, host_layers=offload.num_layers)
+        model = model_class(arch.architecture)(
+            arch, config.model.hf_config, attn_backend, config.model.max_model_len, fused_ops=fused, shard=shard,
+            group=tp_group, host_layers=offload.num_layers)
     if offload.num_layers:  # before loading: the offloaded layers' weights go straight to pinned host memory
         model.weight_stream = LayerWeightStream(model.layers[: offload.num_layers], device)
     if config.model.quantization is not None:

@@ -14,9 +14,10 @@ vLLM's older flags (--speculative-model, --num-speculative-tokens, --ngram-promp
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from engine.errors import json_object_argument
 
 SpecMethod = Literal["ngram", "draft_model"]
 SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model")
@@ -49,18 +50,7 @@ class SpecConfig:
         """A dict, its JSON text, a SpecConfig or None (speculation off)."""
         if value is None or isinstance(value, SpecConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (or JSON object), got {type(value).__name__}")
-        unknown = sorted(set(value) - set(_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; "
-                             f"supported: {', '.join(_KEYS)}")
-        return cls.build(**value)
+        return cls.build(**json_object_argument(value, "speculative_config", _KEYS))
 
     @classmethod
     def build(cls, method: str | None = None, model: str | None = None, num_speculative_tokens: Any = None,

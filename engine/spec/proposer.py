@@ -14,7 +14,8 @@ import logging
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.config import EngineArgs, EngineConfig
+from engine.arg_utils import EngineArgs
+from engine.config import EngineConfig
 from engine.core.block_hash import BlockHasher
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import json_object_argument
+
 BACKENDS: tuple[str, ...] = ("auto", "xgrammar")
 CONFIG_FLAG = "`--structured-outputs-config`"
 BACKEND_FLAG = "--guided-decoding-backend"
@@ -88,17 +90,7 @@ class StructuredOutputsConfig:
         """The honoured keys of a dict / JSON config, after refusing the others."""
         if config is None:
             return {}
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{CONFIG_FLAG} is not valid JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{CONFIG_FLAG} must be a JSON object (a dict), got {type(config).__name__}")
-        unknown = sorted(set(config) - set(KEYS))
-        if unknown:
-            raise ValueError(f"{CONFIG_FLAG}: unknown key(s) {', '.join(map(repr, unknown))} (vLLM's keys: "
-                             f"{', '.join(KEYS)})")
+        config = json_object_argument(config, CONFIG_FLAG, KEYS, keys_are="vLLM's")
         for key, (default, reason) in _DEFAULT_ONLY.items():
             if key in config and not (config[key] == default and type(config[key]) is type(default)):
                 raise _refused(f"{CONFIG_FLAG} key {key!r} = {json.dumps(config[key], default=repr)}", reason)

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.auth import ClusterAuth
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from kvflow.benchmarks.throughput import host_context
 from kvflow.launcher import ClusterSpec, WorkerCluster
 from protos.kvflow.v1 import kvflow_pb2 as pb

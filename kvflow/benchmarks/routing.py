@@ -15,7 +15,7 @@ import httpx
 
 from cluster.auth import ClusterAuth
 from cluster.routing.policy import POLICY_NAMES
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
 from kvflow.benchmarks.server import ServerProcess
 from kvflow.launcher import ClusterSpec, WorkerCluster

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.sampling_params import SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 
 
 def register_bench_kinds(kinds: argparse._SubParsersAction) -> None:

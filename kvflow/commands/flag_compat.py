@@ -21,6 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from engine.errors import json_object_argument
 from kvflow.commands.unsupported_flags import reason_for, refusal_line
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -172,12 +173,9 @@ def _merge_json_flag(out: list[str], base: str, keys: dict[str, Any]) -> list[st
             raw = value if eq else (out[j + 1] if j + 1 < len(out) else "{}")
             j += 1 if eq else 2
             try:
-                parsed = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise FlagRefused(f"{base} must be a JSON object, got {raw!r} ({exc.msg})") from None
-            if not isinstance(parsed, dict):
-                raise FlagRefused(f"{base} must be a JSON object, got {raw!r}")
-            given = parsed
+                given = json_object_argument(raw, base)
+            except ValueError as exc:
+                raise FlagRefused(str(exc)) from None
             continue
         kept.append(out[j])
         j += 1

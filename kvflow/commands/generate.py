@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.sampling_params import SamplingParams
 
 

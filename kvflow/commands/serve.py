@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from cluster.auth import ClusterAuth, add_cluster_auth_args
 from cluster.routing.policy import POLICY_NAMES
 from cluster.transfer.backends import KV_TRANSFER_BACKENDS
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from kvflow.commands.router import (
     add_lifecycle_args,
     add_metrics_key_arg,

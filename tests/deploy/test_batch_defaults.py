@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import EngineArgs, GiB, default_batch_limits, device_batch_limits
+from engine.arg_utils import EngineArgs, default_batch_limits, device_batch_limits
+from engine.config import GiB
 from kvflow.cli import build_parser
 from kvflow.launcher import engine_argv
 

@@ -161,7 +161,7 @@ def test_generation_config_errors_are_one_line(tmp_path: Path, capsys: pytest.Ca
     assert "--override-generation-config must be a JSON object" in err and "Traceback" not in err
     parser = build_parser()
     args = parser.parse_args(["serve", "--override-generation-config", '{"temperature": 0.2, "max_new_tokens": 9}'])
-    from engine.config import EngineArgs
+    from engine.arg_utils import EngineArgs
     from kvflow.launcher import engine_argv
 
     forwarded = engine_argv(EngineArgs.from_cli_args(args))  # what serve hands its workers
@@ -177,7 +177,8 @@ ENGINE_COMMANDS = (["serve"], ["prefill", "--port", "1"], ["decode", "--port", "
 @pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: " ".join(c[:2]))
 def test_structured_output_flags_on_every_engine_command(parser: argparse.ArgumentParser,
                                                          command: list[str]) -> None:
-    from engine.config import EngineArgs, StructuredOutputsConfig
+    from engine.arg_utils import EngineArgs
+    from engine.structured.config import StructuredOutputsConfig
 
     def config(*flags: str) -> StructuredOutputsConfig:
         args = parser.parse_args(prepare_argv(parser, [*command, *flags]))
@@ -269,7 +270,8 @@ def test_structured_output_refusals_are_one_line_before_anything_starts(
 
 
 def test_structured_output_config_reaches_the_llm_engine_and_the_workers(parser: argparse.ArgumentParser) -> None:
-    from engine.config import EngineArgs, StructuredOutputsConfig
+    from engine.arg_utils import EngineArgs
+    from engine.structured.config import StructuredOutputsConfig
     from kvflow import LLM
     from kvflow.launcher import engine_argv
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.runner.memory import GpuMemory
 from kvflow.launcher import ClusterSpec, Placement, engine_argv, place_workers
 

@@ -13,7 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import EngineArgs, GiB
+from engine.arg_utils import EngineArgs
+from engine.config import GiB
 from engine.models.llama import CausalLM, DecoderLayer
 from engine.models.presets import preset_hf_config
 from engine.runner.attention import AttentionBatch, KVCache, TorchPagedAttention

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.errors import InvalidRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput

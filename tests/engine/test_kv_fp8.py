@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from cluster.transfer.contract import plan_slices, tensor_bytes
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.quant.kv_fp8 import checkpoint_kv_scales
 from engine.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cluster.transfer.contract import plan_slices, tensor_bytes
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.kv_layout import KVSlice, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams

@@ -14,12 +14,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.loader import arch_from_hf_config
 from engine.models.presets import preset_hf_config
 from engine.quant.awq_gptq import AWQ_ORDER
-from engine.quant.group_quant import QuantLinear, dequantize
+from engine.quant.group_quant import dequantize
+from engine.quant.quant_layers import QuantLinear
 from engine.sampling_params import SamplingParams
 
 GROUP = 32

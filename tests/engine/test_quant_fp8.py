@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.models.llama import CausalLM
 from engine.models.loader import arch_from_hf_config, hf_state_dict
 from engine.models.presets import preset_hf_config

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.models.loader import hf_state_dict, resolve_model, smollm2_gguf_path
 from engine.quant.gguf_weights import blocks_to_quant, read_gguf
 from engine.quant.group_quant import (
@@ -18,12 +18,11 @@ from engine.quant.group_quant import (
     QuantWeight,
     dequantize,
     fp16_bits,
-    module_weight_bytes,
     pack_int4,
-    quant_matmul,
     quant_matmul_ref,
     unpack_int4,
 )
+from engine.quant.quant_layers import module_weight_bytes, quant_matmul
 from kernels.cpu_quant_gemm import load_quant_extension
 from tests.helpers.oracle import PROMPTS
 
@@ -91,7 +90,7 @@ def test_read_gguf_equals_the_dequantized_checkpoint() -> None:
     """The native tensors (Q/K rows reordered as transformers does) dequantize to exactly the default form."""
     resolved = resolve_model("smollm2")
     dense = hf_state_dict(resolved.path)  # type: ignore[arg-type]
-    native = read_gguf(smollm2_gguf_path(), resolved.arch.num_heads, resolved.arch.num_kv_heads)
+    native = read_gguf(smollm2_gguf_path(), resolved.arch)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.3.mlp.down_proj.weight", "model.norm.weight"):
         t = native[name]

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.metrics.prometheus import EngineMetrics
 from engine.sampling_params import SamplingParams

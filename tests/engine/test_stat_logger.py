@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.metrics.stat_logger import StatLogger
 from engine.metrics.stats import EngineStats
 from kvflow.cli import build_parser

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.models.loader import hf_state_dict, resolve_model
 from engine.outputs import NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.parallel import codec

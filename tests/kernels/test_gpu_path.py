@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.llama import CausalLM, SmallGemmMode
 from engine.runner.attention import AttentionBatch, TorchPagedAttention

@@ -19,17 +19,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import kernels.quant_gemm_kn as kn_kernels  # noqa: E402
-from engine.quant.group_quant import (  # noqa: E402
-    KINDS,
-    QuantEmbedding,
-    QuantLinear,
-    QuantWeight,
-    dequantize,
-    fp16_bits,
-    pack_int4,
-    quant_matmul_ref,
-)
+from engine.quant.group_quant import KINDS, QuantWeight, dequantize, fp16_bits, pack_int4, quant_matmul_ref  # noqa: E402
 from engine.quant.kn_layout import KNWeight, from_kn, kn_codes, pack_kn, to_kn  # noqa: E402
+from engine.quant.quant_layers import QuantEmbedding, QuantLinear  # noqa: E402
 
 
 @pytest.mark.outside_interpreter

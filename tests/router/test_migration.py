@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from kvflow.launcher import ClusterSpec, WorkerCluster
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.config import RouterConfig

@@ -20,7 +20,7 @@ import pytest
 
 from cluster.auth import TOKEN_ENV, ClusterAuth
 from cluster.routing.index import MemoryIndex
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc

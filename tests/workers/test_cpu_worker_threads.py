@@ -20,7 +20,7 @@ from cluster.transfer.grpc.recv import GrpcReceiver
 from cluster.wire import layout_to_proto
 from cluster.worker.channels import ChannelPool
 from cluster.worker.threads import in_passing_thread
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from engine.kv_layout import KVSlice
 from engine.kv_port import KVPort
 from engine.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from engine.config import EngineArgs
+from engine.arg_utils import EngineArgs
 from kvflow import LLM, SamplingParams
 from kvflow.launcher import ClusterSpec, WorkerCluster, free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb

@@ -1,0 +1,436 @@
+"""`EngineArgs`: the flat, user-facing engine arguments (vLLM's names, shared by `LLM(**kwargs)` and every CLI
+command), their CLI flags, and their one conversion into the frozen `EngineConfig` of engine/config.py.
+
+`EngineArgs.create_engine_config()` validates and resolves every argument once (device, dtype, batch limits, the
+model's architecture, quantization), so a bad argument fails with its reason before any model is loaded where that
+can be known. This module's imports stay light at module level (the model loader and the tensor-parallel layout are
+imported where the conversion needs them): every `kvflow` command, the router's included, registers these flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    GiB,
+    ModelConfig,
+    PreemptionMode,
+    SchedulerConfig,
+)
+from engine.processing.generation_config import check_generation_config, parse_override
+from engine.spec.config import SpecConfig
+from engine.structured.config import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
+from engine.structured.config import StructuredOutputsConfig
+
+if TYPE_CHECKING:
+    from engine.models.arch import ModelArch
+    from engine.models.loader import ResolvedModel
+
+QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
+UsageContext = Literal["llm", "server"]
+USAGE_CONTEXTS: tuple[str, ...] = get_args(UsageContext)
+CPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def default_batch_limits(device: str, usage_context: str, total_memory_bytes: int | None,
+                         device_name: str | None) -> tuple[int, int]:
+    """Default (max_num_seqs, max_num_batched_tokens), following vLLM V1's `EngineArgs.get_batch_defaults`.
+
+    Large GPUs (>= 70 GiB, e.g. H100/H200) get 1024 sequences and a bigger token budget for throughput; A100s
+    keep the small defaults because big token budgets hurt them (vLLM PR #17885). The offline `LLM` class
+    ("llm") gets a larger token budget than an API server ("server"), which favours inter-token latency.
+    CPU keeps kvflow's fixed 256 / 8192 for both contexts.
+    """
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {', '.join(map(repr, USAGE_CONTEXTS))}, "
+                         f"got {usage_context!r}")
+    if not device.startswith("cuda"):
+        return CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS
+    large = (total_memory_bytes is not None and total_memory_bytes >= 70 * GiB
+             and "a100" not in (device_name or "").lower())
+    if large:
+        return 1024, 16384 if usage_context == "llm" else 8192
+    return 256, 8192 if usage_context == "llm" else 2048
+
+
+def device_batch_limits(device: str, usage_context: str) -> tuple[int, int]:
+    """`default_batch_limits` for a resolved device, reading a CUDA device's total memory and name from torch."""
+    if not device.startswith("cuda"):
+        return default_batch_limits(device, usage_context, None, None)
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return default_batch_limits(device, usage_context, props.total_memory, props.name)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    aliases = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+    dtype = aliases.get(dtype, dtype)
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return dtype
+
+
+def _override_arg(text: str) -> dict[str, Any] | None:
+    """--override-generation-config: argparse prints our reason, not "invalid value"."""
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def checkpoint_quantization(requested: str | None, hf_config: Any, device: str) -> str | None:
+    """The quantization to run: the flag, or what the checkpoint's `quantization_config` declares (as vLLM
+    does). Checkpoint formats kvflow cannot run are refused here with the reason (never a missing-weight error
+    at load)."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    method = qc.get("quant_method")
+    if method in ("awq", "gptq"):
+        from engine.quant.awq_gptq import check_config
+
+        check_config(method, qc)
+        if requested not in (None, method):
+            raise ValueError(f"the checkpoint is {method}-quantized; quantization={requested!r} does not apply to it")
+        return method
+    if requested in ("awq", "gptq"):
+        raise ValueError(f"quantization={requested!r} needs a {requested} checkpoint (config.json "
+                         "quantization_config.quant_method)")
+    if method is not None and method != "fp8":
+        raise ValueError(f"unsupported checkpoint quantization {method!r} (quantization_config.quant_method); "
+                         f"kvflow runs: {', '.join(QUANTIZATION_METHODS)}")
+    if method == "fp8":
+        if requested not in (None, "fp8"):
+            raise ValueError(f"the checkpoint is fp8-quantized; quantization={requested!r} does not apply to it")
+        requested = "fp8"
+    if requested == "fp8" and not device.startswith("cuda"):
+        raise ValueError("quantization='fp8' (W8A8 with torch._scaled_mm) needs a CUDA GPU (Hopper or newer); "
+                         "on CPU use quantization='gguf' with a GGUF model")
+    return requested
+
+
+@dataclass
+class EngineArgs:
+    """vLLM-named engine arguments, shared by `LLM(...)` and every CLI command."""
+
+    model: str = "smollm2"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None  # None: by device and usage context (default_batch_limits)
+    max_num_batched_tokens: int | None = None  # None: likewise
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
+    cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed to the GPU per layer (CUDA only)
+    load_format: str = "auto"
+    generation_config: str = "auto"  # 'auto', 'vllm' or a folder holding generation_config.json
+    override_generation_config: dict[str, Any] | None = None  # generation_config.json names, e.g. temperature
+    enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # accepted for vLLM parity; only 1 runs (refused otherwise)
+    enable_expert_parallel: bool = False  # likewise: refused when set
+    cudagraph_capture_sizes: list[int] | None = None
+    max_seq_len_to_capture: int = 8192
+    disable_log_stats: bool = True
+    quantization: str | None = None
+    # Who runs the engine: the offline LLM class / bench / generate ("llm") or an API server's worker
+    # ("server"); picks the batch defaults as vLLM's UsageContext does. Set in code, not a CLI flag.
+    usage_context: UsageContext = "llm"
+    # Speculative decoding (engine/spec/config.py): vLLM's dict / JSON, or its older flags below.
+    speculative_config: dict[str, Any] | str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+    # Structured output (engine/structured/config.py): vLLM's dict / JSON, or its older backend flag.
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
+    guided_decoding_backend: str | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, default_log_stats: bool = False) -> None:
+        d = EngineArgs()
+        g = parser.add_argument_group("engine arguments (vLLM names)")
+        g.add_argument("--model", default=d.model, help="HF directory, .gguf file, preset, or 'smollm2'")
+        g.add_argument("--tokenizer", default=None)
+        g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES)
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--device", default=d.device)
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=None,
+                       help="default: by device and usage, as vLLM (1024 on >= 70 GiB GPUs, else 256)")
+        g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="default: by device and usage, as vLLM (16384 offline / 8192 server on >= 70 GiB "
+                            "GPUs; 8192 / 2048 on smaller GPUs; 8192 on CPU)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode)
+        g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap space")
+        g.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
+                       help="GiB of the model's weights (whole decoder layers, first layers first) kept in pinned "
+                            "CPU memory and copied to the GPU layer by layer in every forward: more room for the KV "
+                            "cache, or a model larger than the GPU, at the cost of PCIe traffic per step. CUDA only")
+        g.add_argument("--load-format", choices=("auto", "safetensors", "gguf", "dummy"), default="auto")
+        g.add_argument("--generation-config", default=d.generation_config,
+                       help="'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding one")
+        g.add_argument("--override-generation-config", type=_override_arg, default=None,
+                       help="JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'; "
+                            "max_new_tokens caps every request's max_tokens")
+        g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="auto: the model dtype; fp8 (= fp8_e4m3): e4m3 with a per-tensor scale")
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                       help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized); "
+                            "fp8: W8A8 on CUDA (online from bf16/fp16, or an fp8 checkpoint); awq / gptq: 4-bit "
+                            "checkpoints (selected from their config anyway)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="GPUs (or CPU processes) per worker, one process per rank (Megatron-style splits)")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="only 1 is supported (refused otherwise)")
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="not supported (no MoE models): refused")
+        g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
+        g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture)
+        g.add_argument("--disable-log-stats", action="store_true", default=not default_log_stats)
+        g.add_argument("--speculative-config", default=None,
+                       help='JSON, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
+                            '4}\' or \'{"model": "smollm2", "num_speculative_tokens": 3}\'')
+        g.add_argument("--speculative-model", default=None, help="(older vLLM form) draft model, or '[ngram]'")
+        g.add_argument("--num-speculative-tokens", type=int, default=None)
+        g.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
+        g.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
+        g.add_argument("--speculative-disable-by-batch-size", type=int, default=None)
+        # No argparse `choices` here: a refused backend gets one line with the reason (structured_outputs()), not
+        # argparse's usage text.
+        g.add_argument("--structured-outputs-config", default=None,
+                       help='JSON, as vLLM: \'{"backend": "xgrammar", "disable_any_whitespace": true}\'; backend '
+                            f'{" or ".join(STRUCTURED_OUTPUT_BACKENDS)} (both xgrammar), disable_any_whitespace '
+                            "(compact JSON for every request), disable_fallback (there is no other backend)")
+        g.add_argument("--guided-decoding-backend", default=None,
+                       metavar="{" + ",".join(STRUCTURED_OUTPUT_BACKENDS) + "}",
+                       help="(older vLLM form) the structured-output backend: xgrammar, kvflow's only one")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        from engine.models.loader import resolve_model
+
+        self._validate()
+        speculative = self.spec_config()  # a bad speculative config fails before any model is loaded
+        structured_outputs = self.structured_outputs()  # likewise
+        device = _resolve_device(self.device)
+        self.validate_cpu_offload(device)
+        dtype = resolve_dtype(self.dtype, device)
+        resolved = resolve_model(self.model, self.load_format)
+        self._validate_parallel_for(resolved.arch, speculative)
+        max_model_len = self._max_model_len(resolved.arch)
+        scheduler = self._scheduler_config(device, max_model_len)
+        model = self._model_config(resolved, dtype, device, max_model_len)
+        return EngineConfig(model, self._cache_config(), scheduler, self._device_config(device), speculative,
+                            structured_outputs)
+
+    def _validate_parallel_for(self, arch: ModelArch, speculative: SpecConfig | None) -> None:
+        """The tensor-parallel size against this model, before any rank starts."""
+        from engine.parallel.layout import validate_tp
+
+        validate_tp(arch, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and speculative is not None:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet (the draft "
+                             "model and the verify step run on one rank)")
+
+    def _max_model_len(self, arch: ModelArch) -> int:
+        max_model_len = self.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                f"({arch.max_position_embeddings})"
+            )
+        return max_model_len
+
+    def _scheduler_config(self, device: str, max_model_len: int) -> SchedulerConfig:
+        default_seqs, default_tokens = device_batch_limits(device, self.usage_context)
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
+        if self.max_num_batched_tokens is not None:
+            batched = self.max_num_batched_tokens
+        else:
+            batched = default_tokens if self.enable_chunked_prefill else max(max_model_len, default_tokens)
+        if not self.enable_chunked_prefill and batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) < max_model_len ({max_model_len}) needs chunked prefill; "
+                "enable it or raise max_num_batched_tokens"
+            )
+        return SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+        )
+
+    def _model_config(self, resolved: ResolvedModel, dtype: str, device: str, max_model_len: int) -> ModelConfig:
+        model = ModelConfig(
+            model=self.model,
+            model_id=resolved.model_id,
+            model_path=resolved.path,
+            tokenizer_path=self.tokenizer or resolved.tokenizer_path,
+            arch=resolved.arch,
+            hf_config=resolved.hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            load_format=resolved.load_format,
+            generation_config=self.generation_config,
+            seed=self.seed,
+            override_generation_config=parse_override(self.override_generation_config),
+            quantization=checkpoint_quantization(self.quantization, resolved.hf_config, device),
+            gguf_file=resolved.gguf_file,
+        )
+        if self.cpu_offload_gb and model.quantization is not None:  # a quantized checkpoint picks it by itself
+            raise ValueError(f"--cpu-offload-gb with a {model.quantization}-quantized model is not supported yet "
+                             "(the quantized layers' packed weights are not streamed)")
+        if self.quantization == "gguf" and resolved.gguf_file is None:
+            raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2'), got {self.model!r}")
+        return model
+
+    def _cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            swap_space_bytes=int(self.swap_space * GiB),
+            cpu_offload_bytes=int(self.cpu_offload_gb * GiB),
+            kv_cache_dtype="fp8_e4m3" if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.kv_cache_dtype,
+        )
+
+    def _device_config(self, device: str) -> DeviceConfig:
+        return DeviceConfig(
+            device=device,
+            enforce_eager=self.enforce_eager,
+            tensor_parallel_size=self.tensor_parallel_size,
+            cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else None,
+            max_seq_len_to_capture=self.max_seq_len_to_capture,
+        )
+
+    def spec_config(self) -> SpecConfig | None:
+        """The speculative decoding config from `speculative_config` or the older flags (not both)."""
+        legacy = SpecConfig.from_legacy(self.speculative_model, self.num_speculative_tokens,
+                                        self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min,
+                                        self.speculative_disable_by_batch_size)
+        spec = SpecConfig.parse(self.speculative_config)
+        if spec is not None and legacy is not None:
+            raise ValueError("give speculative_config or the older --speculative-model flags, not both")
+        return spec or legacy
+
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        """The structured-output config from `structured_outputs_config` and `guided_decoding_backend`; raises
+        ValueError naming the flag (cheap: `kvflow serve` checks it before starting any worker)."""
+        return StructuredOutputsConfig.parse(self.structured_outputs_config, self.guided_decoding_backend)
+
+    def without_speculation(self) -> EngineArgs:
+        """The same arguments with speculation off (prefill workers never decode past the first token)."""
+        return dataclasses.replace(self, speculative_config=None, speculative_model=None,
+                                   num_speculative_tokens=None, ngram_prompt_lookup_max=None,
+                                   ngram_prompt_lookup_min=None, speculative_disable_by_batch_size=None)
+
+    def _validate(self) -> None:
+        checks = [
+            (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+             "num_gpu_blocks_override must be >= 2"),
+            (self.swap_space >= 0, "swap_space must be >= 0"),
+            (self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+             f"unsupported quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)}"),
+            (self.quantization is None or self.tensor_parallel_size == 1,
+             "quantization with tensor_parallel_size > 1 is not supported yet (the quantized layers are not sharded)"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"),
+            (self.usage_context in USAGE_CONTEXTS,
+             f"usage_context must be 'llm' or 'server', got {self.usage_context!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        check_generation_config(self.generation_config)
+        self.validate_parallel()
+
+    def validate_cpu_offload(self, device: str | None = None) -> None:
+        """cpu_offload_gb against the device (cheap: `kvflow serve` checks it before starting any worker)."""
+        gb = self.cpu_offload_gb
+        if not gb >= 0:
+            raise ValueError(f"cpu_offload_gb (--cpu-offload-gb) must be >= 0, got {gb:g}")
+        if gb == 0:
+            return
+        device = _resolve_device(self.device) if device is None else device
+        if not device.startswith("cuda"):
+            raise ValueError(f"--cpu-offload-gb {gb:g} needs a CUDA GPU (device is {device!r}): it moves weights from "
+                             "GPU memory to host memory, and on the CPU every weight is in host memory already; "
+                             "use --cpu-offload-gb 0")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"--cpu-offload-gb with --tensor-parallel-size {self.tensor_parallel_size} is not "
+                             "supported yet (each rank would stream its own shard); use one of them")
+        if self.quantization is not None:
+            raise ValueError(f"--cpu-offload-gb with quantization={self.quantization!r} is not supported yet (the "
+                             "quantized layers' packed weights are not streamed); use one of them")
+
+    def validate_parallel(self) -> None:
+        """The parallel layout alone (cheap: `kvflow serve` checks it before starting any worker)."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: kvflow has "
+                             "tensor parallelism only (--tensor-parallel-size); use --pipeline-parallel-size 1")
+        if self.enable_expert_parallel:
+            raise ValueError("enable_expert_parallel is not supported: kvflow serves dense models only "
+                             "(no MoE experts to distribute)")

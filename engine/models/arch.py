@@ -1,0 +1,40 @@
+"""A model's architecture shape, read once from its HF config (engine/models/loader.py `arch_from_hf_config`).
+
+Plain data with no torch and no model code: `engine/config.py` (which the router and the CLI import) names it in
+`ModelConfig`, and the runner, the KV sizing and the tensor-parallel layout read it. `architecture` is the HF
+`architectures` name the model runs as, the key of engine/models/registry.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture shape read from an HF config; what the model code and KV sizing need."""
+
+    architecture: str  # e.g. "LlamaForCausalLM": picks the model class (engine/models/registry.py)
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def num_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
