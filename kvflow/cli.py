@@ -9,7 +9,7 @@ import os
 import sys
 
 from engine.errors import ModelNotAvailable
-from engine.lifeline import die_with_parent_if_asked
+from engine.process.lifeline import die_with_parent_if_asked
 from kvflow.commands.flag_compat import FlagRefused, make_vllm_style, prepare_argv
 
 # Each module defines register(subparsers) -> None and sets a `handler` default on its parser.

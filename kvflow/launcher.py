@@ -41,8 +41,8 @@ from tqdm.auto import tqdm
 
 from cluster.auth import TOKEN_ENV, ClusterAuth
 from engine.arg_utils import EngineArgs
-from engine.lifeline import lifeline_env
-from engine.runner.cpu_memory import tcmalloc_preload
+from engine.process.cpu_memory import tcmalloc_preload
+from engine.process.lifeline import lifeline_env
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -287,9 +287,9 @@ class WorkerCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop(TOKEN_ENV, None)  # the spec's credential only
         env.update(self.spec.auth.env())
-        env.update(lifeline_env())  # the child dies with us (engine/lifeline.py: why not a preexec_fn)
+        env.update(lifeline_env())  # the child dies with us (engine/process/lifeline.py: why not a preexec_fn)
         preload = tcmalloc_preload(env) if placement.gpu is None else None
-        if preload is not None:  # CPU workers: tcmalloc when installed (engine/runner/cpu_memory.py)
+        if preload is not None:  # CPU workers: tcmalloc when installed (engine/process/cpu_memory.py)
             env["LD_PRELOAD"] = preload
         if placement.gpu is None and self._cpu_workers > 1:
             env.update(shared_cores_openmp_env(env))

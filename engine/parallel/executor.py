@@ -12,7 +12,7 @@ Failure: a child that exits, a closed pipe, a collective that fails or a step th
 makes the driver raise `TensorParallelError` on this and every later step and the health probe (`check_ranks`),
 and the worker's health turns NOT_SERVING. A watchdog thread aborts the communicators as soon as a child dies or a
 step overruns, so a rank blocked in a collective fails at once (NCCL kernels have no timeout of their own). Children
-exit when their stdin closes (the driver stopped) and die with the process that started them (engine/lifeline.py).
+exit when their stdin closes (the driver stopped) and die with the process that started them (engine/process/lifeline.py).
 `shutdown` (or interpreter exit) stops them.
 """
 
@@ -35,12 +35,12 @@ from typing import IO, Any
 import torch
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from engine.lifeline import lifeline_env
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.group import TPGroup, tp_timeout_s
 from engine.parallel.layout import validate_tp
 from engine.parallel.nccl_env import set_nccl_env_defaults
+from engine.process.lifeline import lifeline_env
 from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

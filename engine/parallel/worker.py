@@ -14,7 +14,6 @@ import sys
 
 import torch
 
-from engine.lifeline import die_with_parent_if_asked
 from engine.parallel import codec
 from engine.parallel.executor import (
     MSG_INIT_KV,
@@ -26,6 +25,7 @@ from engine.parallel.executor import (
     read_frame,
 )
 from engine.parallel.group import TPGroup
+from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("kvflow.tp_worker")

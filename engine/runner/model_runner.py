@@ -40,9 +40,9 @@ from engine.outputs import (
 from engine.parallel.group import TPGroup
 from engine.parallel.layout import RankShard, shard_for
 from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
+from engine.process.cpu_memory import keep_freed_memory_for_reuse
 from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.runner.cpu_linear import pack_linears_for_cpu
-from engine.runner.cpu_memory import keep_freed_memory_for_reuse
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.decode_ahead import DecodeAhead
 from engine.runner.graph_execution import decode_graph_step, verify_graph_step

@@ -150,6 +150,7 @@ from kvflow.commands import router as command
 args = build_parser().parse_args(["router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"])
 command.config_from_args(args)
 import router.server  # what `run` starts
+import kvflow.commands.serve, kvflow.launcher  # `kvflow serve` runs the router in the launcher's process
 print(json.dumps(sorted(sys.modules)))
 """
 

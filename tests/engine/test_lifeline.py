@@ -12,15 +12,15 @@ import time
 import psutil
 import pytest
 
-from engine.lifeline import LIFELINE_ENV, die_with_parent_if_asked
+from engine.process.lifeline import LIFELINE_ENV, die_with_parent_if_asked
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PARENT = textwrap.dedent("""
     import subprocess, sys, time
-    from engine.lifeline import lifeline_env
+    from engine.process.lifeline import lifeline_env
     child = subprocess.Popen([sys.executable, "-c",
-        "from engine.lifeline import die_with_parent_if_asked; die_with_parent_if_asked(); import time; "
+        "from engine.process.lifeline import die_with_parent_if_asked; die_with_parent_if_asked(); import time; "
         "time.sleep(60)"], env={**__import__('os').environ, **lifeline_env()}, start_new_session=True)
     print(child.pid, flush=True)
     time.sleep(60)
@@ -47,7 +47,7 @@ def test_no_request_no_effect(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_parent_gone_already_stops_the_child() -> None:
     code = ("import os; os.environ['KVFLOW_DIE_WITH_PARENT'] = '1'; "  # pid 1 is never our parent here
-            "from engine.lifeline import die_with_parent_if_asked; die_with_parent_if_asked(); "
+            "from engine.process.lifeline import die_with_parent_if_asked; die_with_parent_if_asked(); "
             "import time; time.sleep(30)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                             timeout=20)

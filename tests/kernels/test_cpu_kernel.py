@@ -146,7 +146,7 @@ def test_tcmalloc_preload_respects_the_callers_choice() -> None:
     set, and not with KVFLOW_TCMALLOC=0."""
     import ctypes.util
 
-    from engine.runner.cpu_memory import tcmalloc_preload
+    from engine.process.cpu_memory import tcmalloc_preload
 
     assert tcmalloc_preload({"LD_PRELOAD": "libjemalloc.so.2"}) is None
     assert tcmalloc_preload({"KVFLOW_TCMALLOC": "0"}) is None
