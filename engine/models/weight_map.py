@@ -94,10 +94,11 @@ def checkpoint_modules(model: type[DeclaresWeights], module: str) -> list[str]:
 
 def tp_split(model: type[DeclaresWeights], key: str) -> TPSplit | None:
     """How tensor parallelism splits the checkpoint tensor `key` (None: replicated). A bias follows its weight's
-    column split; a row-parallel bias is replicated."""
+    column split; a row-parallel bias is replicated, and so is anything else a split module holds (fp8 scales
+    such as `k_proj.k_scale` or `q_proj.weight_scale`)."""
     module, _, kind = key.rpartition(".")
     split = model.tp_plan.get(leaf(module))
-    if split is None or (kind != "weight" and split.dim != 0):
+    if split is None or kind not in ("weight", "bias") or (kind == "bias" and split.dim != 0):
         return None
     return split
 
