@@ -13,22 +13,15 @@ flags as the bit-exact kernels: no -ffast-math, no FMA contraction.
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
-from pathlib import Path
 from typing import Any
 
-from kernels.cpu_decode_attention import load_exact_extension
+from kernels.cpu_build import exact_kernel_loader, print_build_outcome
 
-SOURCE = Path(__file__).parent / "cpu" / "prefill_attention.cpp"
 SWITCH_ENV = "KVFLOW_CPU_PREFILL_ATTENTION"
-
-
-@functools.cache
-def load_prefill_extension() -> Any | None:
-    """The compiled module, or None (logged once) when it cannot be built here: the torch path runs then."""
-    return load_exact_extension("kvflow_cpu_prefill_attention", SOURCE, "prefill-attention")
+# The compiled module, or None (logged once) when it cannot be built here: the torch path runs then.
+load_prefill_extension = exact_kernel_loader("kvflow_cpu_prefill_attention", "prefill_attention.cpp",
+                                             "prefill-attention")
 
 
 def prefill_attention_kernel() -> Any | None:
@@ -41,5 +34,4 @@ def prefill_attention_kernel() -> Any | None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    print("built" if load_prefill_extension() is not None else "not built")
+    print_build_outcome(load_prefill_extension)

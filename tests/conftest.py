@@ -2,6 +2,9 @@
 modules run their kernel cases in a subprocess with it set. Each case is collected in exactly one of the two
 processes (deselected, not skipped, in the other).
 
+A plain `pytest` run (unlike `python -m pytest`) does not put the checkout on sys.path: this conftest, loaded
+before any test module, does, so every module imports `kernels`, `engine`, ... and `tests.helpers` the same way.
+
 The P/D worker tests share the SmolLM2 prompt sets and the unified engine's reference outputs (session fixtures);
 the OpenAI-front tests share one real `kvflow serve` (`server`, tests/helpers/serve.py).
 """
@@ -9,10 +12,16 @@ the OpenAI-front tests share one real `kvflow serve` (`server`, tests/helpers/se
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

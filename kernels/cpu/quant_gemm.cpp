@@ -30,10 +30,28 @@ void check(const torch::Tensor& qweight, const torch::Tensor& scales, const torc
   if (kind == 1) TORCH_CHECK(offsets.scalar_type() == torch::kUInt8 && offsets.sizes() == scales.sizes(), "zeros");
 }
 
+// W's arrays as dequant_row reads them: 4-bit or 8-bit codes, float16 scales, float16 mins or uint8 zeros
+// (the arrays its bits and kind do not use are null).
+struct QuantArrays {
+  const uint8_t* q4;
+  const int8_t* q8;
+  const int16_t* sc;
+  const int16_t* mins;
+  const uint8_t* zeros;
+};
+
+QuantArrays quant_arrays(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& offsets,
+                         int64_t bits, int64_t kind) {
+  return {bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr, bits == 8 ? qweight.data_ptr<int8_t>() : nullptr,
+          scales.data_ptr<int16_t>(), kind == 0 ? offsets.data_ptr<int16_t>() : nullptr,
+          kind == 1 ? offsets.data_ptr<uint8_t>() : nullptr};
+}
+
 // Row n of W as float32 into `dst` (exactly the reference's arithmetic; vectorizes: no fused multiply-adds).
-inline void dequant_row(const uint8_t* q4, const int8_t* q8, const int16_t* sc, const int16_t* mins,
-                        const uint8_t* zeros, int64_t bits, int64_t kind, int64_t K, int64_t group_size, int64_t n,
+// `w` is taken by value: its pointers are the function's own, which no store to `dst` can be thought to change.
+inline void dequant_row(QuantArrays w, int64_t bits, int64_t kind, int64_t K, int64_t group_size, int64_t n,
                         float* dst) {
+  const auto [q4, q8, sc, mins, zeros] = w;
   const int64_t G = K / group_size;
   for (int64_t g = 0; g < G; ++g) {
     const float d = half_bits(sc[n * G + g]);
@@ -73,17 +91,13 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
   TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K) && scales.size(1) == G, "weight shape vs K");
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* q4 = bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr;
-  const int8_t* q8 = bits == 8 ? qweight.data_ptr<int8_t>() : nullptr;
-  const int16_t* sc = scales.data_ptr<int16_t>();
-  const int16_t* mins = kind == 0 ? offsets.data_ptr<int16_t>() : nullptr;
-  const uint8_t* zeros = kind == 1 ? offsets.data_ptr<uint8_t>() : nullptr;
+  const QuantArrays w = quant_arrays(qweight, scales, offsets, bits, kind);
   float* o = out.data_ptr<float>();
   // Per output row: dequantize it once into an L1-resident buffer, then one dot product per input row.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> row(K);
     for (int64_t n = begin; n < end; ++n) {
-      dequant_row(q4, q8, sc, mins, zeros, bits, kind, K, group_size, n, row.data());
+      dequant_row(w, bits, kind, K, group_size, n, row.data());
       for (int64_t m = 0; m < M; ++m) {
         const float* xm = xp + m * K;
         float acc = 0.f;
@@ -102,14 +116,10 @@ torch::Tensor dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Ten
   const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1), G = K / group_size;
   TORCH_CHECK(scales.size(1) == G, "scales shape vs K");
   auto out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
-  const uint8_t* q4 = bits == 4 ? qweight.data_ptr<uint8_t>() : nullptr;
-  const int8_t* q8 = bits == 8 ? qweight.data_ptr<int8_t>() : nullptr;
-  const int16_t* sc = scales.data_ptr<int16_t>();
-  const int16_t* mins = kind == 0 ? offsets.data_ptr<int16_t>() : nullptr;
-  const uint8_t* zeros = kind == 1 ? offsets.data_ptr<uint8_t>() : nullptr;
+  const QuantArrays w = quant_arrays(qweight, scales, offsets, bits, kind);
   float* o = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) dequant_row(q4, q8, sc, mins, zeros, bits, kind, K, group_size, n, o + n * K);
+    for (int64_t n = begin; n < end; ++n) dequant_row(w, bits, kind, K, group_size, n, o + n * K);
   });
   return out;
 }

@@ -24,16 +24,15 @@ from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from tests.helpers.pd import (
     BLOCK,
-    DTYPE_BYTES,
-    HEAD_DIM,
-    KV_HEADS,
-    LAYERS,
+    BLOCK_BYTES,
     MAX_TOKENS,
     Worker,
     channel_to,
     generate,
     info,
     metric,
+    running_pair,
+    running_worker,
     settled_metric,
     start_worker,
     wait_healthy,
@@ -42,7 +41,6 @@ from tests.helpers.pd import (
 
 LINK = ("--kv-transfer-backend", "nccl")
 SLOW_PREFILL = ("--max-num-batched-tokens", "64")  # long prompts take many steps: time to act mid-transfer
-BLOCK_BYTES = BLOCK * LAYERS * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +50,8 @@ def tmp_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_logs: Path) -> Iterator[tuple[Worker, Worker]]:
-    prefill = start_worker("prefill", tmp_logs, *LINK, *SLOW_PREFILL)
-    decode = start_worker("decode", tmp_logs, *LINK)
-    try:
-        wait_healthy(prefill)
-        wait_healthy(decode)
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    with running_pair(tmp_logs, (*LINK, *SLOW_PREFILL), LINK) as pair:
+        yield pair
 
 
 def _gloo_bytes(worker: Worker) -> float:
@@ -116,10 +107,7 @@ def test_abort_mid_transfer_keeps_the_link(cluster, prompt_sets, unified) -> Non
 def test_prefill_killed_mid_transfer_recomputes_and_link_is_rebuilt(cluster, prompt_sets, unified,
                                                                      tmp_logs) -> None:  # noqa: ANN001
     _, decode = cluster
-    doomed = start_worker("prefill", tmp_logs, *LINK, *SLOW_PREFILL)
-    port = doomed.port
-    try:
-        wait_healthy(doomed)
+    with running_worker("prefill", tmp_logs, *LINK, *SLOW_PREFILL) as doomed:
         warm = generate(decode, [t + 5 for t in prompt_sets["short"][1]], doomed)  # opens the link
         assert warm.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
         decode_baseline = info(decode).num_free_kv_blocks
@@ -154,9 +142,8 @@ def test_prefill_killed_mid_transfer_recomputes_and_link_is_rebuilt(cluster, pro
         assert first_token_at and detected < 3.0
         wait_until(lambda: info(decode).num_free_kv_blocks == decode_baseline, 10.0, "no stranded decode blocks")
 
-        reborn = start_worker("prefill", tmp_logs, *LINK, port=port)  # the peer comes back at the same address
-        try:
-            wait_healthy(reborn)
+        # the peer comes back at the same address
+        with running_worker("prefill", tmp_logs, *LINK, port=doomed.port) as reborn:
             moved = _gloo_bytes(decode)
             prompt = [t + 7 for t in prompt_sets["short"][2]]
             deadline = time.monotonic() + 10
@@ -167,10 +154,6 @@ def test_prefill_killed_mid_transfer_recomputes_and_link_is_rebuilt(cluster, pro
                 result = generate(decode, prompt, reborn)
             assert result.prefill_path == pb.PREFILL_PATH_DISAGGREGATED, "a new link to the restarted peer"
             wait_until(lambda: _gloo_bytes(decode) > moved, 5.0, "bytes over the new link")
-        finally:
-            reborn.stop()
-    finally:
-        doomed.stop()
 
 
 def test_hung_prefill_worker_is_detected_and_decode_keeps_serving(cluster, prompt_sets, unified,
@@ -213,9 +196,7 @@ def test_hung_prefill_worker_is_detected_and_decode_keeps_serving(cluster, promp
 
 def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster, prompt_sets, tmp_logs) -> None:  # noqa: ANN001
     prefill, _ = cluster
-    doomed = start_worker("decode", tmp_logs, *LINK)
-    try:
-        wait_healthy(doomed)
+    with running_worker("decode", tmp_logs, *LINK) as doomed:
         baseline = info(prefill).num_free_kv_blocks
         prompt = [t + 4 for t in prompt_sets["long"][1]]
 
@@ -230,5 +211,3 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster, prompt_sets, t
         doomed.process.wait(10)
         wait_until(lambda: info(prefill).num_free_kv_blocks == baseline, 10.0, "prefill blocks back to baseline")
         reader.join(30)
-    finally:
-        doomed.stop()

@@ -21,31 +21,14 @@ from engine.quant.kv_fp8 import checkpoint_kv_scales
 from engine.sampling_params import SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
-from tests.helpers.oracle import PROMPTS
-from tests.helpers.pd import (
-    Worker,
-    channel_to,
-    generate,
-    info,
-    metric,
-    settled_metric,
-    start_worker,
-    wait_healthy,
-)
+from tests.helpers import pd
+from tests.helpers.oracle import PROMPTS, count_exact_else_top5, run_to_end
 
 TINY = dict(model="tiny", kv_cache_memory_bytes=16 << 20, max_model_len=1024)
 
 
 def make(**overrides: object) -> LLMEngine:
     return LLMEngine(EngineArgs(**{**TINY, **overrides}).create_engine_config())  # type: ignore[arg-type]
-
-
-def run_to_end(engine: LLMEngine, request_id: str) -> list[int]:
-    for _ in range(10_000):
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                return output.outputs[0].token_ids
-    raise AssertionError("request never finished")
 
 
 def test_flag_resolution_and_refusal() -> None:
@@ -179,14 +162,7 @@ def test_smollm2_fp8_kv_greedy_within_top5_of_fp32(smollm2_prompts: list[list[in
     del oracle
     fp8 = LLM("smollm2", kv_cache_dtype="fp8", **kw)
     got = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    exact = 0
-    for want, have in zip(expected, got, strict=True):
-        ours, theirs = have.outputs[0].token_ids, want.outputs[0].token_ids
-        if ours == theirs:
-            exact += 1
-            continue
-        k = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
-        assert ours[k] in want.outputs[0].logprobs[k], f"divergence at {k}: {ours[k]} not in the fp32 top-5"
+    exact = count_exact_else_top5(expected, got)
     print(f"fp8 KV vs fp32 KV: {exact}/{len(prompts)} prompts exactly equal")
     assert exact >= len(prompts) // 2
 
@@ -195,17 +171,11 @@ FP8_LINK = ("--kv-cache-dtype", "fp8", "--kv-transfer-backend", "nccl")
 
 
 @pytest.fixture(scope="module")
-def fp8_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Worker]]:
+def fp8_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pd.Worker, pd.Worker]]:
     logs = tmp_path_factory.mktemp("fp8_pd_logs")
-    prefill = start_worker("prefill", logs, *FP8_LINK, "--max-num-batched-tokens", "64")
-    decode = start_worker("decode", logs, *FP8_LINK)
-    try:
-        wait_healthy(prefill, timeout=600)  # the shared dev box can be slow to start two SmolLM2 workers
-        wait_healthy(decode, timeout=600)
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    # health_timeout: the shared dev box can be slow to start two SmolLM2 workers
+    with pd.running_pair(logs, (*FP8_LINK, "--max-num-batched-tokens", "64"), FP8_LINK, health_timeout=600) as pair:
+        yield pair
 
 
 NEAR_TIE = 0.25  # logprob gap; fp8 KV moves logprobs by up to ~0.05 with the batch's makeup (see below)
@@ -232,21 +202,20 @@ def first_divergence_is_a_near_tie(got: list[int], local) -> str | None:  # noqa
     return None
 
 
-def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_prompts: list[list[int]]) -> None:
+def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[pd.Worker, pd.Worker], smollm2_prompts: list[list[int]]) -> None:
     from kvflow import LLM
-    from tests.helpers.pd import KV_BYTES, MAX_MODEL_LEN, MAX_TOKENS
 
     prefill, decode = fp8_cluster
-    layout = info(decode).kv_layout
-    assert layout.dtype == "float8_e4m3fn" and info(prefill).kv_layout.dtype == "float8_e4m3fn"
+    layout = pd.info(decode).kv_layout
+    assert layout.dtype == "float8_e4m3fn" and pd.info(prefill).kv_layout.dtype == "float8_e4m3fn"
     prompts = smollm2_prompts[:4] + [smollm2_prompts[7] * 6]  # one prompt spans many blocks and chunks
-    local = LLM("smollm2", kv_cache_dtype="fp8", kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
+    local = LLM("smollm2", kv_cache_dtype="fp8", kv_cache_memory_bytes=pd.KV_BYTES, max_model_len=pd.MAX_MODEL_LEN)
     expected = local.generate([{"prompt_token_ids": p} for p in prompts],
-                              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2))
+                              SamplingParams(temperature=0.0, max_tokens=pd.MAX_TOKENS, logprobs=2))
     del local
 
     async def run_all() -> list[pb.GenerateComplete]:
-        return await asyncio.gather(*(asyncio.to_thread(generate, decode, p, prefill) for p in prompts))
+        return await asyncio.gather(*(asyncio.to_thread(pd.generate, decode, p, prefill) for p in prompts))
 
     results = asyncio.run(run_all())
     for prompt, result, want in zip(prompts, results, expected, strict=True):
@@ -255,12 +224,12 @@ def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_promp
         assert problem is None, f"prompt of {len(prompt)} tokens: {problem}"
     blocks = sum(-(-len(p) // 16) for p in prompts)
     block_bytes = 16 * 30 * 2 * 3 * 64 * 1  # SmolLM2: 1 byte per fp8 value
-    assert settled_metric(decode, "kvflow:kv_transfer_bytes_total", 'backend="gloo"') == blocks * block_bytes
-    assert metric(decode, "kvflow:kv_transfer_bytes_total", 'backend="grpc"') == 0
+    assert pd.settled_metric(decode, "kvflow:kv_transfer_bytes_total", 'backend="gloo"') == blocks * block_bytes
+    assert pd.metric(decode, "kvflow:kv_transfer_bytes_total", 'backend="grpc"') == 0
     # A decode worker with fp32 KV asking this prefill worker is refused, naming both layouts.
     fp32_layout = pb.KVLayout(dtype="float32", num_layers=layout.num_layers, block_size=layout.block_size,
                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, order=layout.order)
-    with channel_to(prefill) as channel, pytest.raises(grpc.RpcError) as caught:
+    with pd.channel_to(prefill) as channel, pytest.raises(grpc.RpcError) as caught:
         list(kvflow_pb2_grpc.PrefillStub(channel).Prefill(
             pb.PrefillRequest(prompt_token_ids=[1, 2, 3], expected_layout=fp32_layout), timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -270,7 +239,7 @@ def test_pd_fp8_over_gloo_link(fp8_cluster: tuple[Worker, Worker], smollm2_promp
     rescaled = pb.KVLayout()
     rescaled.CopyFrom(layout)
     rescaled.kv_scales[0] = 2.0
-    with channel_to(prefill) as channel, pytest.raises(grpc.RpcError) as caught:
+    with pd.channel_to(prefill) as channel, pytest.raises(grpc.RpcError) as caught:
         list(kvflow_pb2_grpc.PrefillStub(channel).Prefill(
             pb.PrefillRequest(prompt_token_ids=[1, 2, 3], expected_layout=rescaled), timeout=30))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

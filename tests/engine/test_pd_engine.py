@@ -14,6 +14,7 @@ from engine.arg_utils import EngineArgs
 from engine.kv_layout import KVSlice, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.helpers.oracle import run_to_end
 
 ARGS = dict(model="tiny", kv_cache_memory_bytes=16 << 20, max_model_len=1024)
 
@@ -25,14 +26,6 @@ def make(**overrides: object) -> LLMEngine:
 @pytest.fixture(scope="module")
 def engines() -> tuple[LLMEngine, LLMEngine, LLMEngine]:
     return make(max_num_batched_tokens=32), make(), make()  # prefill (small chunks), decode, unified
-
-
-def run_to_end(engine: LLMEngine, request_id: str) -> list[int]:
-    for _ in range(10_000):
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                return output.outputs[0].token_ids
-    raise AssertionError("request never finished")
 
 
 def prompts() -> list[list[int]]:

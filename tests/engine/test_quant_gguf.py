@@ -24,7 +24,7 @@ from engine.quant.group_quant import (
 )
 from engine.quant.quant_layers import module_weight_bytes, quant_matmul
 from kernels.cpu_quant_gemm import load_quant_extension
-from tests.helpers.oracle import PROMPTS
+from tests.helpers.oracle import PROMPTS, count_exact_else_top5
 
 
 def _gguf_tensors(names: set[str]) -> list:  # noqa: ANN401
@@ -120,15 +120,7 @@ def test_smollm2_native_q4_1_greedy_and_bytes(tokenizer) -> None:  # noqa: ANN00
     q_bytes = module_weight_bytes(native.llm_engine.runner.model)
     got = native.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     assert q_bytes <= 0.3 * fp32_bytes, (q_bytes, fp32_bytes)
-    exact = 0
-    for want, have in zip(expected, got, strict=True):
-        ours, theirs = have.outputs[0].token_ids, want.outputs[0].token_ids
-        if ours == theirs:
-            exact += 1
-            continue
-        k = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
-        top5 = want.outputs[0].logprobs[k]
-        assert ours[k] in top5 and top5[ours[k]].rank <= 5, f"divergence at {k}: {ours[k]} not in the top-5"
+    exact = count_exact_else_top5(expected, got)
     print(f"native Q4_1 vs fp32-dequantized: {exact}/{len(PROMPTS)} prompts exactly equal; weights "
           f"{q_bytes / 2**20:.1f} MiB vs {fp32_bytes / 2**20:.1f} MiB ({q_bytes / fp32_bytes:.3f}x)")
     assert exact >= len(PROMPTS) // 2

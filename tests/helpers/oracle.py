@@ -5,13 +5,17 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
 from engine.models.loader import resolve_model
 from engine.models.presets import preset_hf_config
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from kvflow import RequestOutput
 
 # Varied prompts: chat-ish, code, lists, numbers, unicode, a long-ish one.
 PROMPTS = [
@@ -79,6 +83,30 @@ def assert_matches_oracle(prompt_ids: list[int], ours: list[int], theirs: list[i
     assert top2.indices[1].item() == ours[k], f"divergence at {k}: ours {ours[k]} is not the oracle's 2nd choice"
     gap = (top2.values[0] - top2.values[1]).item()
     assert gap <= tol, f"divergence at {k} is not a near-tie: gap {gap:.4f} nats"
+
+
+def count_exact_else_top5(expected: list[RequestOutput], got: list[RequestOutput]) -> int:
+    """How many of `got` equal `expected` (greedy, run with logprobs=5) token for token. Every other one must
+    first leave its expected ids for a token in the top-5 of that step."""
+    exact = 0
+    for want, have in zip(expected, got, strict=True):
+        ours, theirs = have.outputs[0].token_ids, want.outputs[0].token_ids
+        if ours == theirs:
+            exact += 1
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+        top5 = want.outputs[0].logprobs[k]
+        assert ours[k] in top5 and top5[ours[k]].rank <= 5, f"divergence at {k}: {ours[k]} not in the top-5"
+    return exact
+
+
+def run_to_end(engine: LLMEngine, request_id: str) -> list[int]:
+    """Step `engine` until `request_id` finishes; its token ids."""
+    for _ in range(10_000):
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output.outputs[0].token_ids
+    raise AssertionError("request never finished")
 
 
 def tiny_hf_state(arch, gen: torch.Generator) -> dict[str, torch.Tensor]:  # noqa: ANN001

@@ -1,5 +1,8 @@
 """Worker processes for the P/D tests (SmolLM2 on CPU): start, wait for health, read Info and /metrics, generate.
 
+`running_pair` and `running_worker` hold workers for a `with` block (a module's shared pair, a test's own doomed
+worker): started, healthy inside the block, stopped at its end whatever happens in it.
+
 Workers inherit the environment, so with KVFLOW_CLUSTER_TOKEN set they demand it; the helpers' channels present
 `ClusterAuth.from_env()` unless given another credential."""
 
@@ -11,6 +14,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +31,7 @@ KV_BYTES = 512 << 20
 MAX_MODEL_LEN = 4096
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, float32 on CPU
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, BLOCK = 30, 3, 64, 4, 16
+BLOCK_BYTES = BLOCK * LAYERS * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # one block's K and V over every layer
 MAX_TOKENS = 12
 
 
@@ -83,6 +89,33 @@ def wait_healthy(worker: Worker, timeout: float = 180.0, auth: ClusterAuth | Non
                 pass
             time.sleep(0.3)
     raise TimeoutError(f"{worker.role} not healthy:\n{worker.log.read_text()[-3000:]}")
+
+
+@contextmanager
+def running_worker(role: str, tmp: Path, *extra: str, port: int | None = None) -> Iterator[Worker]:
+    """One worker (`start_worker`'s arguments), healthy for the block."""
+    worker = start_worker(role, tmp, *extra, port=port)
+    try:
+        wait_healthy(worker)
+        yield worker
+    finally:
+        worker.stop()
+
+
+@contextmanager
+def running_pair(tmp: Path, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
+                 health_timeout: float = 180.0) -> Iterator[tuple[Worker, Worker]]:
+    """A prefill and a decode worker, healthy for the block. Both start before either is waited for, so the two
+    load the model side by side."""
+    prefill = start_worker("prefill", tmp, *prefill_flags)
+    decode = start_worker("decode", tmp, *decode_flags)
+    try:
+        wait_healthy(prefill, timeout=health_timeout)
+        wait_healthy(decode, timeout=health_timeout)
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 def channel_to(worker: Worker, auth: ClusterAuth | None = None) -> grpc.Channel:

@@ -159,9 +159,9 @@ def test_a_dead_builders_lock_file_does_not_hang_the_next_build() -> None:
     import subprocess
     import sys
 
-    from kernels.cpu_decode_attention import _build_dir
+    from kernels.cpu_build import build_dir
 
-    stale = _build_dir() / "quant_gemm" / "lock"
+    stale = build_dir() / "quant_gemm" / "lock"
     stale.parent.mkdir(exist_ok=True)
     stale.touch()
     try:

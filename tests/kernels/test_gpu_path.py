@@ -3,16 +3,12 @@ and the Triton backend + fused layer ops against the torch path (through Triton'
 
 The GPU itself is exercised by bench/gpu_bench.py on a lent machine (CI has no GPU). As in test_kernels.py,
 TRITON_INTERPRET=1 must be set before `import triton`, so the interpreter checks run in a subprocess that
-re-runs this file with it set.
+re-runs this file with it set (tests/helpers/interpreter.py).
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +22,8 @@ from engine.runner.cuda_graphs import DecodeResult, capture_sizes, default_captu
 from engine.runner.model_runner import ModelRunner, select_attention_backend
 from engine.sampling_params import SamplingParams
 from kernels.small_gemm import GemvConfig
+from tests.helpers.interpreter import interpreter_cases_test
 
-ROOT = Path(__file__).resolve().parents[2]
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.triton_interpreter  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
 plain = pytest.mark.outside_interpreter
 
@@ -99,13 +94,9 @@ def test_triton_metadata_splits_decode_run_and_prefill() -> None:
     assert num_leading_decodes([3, 1, 1]) == 0 and num_leading_decodes([1, 1]) == 2
 
 
-@plain
-def test_triton_and_fused_ops_match_torch_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert "3 passed" in proc.stdout, proc.stdout[-2000:]
+# This module's `interp` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
+test_triton_and_fused_ops_match_torch_under_interpreter = interpreter_cases_test(__file__, at_least=3, at_most=3,
+                                                                                 timeout=600)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,8 +3,8 @@
 Triton only interprets kernels when TRITON_INTERPRET=1 is set before ``import triton`` (its
 own library functions such as ``tl.cdiv`` are jit-decorated at import time). Setting it in
 this process would leak into every other test module, so when it is not already set, the
-kernel tests here are skipped and ``test_kernels_under_interpreter`` re-runs this file in a
-subprocess with TRITON_INTERPRET=1, where they run for real.
+kernel tests here are deselected and ``test_kernels_under_interpreter`` re-runs this file in a
+subprocess with TRITON_INTERPRET=1 (tests/helpers/interpreter.py), where they run for real.
 
 Every check draws fresh seeded random inputs, poisons outputs with NaN first (so an element
 the kernel never wrote fails), and compares with the plain torch reference run in float64
@@ -14,40 +14,28 @@ by ||out - ref|| / ||ref|| (METHOD.md thresholds: fp32 far under 1e-3, bf16 unde
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # a plain `pytest` run does not put a non-installed checkout on sys.path
-    sys.path.insert(0, str(ROOT))
+import kernels._triton as kt
+import kernels.kv_cache_write as kvw
+import kernels.paged_decode_attention as dec
+import kernels.paged_prefill_attention as pre
+import kernels.rms_norm as rms
+import kernels.rotary as rot
+import kernels.silu_and_mul as act
+from tests.helpers.interpreter import REPO, interpreter_cases_test
 
-import kernels._triton as kt  # noqa: E402
-import kernels.kv_cache_write as kvw  # noqa: E402
-import kernels.paged_decode_attention as dec  # noqa: E402
-import kernels.paged_prefill_attention as pre  # noqa: E402
-import kernels.rms_norm as rms  # noqa: E402
-import kernels.rotary as rot  # noqa: E402
-import kernels.silu_and_mul as act  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.triton_interpreter  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
-
-@pytest.mark.outside_interpreter
-def test_kernels_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert re.search(r"\b([2-9]\d|\d{3,}) passed", proc.stdout), proc.stdout[-2000:]  # the kernel cases really ran
+# This module's `interp` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
+test_kernels_under_interpreter = interpreter_cases_test(__file__, at_least=20, timeout=900)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -342,6 +330,6 @@ def test_modules_import_without_triton() -> None:
         "else:\n    raise SystemExit('no RuntimeError')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -4,38 +4,22 @@ with TRITON_INTERPRET=1, as tests/kernels/test_kernels.py does)."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import kernels.kv_cache_write as kvw  # noqa: E402
-import kernels.paged_decode_attention as dec  # noqa: E402
-import kernels.paged_prefill_attention as pre  # noqa: E402
-import kernels.rotary as rot  # noqa: E402
-import kernels.rotary_kv_write as rkv  # noqa: E402
-from kernels.fp8_kv import FP8_DTYPE, quantize_fp8  # noqa: E402
+import kernels.kv_cache_write as kvw
+import kernels.paged_decode_attention as dec
+import kernels.paged_prefill_attention as pre
+import kernels.rotary as rot
+import kernels.rotary_kv_write as rkv
+from kernels.fp8_kv import FP8_DTYPE, quantize_fp8
+from tests.helpers.interpreter import interpreter_cases_test
 
 interp = pytest.mark.triton_interpreter
 FP8 = FP8_DTYPE
-
-
-@pytest.mark.outside_interpreter
-def test_fp8_kernels_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert re.search(r"\b([6-9]|\d{2,}) passed", proc.stdout), proc.stdout[-2000:]
+# This module's `interp` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
+test_fp8_kernels_under_interpreter = interpreter_cases_test(__file__, at_least=6, timeout=900)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

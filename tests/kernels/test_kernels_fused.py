@@ -2,40 +2,25 @@
 through Triton's interpreter, against the unfused torch references.
 
 As in test_kernels.py: TRITON_INTERPRET=1 must be set before ``import triton``, so the checks run in a subprocess
-that re-runs this file with it set. Inputs are fresh seeded random values; outputs are NaN-poisoned first.
+that re-runs this file with it set (tests/helpers/interpreter.py). Inputs are fresh seeded random values; outputs
+are NaN-poisoned first.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import kernels.paged_decode_attention as dec
+import kernels.rotary_kv_write as rkv
+from kernels.kv_cache_write import write_kv_cache
+from kernels.rotary import build_cos_sin_cache, rotary_embedding
+from tests.helpers.interpreter import interpreter_cases_test
 
-import kernels.paged_decode_attention as dec  # noqa: E402
-import kernels.rotary_kv_write as rkv  # noqa: E402
-from kernels.kv_cache_write import write_kv_cache  # noqa: E402
-from kernels.rotary import build_cos_sin_cache, rotary_embedding  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.triton_interpreter  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
-
-
-@pytest.mark.outside_interpreter
-def test_fused_kernels_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert "6 passed" in proc.stdout, proc.stdout[-2000:]
+# This module's `interp` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
+test_fused_kernels_under_interpreter = interpreter_cases_test(__file__, at_least=6, at_most=6, timeout=600)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -3,22 +3,12 @@ quantized weights, at tiny shapes under Triton's interpreter (re-run in a subpro
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, quant_matmul_ref  # noqa: E402
-from kernels.quant_gemm import (  # noqa: E402
+from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, quant_matmul_ref
+from kernels.quant_gemm import (
     GEMM_PROGRAMS_PER_SM,
     GEMV_PROGRAMS_PER_SM,
     GEMV_PROGRAMS_PER_SM_BATCHED,
@@ -26,15 +16,10 @@ from kernels.quant_gemm import (  # noqa: E402
     gemv_tiles,
     quant_gemm,
 )
+from tests.helpers.interpreter import interpreter_cases_test
 
-
-@pytest.mark.outside_interpreter
-def test_quant_gemm_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert re.search(r"\b(1[89]|[2-9]\d) passed", proc.stdout), proc.stdout[-2000:]
+# This module's `triton_interpreter` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
+test_quant_gemm_under_interpreter = interpreter_cases_test(__file__, at_least=18, at_most=99, timeout=900)
 
 
 def _weights(n: int, k: int, g: torch.Generator) -> list[QuantWeight]:

@@ -4,33 +4,18 @@ TRITON_INTERPRET=1); the layout's conversions run on plain CPU torch."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import kernels.quant_gemm_kn as kn_kernels
+from engine.quant.group_quant import KINDS, QuantWeight, dequantize, fp16_bits, pack_int4, quant_matmul_ref
+from engine.quant.kn_layout import KNWeight, from_kn, kn_codes, pack_kn, to_kn
+from engine.quant.quant_layers import QuantEmbedding, QuantLinear
+from tests.helpers.interpreter import interpreter_cases_test
 
-import kernels.quant_gemm_kn as kn_kernels  # noqa: E402
-from engine.quant.group_quant import KINDS, QuantWeight, dequantize, fp16_bits, pack_int4, quant_matmul_ref  # noqa: E402
-from engine.quant.kn_layout import KNWeight, from_kn, kn_codes, pack_kn, to_kn  # noqa: E402
-from engine.quant.quant_layers import QuantEmbedding, QuantLinear  # noqa: E402
-
-
-@pytest.mark.outside_interpreter
-def test_quant_gemm_kn_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert re.search(r"\b(4\d|[5-9]\d) passed", proc.stdout), proc.stdout[-2000:]
+# This module's `triton_interpreter` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
+test_quant_gemm_kn_under_interpreter = interpreter_cases_test(__file__, at_least=40, at_most=99, timeout=900)
 
 
 def _weight(kind: str, n: int, k: int, group: int, g: torch.Generator) -> QuantWeight:

@@ -2,37 +2,24 @@
 reference: each prologue (none, residual-add + RMSNorm, SwiGLU), bias, float32 logits output and the fused argmax.
 
 As in test_kernels.py: TRITON_INTERPRET=1 must be set before ``import triton``, so the kernel cases run in a
-subprocess that re-runs this file with it set. Outputs are NaN-poisoned first; shapes are odd so every mask is hit.
+subprocess that re-runs this file with it set (tests/helpers/interpreter.py). Outputs are NaN-poisoned first; shapes
+are odd so every mask is hit.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from kernels.small_gemm import MAX_ROWS, GemvConfig, small_gemm, small_gemm_ref  # noqa: E402
+from kernels.small_gemm import MAX_ROWS, GemvConfig, small_gemm, small_gemm_ref
+from tests.helpers.interpreter import interpreter_cases_test
 
 interp = pytest.mark.triton_interpreter  # collected only under TRITON_INTERPRET=1 (tests/conftest.py)
 NUM_INTERPRETER_CASES = 24
-
-
-@pytest.mark.outside_interpreter
-def test_small_gemm_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert f"{NUM_INTERPRETER_CASES} passed" in proc.stdout, proc.stdout[-2000:]
+# This module's `interp` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
+test_small_gemm_under_interpreter = interpreter_cases_test(__file__, at_least=NUM_INTERPRETER_CASES,
+                                                           at_most=NUM_INTERPRETER_CASES, timeout=600)
 
 
 @pytest.mark.outside_interpreter

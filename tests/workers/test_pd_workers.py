@@ -12,7 +12,7 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import grpc
@@ -22,7 +22,7 @@ from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from tests.helpers.pd import (
     BLOCK,
-    DTYPE_BYTES,
+    BLOCK_BYTES,
     HEAD_DIM,
     KV_HEADS,
     LAYERS,
@@ -33,9 +33,9 @@ from tests.helpers.pd import (
     generate,
     info,
     metric,
+    running_pair,
+    running_worker,
     settled_metric,
-    start_worker,
-    wait_healthy,
     wait_until,
 )
 
@@ -47,15 +47,8 @@ def tmp_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_logs: Path) -> Iterator[tuple[Worker, Worker]]:
-    prefill = start_worker("prefill", tmp_logs, "--max-num-batched-tokens", "64")
-    decode = start_worker("decode", tmp_logs)
-    try:
-        wait_healthy(prefill)
-        wait_healthy(decode)
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    with running_pair(tmp_logs, ("--max-num-batched-tokens", "64")) as pair:
+        yield pair
 
 
 def test_disaggregated_greedy_equals_unified(cluster, prompt_sets, unified) -> None:  # noqa: ANN001
@@ -81,19 +74,18 @@ def test_transfer_bytes_match_layout_and_skip_cached_blocks(cluster, tokenizer) 
     prefill, decode = cluster
     base = tokenizer("A fresh prompt about copper mining in the Andes, " * 12).input_ids[:100]
     moved = settled_metric(decode, "kvflow:kv_transfer_bytes_total")
-    block_bytes = BLOCK * LAYERS * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 
     first = generate(decode, base, prefill)
     assert first.prefill_path == pb.PREFILL_PATH_DISAGGREGATED and first.usage.cached_tokens == 0
     after_first = settled_metric(decode, "kvflow:kv_transfer_bytes_total")
-    assert after_first - moved == 7 * block_bytes  # ceil(100 / 16) blocks
+    assert after_first - moved == 7 * BLOCK_BYTES  # ceil(100 / 16) blocks
 
     extended = base + tokenizer(" and then the rest of the story goes on for a while longer").input_ids
     extended = (extended * 3)[:150]
     second = generate(decode, extended, prefill)
     assert second.usage.cached_tokens == 96  # 6 full blocks were cached on the decode side: not sent again
     after_second = settled_metric(decode, "kvflow:kv_transfer_bytes_total")
-    assert after_second - after_first == (10 - 6) * block_bytes
+    assert after_second - after_first == (10 - 6) * BLOCK_BYTES
 
 
 def test_local_prefill_paths(cluster, prompt_sets, unified) -> None:  # noqa: ANN001
@@ -119,12 +111,7 @@ def test_malformed_requests_get_invalid_argument(cluster) -> None:  # noqa: ANN0
         (pb.GenerateRequest(text="hi", sampling_params=pb.SamplingParams(top_p=0.0)), "top_p"),
     ]
     with channel_to(decode) as channel:
-        stub = kvflow_pb2_grpc.GenerationStub(channel)
-        for request, reason in cases:
-            with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Generate(request, timeout=30))
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert reason in caught.value.details(), caught.value.details()
+        _assert_refused_as_invalid(kvflow_pb2_grpc.GenerationStub(channel).Generate, cases)
     layout = info(decode).kv_layout
     bad_layout = pb.KVLayout(dtype="bfloat16", num_layers=layout.num_layers, block_size=layout.block_size,
                              num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, order=layout.order)
@@ -135,12 +122,16 @@ def test_malformed_requests_get_invalid_argument(cluster) -> None:  # noqa: ANN0
         (pb.PrefillRequest(prompt_token_ids=[1, 2], sampling_params=pb.SamplingParams(n=2)), "n must be 1"),
     ]
     with channel_to(prefill) as channel:
-        stub = kvflow_pb2_grpc.PrefillStub(channel)
-        for request, reason in prefill_cases:
-            with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Prefill(request, timeout=30))
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert reason in caught.value.details(), caught.value.details()
+        _assert_refused_as_invalid(kvflow_pb2_grpc.PrefillStub(channel).Prefill, prefill_cases)
+
+
+def _assert_refused_as_invalid(rpc: Callable[..., Iterable[object]], cases: list[tuple[object, str]]) -> None:
+    """Each (request, reason): the streaming `rpc` fails with INVALID_ARGUMENT, its details naming the reason."""
+    for request, reason in cases:
+        with pytest.raises(grpc.RpcError) as caught:
+            list(rpc(request, timeout=30))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert reason in caught.value.details(), caught.value.details()
 
 
 def test_info_health_metrics_and_kv_events(cluster) -> None:  # noqa: ANN001
@@ -210,9 +201,7 @@ def test_cancelled_prefill_stream_frees_blocks(cluster, prompt_sets) -> None:  #
 
 def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster, prompt_sets, tmp_logs) -> None:  # noqa: ANN001
     prefill, _ = cluster
-    doomed = start_worker("decode", tmp_logs)
-    try:
-        wait_healthy(doomed)
+    with running_worker("decode", tmp_logs) as doomed:
         baseline = info(prefill).num_free_kv_blocks
         prompt = [t + 2 for t in prompt_sets["long"][1]]
         pending = asyncio.new_event_loop()
@@ -223,8 +212,6 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster, prompt_sets, t
         wait_until(lambda: info(prefill).num_free_kv_blocks == baseline, 10.0, "prefill blocks back to baseline")
         pending.run_until_complete(thread_future)
         pending.close()
-    finally:
-        doomed.stop()
 
 
 def _generate_expecting_failure(decode: Worker, prompt: list[int], prefill: Worker) -> None:
@@ -234,47 +221,52 @@ def _generate_expecting_failure(decode: Worker, prompt: list[int], prefill: Work
 
 def test_prefill_killed_mid_transfer_decode_recomputes(cluster, prompt_sets, unified, tmp_logs) -> None:  # noqa: ANN001
     _, decode = cluster
-    doomed = start_worker("prefill", tmp_logs, "--max-num-batched-tokens", "64")
-    try:
-        wait_healthy(doomed)
+    with running_worker("prefill", tmp_logs, "--max-num-batched-tokens", "64") as doomed:
         decode_baseline = info(decode).num_free_kv_blocks
         prefill_baseline = info(doomed).num_free_kv_blocks
         fallbacks = metric(decode, "kvflow:disagg_fallback_total")
         prompt = prompt_sets["long"][0]
         # Drop the decode worker's cached copy so the whole prompt must come from (or be recomputed after) the
         # doomed prefill worker: a unique salt changes every block hash.
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stream=False, cache_salt=["kill-prefill"],
-                                     sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                                     disaggregation=pb.DisaggregationParams(prefill_address=doomed.address))
-        with channel_to(decode) as channel:
-            call = kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300)
-            wait_until(lambda: info(doomed).num_free_kv_blocks < prefill_baseline, 60.0, "the transfer to start")
-            doomed.process.send_signal(signal.SIGKILL)
-            responses = list(call)
-        complete = responses[-1].complete
+        complete = _complete_after_transfer_starts(
+            decode, _greedy_request(prompt, doomed, salt="kill-prefill"),
+            started=lambda: info(doomed).num_free_kv_blocks < prefill_baseline,
+            then=lambda: doomed.process.send_signal(signal.SIGKILL))
         assert complete.prefill_path == pb.PREFILL_PATH_LOCAL
         assert list(complete.choices[0].token_ids) == unified[tuple(prompt)]
         wait_until(lambda: metric(decode, "kvflow:disagg_fallback_total") > fallbacks, 5.0, "fallback counted")
         assert metric(decode, "kvflow:disagg_fallback_total", 'reason="prefill_unavailable"') >= 1
         assert info(decode).num_free_kv_blocks == decode_baseline
-    finally:
-        doomed.stop()
 
 
 def test_sigterm_drains_in_flight_prefill(cluster, prompt_sets, unified) -> None:  # noqa: ANN001
     """Last test of the module: it stops the shared prefill worker."""
     prefill, decode = cluster
     prompt = prompt_sets["long"][0]
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stream=False, cache_salt=["drain"],
-                                 sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                                 disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
     baseline = info(prefill).num_free_kv_blocks
-    with channel_to(decode) as channel:
-        call = kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300)
-        wait_until(lambda: info(prefill).num_free_kv_blocks < baseline, 60.0, "the transfer to start")
-        prefill.process.send_signal(signal.SIGTERM)
-        responses = list(call)
-    complete = responses[-1].complete
+    complete = _complete_after_transfer_starts(
+        decode, _greedy_request(prompt, prefill, salt="drain"),
+        started=lambda: info(prefill).num_free_kv_blocks < baseline,
+        then=lambda: prefill.process.send_signal(signal.SIGTERM))
     assert complete.prefill_path == pb.PREFILL_PATH_DISAGGREGATED, "the in-flight prefill finished before exit"
     assert list(complete.choices[0].token_ids) == unified[tuple(prompt)]
     assert prefill.process.wait(40) == 0
+
+
+def _greedy_request(prompt: list[int], prefill: Worker, salt: str) -> pb.GenerateRequest:
+    """A non-streaming greedy request prefilled by `prefill`; `salt` gives its blocks hashes of their own."""
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stream=False, cache_salt=[salt],
+                              sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                              disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
+
+
+def _complete_after_transfer_starts(decode: Worker, request: pb.GenerateRequest, started: Callable[[], bool],
+                                    then: Callable[[], object]) -> pb.GenerateComplete:
+    """Send `request` to `decode`; once `started()` holds (the KV transfer is under way), `then()`; the final
+    message of the reply."""
+    with channel_to(decode) as channel:
+        call = kvflow_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300)
+        wait_until(started, 60.0, "the transfer to start")
+        then()
+        responses = list(call)
+    return responses[-1].complete
