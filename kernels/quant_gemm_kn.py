@@ -42,7 +42,7 @@ __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "
 GEMV_TILES = (32, 4, 16, 1)
 MIN_GEMV_BLOCK_N = 16
 GEMV_PIPELINE = True
-# The nibble-pair GEMV (`_pair`), compiled offline for sm_90 (bench/sass_mix.py -> int4_gemv_sass_offline.json):
+# The nibble-pair GEMV (`_pair`), compiled offline for sm_90 (bench/sass_mix.py, retired: it runs at git checkout 889a256 -> int4_gemv_sass_offline.json):
 # at the default tiles 6.5 loop instructions per code against 7.6 with the device image's Triton 3.6 (128
 # registers against 96), 4.8 against 7.2 with Triton 3.9 (168 against 96). Not timed on a GPU yet, so not the
 # default: `quant_gemm_kn(pairs=True)`; `bench/quant_gpu.py --parts int4 --int4-sweeps pairs` times both forms.
