@@ -33,7 +33,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (drop if wrong_side else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    # The test that stops the shared `kvflow serve` runs after every other test that may use it, whatever the
+    # folders' order (tests/deploy/ sorts before tests/router/).
+    items[:] = sorted(keep, key=lambda item: item.get_closest_marker("stops_shared_server") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -193,6 +193,7 @@ def test_workers_refuse_callers_without_the_cluster_token(server: Server) -> Non
             assert stub.Info(pb.InfoRequest(), timeout=10).model == "smollm2"
 
 
+@pytest.mark.stops_shared_server
 def test_sigterm_stops_everything(server: Server) -> None:
     children = _children(server.process.pid)
     assert len(children) >= 2  # the two workers

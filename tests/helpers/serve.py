@@ -1,6 +1,6 @@
 """One real `kvflow serve` on SmolLM2 (1 prefill + 1 decode worker, API key set) for the whole test session: the
 OpenAI-front tests (test_openai_fidelity, test_serve_e2e) share it instead of starting a cluster each.
-test_serve_e2e's last test SIGTERMs it (it checks the shutdown): modules that use it sort before that one."""
+test_serve_e2e SIGTERMs it (it checks the shutdown); tests/conftest.py runs that test last."""
 
 from __future__ import annotations
 
