@@ -292,7 +292,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             self._abort(request_id)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        info = await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_DECODE, self.ctx.worker_id,
+        info = await self.engine.call(lambda e: info_response(e, self.ctx.role, self.ctx.worker_id,
                                                               self.disagg_min_prompt_tokens))
         return self.info_for_caller(info, context)
 

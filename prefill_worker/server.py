@@ -206,7 +206,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
         return pb.AbortResponse(found=request_id is not None)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        info = await self.engine.call(lambda e: info_response(e, pb.WORKER_ROLE_PREFILL, self.ctx.worker_id))
+        info = await self.engine.call(lambda e: info_response(e, self.ctx.role, self.ctx.worker_id))
         return self.info_for_caller(info, context)
 
     async def KVLink(self, request: pb.KVLinkRequest, context: grpc.aio.ServicerContext

@@ -59,6 +59,7 @@ ABORT_FLUSH_S = 5.0  # after the drain timeout: for the ended requests' last mes
 HEALTH_TIMEOUT_S = 5.0
 CPU_WORKER_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval on CPU workers (see serve_worker)
 VERSION = "0.1.0"
+ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE, "worker": pb.WORKER_ROLE_UNIFIED}
 
 
 # ---- health and Info ------------------------------------------------------------------------------------------
@@ -101,7 +102,16 @@ def info_response(engine: LLMEngine, role: int, worker_id: str, disagg_min_promp
         disagg_min_prompt_tokens=disagg_min_prompt_tokens,
         tensor_parallel_size=config.device.tensor_parallel_size, pipeline_parallel_size=1,
         rank_devices=[rank_device(str(engine.device), r) for r in range(config.device.tensor_parallel_size)],
+        compute_domain=compute_domain(engine.device),
     )
+
+
+def compute_domain(device: torch.device) -> str:
+    """The physical compute a worker runs on: the GPU's UUID (the same under any CUDA_VISIBLE_DEVICES mapping), or
+    the host's cores. The router never prefills on one worker for another of the same domain."""
+    if device.type == "cuda":
+        return f"gpu-{torch.cuda.get_device_properties(device).uuid}"
+    return f"{device.type}@{os.uname().nodename}"
 
 
 # ---- process lifecycle ----------------------------------------------------------------------------------------
@@ -157,6 +167,7 @@ class WorkerContext:
     model_name: str
     channels: ChannelPool
     transfer: WorkerTransfer  # closed at shutdown, after the gRPC server stopped
+    role: int = pb.WORKER_ROLE_UNIFIED  # what `Info` reports: pinned (prefill, decode) or role-free (unified)
     auth: ClusterAuth = field(default_factory=ClusterAuth)
     admission: Admission = field(default_factory=Admission)
     # Called when --drain-timeout passed with requests still in flight: end them (each stream ends by itself).
@@ -193,8 +204,8 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     faults = FaultInjector(args.kv_transfer_fault_rate)
-    if role_name == "prefill" and engine_args.tensor_parallel_size > 1:  # before any rank starts
-        raise ValueError(f"--tensor-parallel-size {engine_args.tensor_parallel_size} is not supported on prefill "
+    if role_name != "decode" and engine_args.tensor_parallel_size > 1:  # before any rank starts
+        raise ValueError(f"--tensor-parallel-size {engine_args.tensor_parallel_size} is not supported on {role_name} "
                          "workers: KV transfer moves one rank's cache only; run tensor-parallel decode workers, "
                          "which prefill locally (kvflow serve --tensor-parallel-size N --prefill-workers 0)")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
@@ -222,7 +233,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     transfer = build_worker_transfer(args.kv_transfer_backend, llm_engine.kv_port, worker_id,
                                      advertised.rsplit(":", 1)[0], channels, faults)
     context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name, channels, transfer,
-                            auth=auth)
+                            role=ROLES[role_name], auth=auth)
 
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
     add_servicers(server, context)
@@ -240,7 +251,8 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     if args.index.startswith(("redis://", "rediss://")):
         from cluster.routing.registration import WorkerRegistration  # redis only when it is used
 
-        registration = WorkerRegistration(args.index, role_name, advertised)
+        # A role-free worker joins the decode pool; the router's planner moves it from there.
+        registration = WorkerRegistration(args.index, "decode" if role_name == "worker" else role_name, advertised)
         registration.start()
 
     stop, cut_short = asyncio.Event(), asyncio.Event()
