@@ -129,6 +129,9 @@ class ClusterSpec:
     gpu_memory_utilization: float | None = None
     auth: ClusterAuth = ClusterAuth()  # what the workers demand (and the launcher's own probe presents)
     drain_timeout_s: float | None = None  # the workers' --drain-timeout (None: theirs)
+    # Workers run `kvflow worker` (both roles; the router moves them between pools) instead of being pinned with
+    # `kvflow prefill` / `kvflow decode`; their role above is then their starting pool.
+    role_free: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,8 +259,10 @@ class WorkerCluster:
         self._pending = list(enumerate(place_workers(self.spec, len(gpu_ids))))
         self._cpu_workers = sum(placement.gpu is None for _, placement in self._pending)
         self._ports = {index: free_port(self.spec.host) for index, _ in self._pending}
+        # Where decode workers may pull KV from: the prefill workers, or, role-free, every worker (any may be moved
+        # into the prefill pool).
         self._prefill_addresses = [f"{self.spec.host}:{self._ports[index]}" for index, placement in self._pending
-                                   if placement.role == "prefill"]
+                                   if placement.role == "prefill" or self.spec.role_free]
         self._start_unblocked()
 
     def _start_unblocked(self) -> None:
@@ -302,8 +307,10 @@ class WorkerCluster:
         spec = self.spec
         role = placement.role
         # Speculation is a decode worker's: a prefill worker stops at the first token.
-        args = spec.engine_args if role == "decode" else spec.engine_args.without_speculation()
-        argv = [sys.executable, "-m", "kvflow.cli", role, "--port", str(port), *engine_argv(args),
+        decodes = role == "decode" or spec.role_free
+        args = spec.engine_args if decodes else spec.engine_args.without_speculation()
+        command = "worker" if spec.role_free else role
+        argv = [sys.executable, "-m", "kvflow.cli", command, "--port", str(port), *engine_argv(args),
                 "--model", spec.engine_args.model, "--index", spec.index, "--host", spec.host,
                 "--worker-id", f"{role}-{index}-{port}", "--kv-transfer-backend", spec.kv_transfer_backend,
                 *spec.worker_extra_args]
@@ -320,7 +327,7 @@ class WorkerCluster:
             argv.append("--disable-log-stats")
         if spec.drain_timeout_s is not None:
             argv += ["--drain-timeout", str(spec.drain_timeout_s)]
-        if role == "decode":
+        if decodes:
             argv += list(spec.decode_extra_args)
             if self._prefill_addresses:
                 argv += ["--prefill-allowlist", *self._prefill_addresses]

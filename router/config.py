@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.auth import ClusterAuth
+from cluster.routing.disagg import DISAGG_POLICIES
 from cluster.routing.index import validate_index_url
+from cluster.routing.planner import PlannerConfig
 from cluster.routing.policy import POLICY_NAMES
 from engine.sampling_params import MAX_LOGPROBS
 from router.tool_calls import TOOL_CALL_PARSERS
@@ -25,6 +27,9 @@ class RouterConfig:
     metrics_require_api_key: bool = False  # /metrics needs the API key too (else it is open, like /health)
     cluster: ClusterAuth = ClusterAuth()  # the credential the router presents to workers
     routing: str = "prefix"
+    disagg_policy: str = "adaptive"  # cluster/routing/disagg.py; "static": the pools and the split stay fixed
+    slo_ttft_ms: float = 1000.0  # the pool planner's targets (cluster/routing/planner.py)
+    slo_itl_ms: float = 40.0
     discovery: str = "static"
     discovery_redis: str | None = None  # registration registry for --discovery redis (defaults to --index)
     k8s_namespace: str = "default"
@@ -52,9 +57,16 @@ class RouterConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag); needs tool_call_parser
     tool_call_parser: str | None = None  # router.tool_calls.TOOL_CALL_PARSERS
 
+    def planner_config(self) -> PlannerConfig:
+        return PlannerConfig(slo_ttft_s=self.slo_ttft_ms / 1000, slo_itl_s=self.slo_itl_ms / 1000)
+
     def validate(self) -> None:
         if self.routing not in POLICY_NAMES:
             raise ValueError(f"--routing must be one of {', '.join(POLICY_NAMES)}, got {self.routing!r}")
+        if self.disagg_policy not in DISAGG_POLICIES:
+            raise ValueError(f"--disagg-policy must be one of {', '.join(DISAGG_POLICIES)}, got "
+                             f"{self.disagg_policy!r}")
+        self.planner_config().validate()
         if self.discovery not in DISCOVERY_KINDS:
             raise ValueError(f"--discovery must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
         if self.discovery == "static" and not self.decode:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.request_ids import attempt_request_id
+from cluster.routing.disagg import choose_prefill_path
 from cluster.routing.events import EventBatch
 from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
 from cluster.routing.policy import make_policy
@@ -36,6 +37,7 @@ from router.config import RouterConfig
 from router.errors import BadRequest, RouterError, Unavailable, from_code_name
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics
+from router.pools import PoolManager
 from router.tokenizer_pool import TokenizerPool, tokenizer_path_for
 from router.workers import ModelInfo, Worker, WorkerPool
 
@@ -49,14 +51,18 @@ WORKER_FAILURES = ("UNAVAILABLE", "INTERNAL")  # GenerateError codes after which
 @dataclass(frozen=True)
 class Route:
     decode: Worker
-    prefill: Worker | None
-    matched_blocks: int
+    prefill: Worker | None  # None: the decode worker prefills the prompt itself
+    matched_blocks: int  # cached on the worker that prefills
     num_prompt_tokens: int
     block_size: int
 
     @property
     def uncached_tokens(self) -> int:
         return max(self.num_prompt_tokens - self.matched_blocks * self.block_size, 0)
+
+    @property
+    def prefills_on(self) -> Worker:
+        return self.prefill if self.prefill is not None else self.decode
 
 
 def make_index(url: str) -> PrefixIndex:
@@ -77,6 +83,8 @@ class Router:
         self.policy = make_policy(config.routing)
         self.pool = WorkerPool(self.index, subscriber=f"router-{uuid.uuid4().hex[:8]}", on_batch=self._on_batch,
                                on_index_error=self._on_index_error, auth=config.cluster)
+        self.pools = PoolManager(self.pool, self.metrics, config.planner_config(),
+                                 adaptive=config.disagg_policy == "adaptive")
         self.tokenizers: TokenizerPool | None = None
         self._tokenizer_lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -131,35 +139,54 @@ class Router:
     # ---- routing -------------------------------------------------------------------------------------
     def route(self, token_ids: Sequence[int], cache_salt: Sequence[str] = (),
               exclude_decode: frozenset[str] = frozenset()) -> Route:
-        """Pick the decode and prefill workers (runs in a tokenizer thread: hashing and lookup block)."""
+        """Pick the decode worker, and where the prompt is prefilled: on a prefill-pool worker (by cached prefix and
+        load) or on the decode worker itself (cluster/routing/disagg.py). Runs in a tokenizer thread: hashing and
+        the index lookup block."""
         start = time.perf_counter()
         info = self.model_info
         decodes = [w for w in self.pool.workers("decode") if w.address not in exclude_decode]
         if not decodes:
             raise Unavailable("no healthy decode worker is available")
         prefills = self.pool.workers("prefill")
-        matched: dict[str, int] = {}
-        if prefills and self.policy.uses_index and self.tokenizers is not None:
-            hashes = self.tokenizers.hasher.hash_blocks(token_ids, extra_keys=tuple(cache_salt))
-            try:
-                matched = self.index.match(hashes, [w.worker_id for w in prefills])
-            except IndexUnavailable as exc:
-                self._on_index_error(exc)
+        matched = self._matched_blocks(token_ids, cache_salt, prefills, decodes)
         by_id = {w.worker_id: w for w in prefills}
         prefill = None
-        matched_blocks = 0
+        prefill_blocks = 0
         if prefills:
             choice = self.policy.choose_prefill([w.view() for w in prefills], matched, len(token_ids),
                                                 info.block_size)
-            prefill, matched_blocks = by_id[choice.worker.worker_id], choice.matched_blocks
+            prefill, prefill_blocks = by_id[choice.worker.worker_id], choice.matched_blocks
         decode_view = self.policy.choose_decode([w.view() for w in decodes])
         decode = next(w for w in decodes if w.address == decode_view.address)
+        local_blocks = matched.get(decode.worker_id, 0)
+        path = choose_prefill_path(self.config.disagg_policy, prefill.view() if prefill is not None else None,
+                                   decode_view, _uncached(len(token_ids), prefill_blocks, info.block_size),
+                                   _uncached(len(token_ids), local_blocks, info.block_size))
+        self.metrics.prefill_path.labels("remote" if path.remote else "local", path.reason).inc()
+        if not path.remote:
+            prefill, prefill_blocks = None, local_blocks
         self.metrics.route_decisions.labels(self.policy.name).inc()
-        self.metrics.prefix_matched_blocks.inc(matched_blocks)
-        if matched_blocks:
+        self.metrics.prefix_matched_blocks.inc(prefill_blocks)
+        if prefill_blocks:
             self.metrics.route_prefix_hits.inc()
         self.metrics.route_seconds.observe(time.perf_counter() - start)
-        return Route(decode, prefill, matched_blocks, len(token_ids), info.block_size)
+        return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size)
+
+    def _matched_blocks(self, token_ids: Sequence[int], cache_salt: Sequence[str], prefills: list[Worker],
+                        decodes: list[Worker]) -> dict[str, int]:
+        """Leading prompt blocks each candidate caches: the prefill pool's, and (adaptive: they may prefill
+        locally) the decode pool's."""
+        candidates = [w.worker_id for w in prefills]
+        if self.config.disagg_policy == "adaptive":
+            candidates += [w.worker_id for w in decodes]
+        if not candidates or not self.policy.uses_index or self.tokenizers is None:
+            return {}
+        hashes = self.tokenizers.hasher.hash_blocks(token_ids, extra_keys=tuple(cache_salt))
+        try:
+            return self.index.match(hashes, candidates)
+        except IndexUnavailable as exc:
+            self._on_index_error(exc)
+            return {}
 
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str = "prompt",
                      max_tokens_param: str = "max_tokens") -> int:
@@ -230,6 +257,7 @@ class Router:
         single_sample = (params.n or 1) == 1
         self.metrics.running.inc()
         first_token_at: float | None = None
+        last_chunk_at = arrival
         try:
             while True:
                 attempts += 1
@@ -239,13 +267,12 @@ class Router:
                 finally:
                     self.metrics.waiting.dec()
                 tried.add(route.decode.address)
+                self.pools.planner.observe_route(time.monotonic(), route.prefill is not None, route.uncached_tokens)
                 worker_request_id = attempt_request_id(request_id)  # client ids may repeat; ours don't
                 request = pb.GenerateRequest(
                     request_id=worker_request_id, token_ids=pb.TokenIds(ids=token_ids), sampling_params=params,
                     stream=True, cache_salt=list(cache_salt), resume_token_ids=delivered.token_ids,
-                    disaggregation=pb.DisaggregationParams(
-                        prefill_address=route.prefill.address if route.prefill is not None and
-                        not delivered.token_ids else ""))
+                    disaggregation=self._disaggregation(route, resumed=bool(delivered.token_ids)))
                 self._reserve(route, +1)
                 self._decode_of.setdefault(key, {})[worker_request_id] = route.decode
                 call = self._stub(route.decode.address).Generate(request, timeout=self.config.request_timeout_s)
@@ -258,9 +285,14 @@ class Router:
                             if response.error.code in WORKER_FAILURES:
                                 raise _WorkerFailed("decode_error", response.error.message)
                             raise from_code_name(response.error.code, response.error.message)
+                        now = time.monotonic()
                         if first_token_at is None:
-                            first_token_at = time.monotonic()
-                            self.metrics.ttft.observe(first_token_at - arrival)
+                            first_token_at = now
+                            self.metrics.ttft.observe(now - arrival)
+                            self.pools.planner.observe_ttft(now, now - arrival)
+                        elif kind == "chunk" and response.chunk.token_ids:
+                            self._observe_gap(now - last_chunk_at, len(response.chunk.token_ids))
+                        last_chunk_at = now
                         if not released:
                             self._reserve(route, -1, prefill_only=True)
                             released = True
@@ -315,11 +347,25 @@ class Router:
             if not targets:
                 del self._decode_of[key]
 
+    def _disaggregation(self, route: Route, resumed: bool) -> pb.DisaggregationParams:
+        """Where the decode worker gets the prompt's KV: the chosen prefill worker, or (empty) its own prefill. A
+        migrated request resumes with a local prefill. Adaptive: the router's choice is final (min 1 token)."""
+        if route.prefill is None or resumed:
+            return pb.DisaggregationParams(prefill_address="")
+        final = 1 if self.config.disagg_policy == "adaptive" else 0  # static: the decode worker's threshold
+        return pb.DisaggregationParams(prefill_address=route.prefill.address, min_prompt_tokens=final)
+
+    def _observe_gap(self, seconds: float, num_tokens: int) -> None:
+        """A streamed chunk's gap since the previous one, per token it carries (speculation batches several)."""
+        per_token = seconds / num_tokens
+        self.metrics.itl.observe(per_token)
+        self.pools.planner.observe_itl(time.monotonic(), per_token)
+
     def _reserve(self, route: Route, sign: int, prefill_only: bool = False, skip_prefill: bool = False) -> None:
         """Count this router's own in-flight work so back-to-back routes see it before the next heartbeat."""
-        if route.prefill is not None and not skip_prefill:
-            route.prefill.pending_prefill_tokens = max(
-                route.prefill.pending_prefill_tokens + sign * route.uncached_tokens, 0)
+        if not skip_prefill:
+            target = route.prefills_on
+            target.pending_prefill_tokens = max(target.pending_prefill_tokens + sign * route.uncached_tokens, 0)
         if not prefill_only:
             route.decode.pending_requests = max(route.decode.pending_requests + sign, 0)
 
@@ -396,6 +442,10 @@ class _Delivered:
             own = list(choice.logprobs)
             del choice.logprobs[:]
             choice.logprobs.extend([*earlier, *own])
+
+
+def _uncached(num_prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
+    return max(num_prompt_tokens - matched_blocks * block_size, 0)
 
 
 def caller_identity(api_key: str | None, peer: str) -> str:

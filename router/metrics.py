@@ -75,6 +75,17 @@ class RouterMetrics:
                                   "prompt plus the tokens already streamed).", ["reason"], registry=r)
         self.worker_restarts = Counter("kvflow:worker_restarts", "Dead workers restarted by `kvflow serve`.", ["role"],
                                        registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between streamed tokens at the router.",
+                             buckets=TPOT_BUCKETS, registry=r)
+        self.prefill_path = Counter("kvflow:prefill_path_decisions", "Per-request prefill choices: remote (a "
+                                    "prefill-pool worker) or local (the decode worker), by reason.",
+                                    ["path", "reason"], registry=r)
+        self.worker_pool = Gauge("kvflow:worker_pool", "1 for the pool each worker serves now (prefill or decode), "
+                                 "0 for the other.", ["worker", "pool"], registry=r)
+        self.pool_moves = Counter("kvflow:pool_moves", "Workers moved between pools by the planner.", ["from", "to"],
+                                  registry=r)
+        for source, target in (("prefill", "decode"), ("decode", "prefill")):  # exported at 0 before any move
+            self.pool_moves.labels(source, target)
         self._preemptions_seen: dict[str, int] = {}
 
     def observe_load(self, worker: str, role: str, load: WorkerLoad) -> None:
@@ -87,6 +98,10 @@ class RouterMetrics:
         if load.num_preemptions > previous:
             self.preemptions.inc(load.num_preemptions - previous)
         self._preemptions_seen[worker] = load.num_preemptions
+
+    def set_pool(self, worker: str, pool: str) -> None:
+        for name in ("prefill", "decode"):
+            self.worker_pool.labels(worker, name).set(1.0 if name == pool else 0.0)
 
     def forget_worker(self, worker: str, role: str) -> None:
         for gauge in (self.kv_usage, self.gpu_cache_usage, self.worker_running, self.worker_waiting):

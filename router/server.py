@@ -57,8 +57,9 @@ async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None,
                          router.lifecycle.request_stop)
     stats = None if config.disable_log_stats else asyncio.create_task(_log_stats(router))
     warmup = asyncio.create_task(_load_tokenizer_early(router))
-    logger.info("router: OpenAI API on http://%s:%d/v1, routing=%s, index=%s", config.host, config.port,
-                config.routing, "memory" if config.index == "memory" else "redis")
+    planner = asyncio.create_task(router.pools.run())
+    logger.info("router: OpenAI API on http://%s:%d/v1, routing=%s, disagg-policy=%s, index=%s", config.host,
+                config.port, config.routing, config.disagg_policy, "memory" if config.index == "memory" else "redis")
     serving = asyncio.create_task(uv.serve())
     stop = asyncio.create_task(router.lifecycle.wait_stop_requested())
     try:
@@ -76,6 +77,7 @@ async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None,
             with contextlib.suppress(asyncio.CancelledError):
                 await serving
         warmup.cancel()
+        planner.cancel()
         if stats is not None:
             stats.cancel()
         discovery.stop()
@@ -100,5 +102,5 @@ async def _log_stats(router: Router) -> None:
     stats = RouterStatLogger(router.metrics.registry)
     while True:
         await asyncio.sleep(STATS_INTERVAL_S)
-        logger.info("%s", stats.line([WorkerSummary(w.role, w.healthy, w.load.kv_cache_usage)
-                                      for w in router.pool.all_workers()]))
+        logger.info("%s", stats.line([WorkerSummary(w.pool, w.healthy, w.load.kv_cache_usage)
+                                      for w in router.pool.all_workers()], pools=router.pools.summary()))

@@ -2,7 +2,7 @@
 
     Router: Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 95.1 tokens/s, Running: 8 reqs,
     Waiting: 0 reqs, Requests: 12 (disaggregated 10, local_prefill 2), Route hit rate: 75.0%, Index lag: 3.2 ms,
-    Workers healthy: 2/2, KV usage: p:12% d:40%, Prefix cache hit rate: 41.3%
+    Workers healthy: 2/2, KV usage: p:12% d:40%, Prefix cache hit rate: 41.3%, Pools: prefill 1, decode 1 (0 moves)
 
 Rates and shares cover the interval since the previous line (a quiet interval reads 0 / "-"), read from the
 router's own Prometheus registry, so the line and /metrics never disagree.
@@ -21,7 +21,7 @@ PATHS = ("disaggregated", "local_prefill", "unknown")
 
 @dataclass(frozen=True)
 class WorkerSummary:
-    role: str
+    role: str  # the pool it serves now
     healthy: bool
     kv_cache_usage: float
 
@@ -45,7 +45,7 @@ class RouterStatLogger:
         self.registry = registry
         self.last = self._totals(time.monotonic() if now is None else now)
 
-    def line(self, workers: Sequence[WorkerSummary], now: float | None = None) -> str:
+    def line(self, workers: Sequence[WorkerSummary], now: float | None = None, pools: str = "") -> str:
         cur = self._totals(time.monotonic() if now is None else now)
         last, self.last = self.last, cur
         elapsed = max(cur.at - last.at, 1e-9)
@@ -66,7 +66,8 @@ class RouterStatLogger:
                 f"Index lag: {f'{1000 * (cur.lag_sum - last.lag_sum) / lag_n:.1f} ms' if lag_n else '-'}, "
                 f"Workers healthy: {len(healthy)}/{len(workers)}, "
                 f"KV usage: {' '.join(f'{w.role[0]}:{w.kv_cache_usage:.0%}' for w in healthy) or '-'}, "
-                f"Prefix cache hit rate: {_share(cur.prefix_hits - last.prefix_hits, queries)}")
+                f"Prefix cache hit rate: {_share(cur.prefix_hits - last.prefix_hits, queries)}"
+                + (f", {pools}" if pools else ""))
 
     def _totals(self, at: float) -> _Totals:
         value = self.registry.get_sample_value

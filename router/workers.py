@@ -41,8 +41,14 @@ class ModelInfo:
 
 @dataclass
 class Worker:
+    """One worker as the router follows it. `role` is where discovery listed it (its starting pool); `pool` is where
+    new work is routed now: the same for a pinned worker (`kvflow prefill` / `kvflow decode`), changed by the pool
+    planner (router/pools.py) for a role-free one (`kvflow worker`)."""
+
     address: str
     role: str
+    pool: str = ""
+    pool_since: float = field(default_factory=time.monotonic)
     worker_id: str = ""
     info: pb.InfoResponse | None = None
     load: events.WorkerLoad = field(default_factory=events.WorkerLoad)
@@ -52,13 +58,21 @@ class Worker:
     failures: int = 0
     stopped: threading.Event = field(default_factory=threading.Event)
 
+    def __post_init__(self) -> None:
+        self.pool = self.pool or self.role
+
     @property
     def healthy(self) -> bool:
         return self.info is not None and time.monotonic() - self.last_batch <= LOAD_STALE_S
 
+    @property
+    def role_free(self) -> bool:
+        """It serves both roles (its `Info` says so), so the planner may move it between pools."""
+        return self.info is not None and self.info.role == pb.WORKER_ROLE_UNIFIED
+
     def view(self) -> WorkerView:
         return WorkerView(self.worker_id or self.address, self.address, self.load, self.pending_prefill_tokens,
-                          self.pending_requests)
+                          self.pending_requests, self.info.compute_domain if self.info is not None else "")
 
 
 def batch_from_proto(msg: pb.KVEventBatch) -> events.EventBatch:
@@ -115,9 +129,10 @@ class WorkerPool:
                 thread.start()
                 logger.info("%s worker %s joined", role, address)
 
-    def workers(self, role: str, healthy_only: bool = True) -> list[Worker]:
+    def workers(self, pool: str, healthy_only: bool = True) -> list[Worker]:
+        """The workers new work of `pool` ("prefill" / "decode") is routed to now."""
         with self._lock:
-            return [w for w in self._workers.values() if w.role == role and (w.healthy or not healthy_only)]
+            return [w for w in self._workers.values() if w.pool == pool and (w.healthy or not healthy_only)]
 
     def all_workers(self) -> list[Worker]:
         with self._lock:
@@ -131,13 +146,14 @@ class WorkerPool:
         for w in workers:
             info = w.info
             listing.append({
-                "address": w.address, "role": w.role, "worker_id": w.worker_id, "healthy": w.healthy,
+                "address": w.address, "role": w.role, "pool": w.pool, "role_free": w.role_free,
+                "worker_id": w.worker_id, "healthy": w.healthy,
                 "tensor_parallel_size": (info.tensor_parallel_size or 1) if info is not None else None,
                 "pipeline_parallel_size": (info.pipeline_parallel_size or 1) if info is not None else None,
                 "devices": list(info.rank_devices) if info is not None and info.rank_devices else
                 ([info.device] if info is not None else []),
             })
-        return {"data_parallel_size": sum(1 for w in workers if w.role == "decode" and w.healthy),
+        return {"data_parallel_size": sum(1 for w in workers if w.pool == "decode" and w.healthy),
                 "workers": listing}
 
     def stop(self) -> None:

@@ -30,6 +30,7 @@ class WorkerView:
     load: WorkerLoad
     pending_prefill_tokens: int = 0  # prompt tokens this router sent whose first token has not come back yet
     pending_requests: int = 0  # this router's requests in flight there
+    compute_domain: str = ""  # the physical GPU or host it computes on ("" unknown); see cluster/routing/disagg.py
 
     @property
     def queued_prefill_tokens(self) -> int:

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from cluster.auth import ClusterAuth, add_cluster_auth_args
+from cluster.routing.disagg import DISAGG_POLICIES
 from cluster.routing.policy import POLICY_NAMES
 from router.config import DISCOVERY_KINDS, RouterConfig
 from router.tool_calls import TOOL_CALL_PARSERS
@@ -61,6 +62,26 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
                    help="send an SSE comment on a stream silent for this many seconds (0: never)")
 
 
+def add_disagg_args(parser: argparse.ArgumentParser) -> None:
+    """Where prompts are prefilled and the pools (shared by `kvflow router` and `kvflow serve`)."""
+    d = RouterConfig()
+    g = parser.add_argument_group("disaggregation")
+    g.add_argument("--disagg-policy", choices=DISAGG_POLICIES, default=d.disagg_policy,
+                   help="adaptive: per request, prefill on a prefill-pool worker or locally on the decode worker, "
+                        "whichever is cheaper now, and move role-free workers between the pools to meet the SLOs; "
+                        "static: every request uses the prefill worker (the decode worker's "
+                        "--disagg-min-prompt-tokens aside) and the pools never change")
+    g.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
+                   help="time-to-first-token target the pool planner keeps the p90 under (adaptive)")
+    g.add_argument("--slo-itl-ms", type=float, default=d.slo_itl_ms,
+                   help="inter-token-gap target the pool planner keeps the p90 under (adaptive)")
+
+
+def disagg_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """RouterConfig fields from the flags of `add_disagg_args`."""
+    return {"disagg_policy": args.disagg_policy, "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms}
+
+
 def lifecycle_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags of `add_lifecycle_args`."""
     return {"drain_timeout_s": args.drain_timeout, "sse_keepalive_s": args.sse_keepalive_s}
@@ -106,6 +127,7 @@ def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("router", help="prefix-aware router: OpenAI HTTP + gRPC in front of workers")
     add_router_args(parser)
+    add_disagg_args(parser)
     parser.set_defaults(handler=run)
 
 
@@ -118,7 +140,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_selector=args.decode_selector, worker_grpc_port_name=args.worker_grpc_port_name,
         tokenizer=args.tokenizer, tokenizer_pool_size=args.tokenizer_pool_size,
         served_model_name=tuple(args.served_model_name), disable_log_requests=args.disable_log_requests,
-        disable_log_stats=args.disable_log_stats, **request_limit_kwargs(args), **lifecycle_kwargs(args))
+        disable_log_stats=args.disable_log_stats, **request_limit_kwargs(args), **lifecycle_kwargs(args),
+        **disagg_kwargs(args))
     config.validate()
     return config
 

@@ -25,9 +25,11 @@ from cluster.routing.policy import POLICY_NAMES
 from cluster.transfer.backends import KV_TRANSFER_BACKENDS
 from engine.arg_utils import EngineArgs
 from kvflow.commands.router import (
+    add_disagg_args,
     add_lifecycle_args,
     add_metrics_key_arg,
     add_request_limit_args,
+    disagg_kwargs,
     lifecycle_kwargs,
     request_limit_kwargs,
 )
@@ -46,8 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run router + prefill/decode workers on this machine")
     g = parser.add_argument_group("cluster")
     g.add_argument("--prefill-workers", type=int, default=None,
-                   help="default 1; 0 with --tensor-parallel-size > 1 or --data-parallel-size (local prefill)")
-    g.add_argument("--decode-workers", type=int, default=None, help="default 1 (--data-parallel-size sets it)")
+                   help="workers that start in the prefill pool (default 1; 0 with --tensor-parallel-size > 1 or "
+                        "--data-parallel-size); with --disagg-policy adaptive the router moves them between pools")
+    g.add_argument("--decode-workers", type=int, default=None,
+                   help="workers that start in the decode pool (default 1; --data-parallel-size sets it)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                    help="N unified replicas (decode workers that prefill locally, no prefill workers), each on "
                         "its own GPU(s), behind the router")
@@ -77,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_request_limit_args(parser)
     add_cluster_auth_args(parser)
     add_lifecycle_args(parser)
+    add_disagg_args(parser)
     EngineArgs.add_cli_args(parser, default_log_stats=True)  # a server logs vLLM's stats line by default
     # Unset: workers sharing a GPU split vLLM's 0.9 between them; set: every worker's own share (vLLM's rule).
     parser.set_defaults(handler=run, gpu_memory_utilization=None)
@@ -107,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                        decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
                        kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth,
                        drain_timeout_s=args.drain_timeout,
+                       # adaptive: role-free workers (tensor-parallel ones cannot serve remote prefill: pinned)
+                       role_free=args.disagg_policy == "adaptive" and engine_args.tensor_parallel_size == 1,
                        worker_extra_args=("--kv-transfer-fault-rate", str(args.kv_transfer_fault_rate))
                        if args.kv_transfer_fault_rate else ())
     cluster = WorkerCluster(spec)
@@ -124,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                               tokenizer_pool_size=args.tokenizer_pool_size,
                               disable_log_requests=args.disable_log_requests,
                               disable_log_stats=args.disable_log_stats,
-                              **request_limit_kwargs(args), **lifecycle_kwargs(args))
+                              **request_limit_kwargs(args), **lifecycle_kwargs(args), **disagg_kwargs(args))
         asyncio.run(_serve(config, cluster))
     except KeyboardInterrupt:
         pass

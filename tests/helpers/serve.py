@@ -1,5 +1,6 @@
 """One real `kvflow serve` on SmolLM2 (1 prefill + 1 decode worker, API key set) for the whole test session: the
-OpenAI-front tests (test_openai_fidelity, test_serve_e2e) share it instead of starting a cluster each.
+OpenAI-front tests (test_openai_fidelity, test_serve_e2e) share it instead of starting a cluster each. Its policy is
+`static`, so requests take the P/D path (on one host, `adaptive` prefills every prompt locally: shared compute).
 test_serve_e2e SIGTERMs it (it checks the shutdown); tests/conftest.py runs that test last."""
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def start_server(log: Path) -> Iterator[Server]:
     env.pop(TOKEN_ENV, None)  # serve makes its own
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "serve", "--model", "smollm2", "--port",
-                                    str(port), "--grpc-port", str(grpc_port), *ENGINE], stdout=out,
-                                   stderr=subprocess.STDOUT, env=env)
+                                    str(port), "--grpc-port", str(grpc_port), "--disagg-policy", "static", *ENGINE],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
     srv = Server(process, port, grpc_port, log)
     try:
         wait_healthy(process, srv.url, log)

@@ -99,7 +99,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerCluster]
 
 @pytest.fixture(scope="module")
 def harness(cluster: WorkerCluster) -> Iterator[Harness]:
-    h = Harness(RouterConfig(decode=("unused",), routing="prefix", cluster=AUTH), cluster)
+    h = Harness(RouterConfig(decode=("unused",), routing="prefix", cluster=AUTH, disagg_policy="static"), cluster)
     yield h
     h.close()
 
@@ -174,7 +174,8 @@ def test_dead_redis_index_falls_back_to_load_routing(cluster: WorkerCluster, tmp
                                    "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
     try:
         wait_for(lambda: _pings(port), 10)
-        h = Harness(RouterConfig(decode=("unused",), index=f"redis://127.0.0.1:{port}/0", cluster=AUTH), cluster)
+        h = Harness(RouterConfig(decode=("unused",), index=f"redis://127.0.0.1:{port}/0", cluster=AUTH,
+                                  disagg_policy="static"), cluster)
         try:
             h.generate(prompt(300))
             hashes = h.router.tokenizers.hasher.hash_blocks(prompt(300))

@@ -1,0 +1,199 @@
+"""The pool planner: moves role-free workers between the prefill and the decode pool, in seconds, from what the router
+measures (TTFT and inter-token gaps against the SLO) and what the workers report (queued prefill tokens, KV usage).
+
+A worker in the prefill pool gets no new decodes; one in the decode pool decodes and prefills what the per-request
+choice (cluster/routing/disagg.py) leaves it. A move only changes where new work is routed: the worker's running
+decodes finish where they are and its KV transfers complete, so nothing restarts and no request fails.
+
+Rules, checked each tick (`--slo-ttft-ms`, `--slo-itl-ms`):
+- to decode: the decode pool's KV is nearly full; or inter-token gaps break the SLO while no decode worker prefills
+  locally (decode capacity is short); or the prefill pool idles (it got under 10 % of the window's routed prompt
+  tokens and queues nothing) while the decode pool has work;
+- to prefill (with at least two decode workers): gaps break the SLO while decode workers prefill locally (one
+  worker prefilling for the others shields them); or TTFT breaks the SLO while gaps have headroom.
+Hysteresis: a move must be wanted on `confirm_ticks` consecutive ticks, a moved worker stays `min_dwell_s` in its
+pool, and after a move only samples taken since count. A move never empties the decode pool, never touches a
+pinned worker, and never puts a worker in a pool whose members share its compute (that adds no capacity).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cluster.routing.events import WorkerLoad
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    slo_ttft_s: float = 1.0
+    slo_itl_s: float = 0.040
+    window_s: float = 5.0  # latency samples older than this are forgotten
+    confirm_ticks: int = 2  # ticks in a row a move must be wanted
+    min_dwell_s: float = 5.0  # a moved worker stays this long in its new pool
+    min_samples: int = 8  # fewer latency samples (or routed requests) than this: no opinion
+    itl_headroom: float = 0.8  # gaps under this share of the SLO leave room for more local prefill
+    idle_remote_share: float = 0.1  # the prefill pool got less than this share of routed prompt tokens: idle
+    saturated_kv_usage: float = 0.9
+
+    def validate(self) -> None:
+        if not self.slo_ttft_s > 0:
+            raise ValueError(f"--slo-ttft-ms must be > 0, got {self.slo_ttft_s * 1000:g}")
+        if not self.slo_itl_s > 0:
+            raise ValueError(f"--slo-itl-ms must be > 0, got {self.slo_itl_s * 1000:g}")
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """The planner's view of one worker."""
+
+    worker_id: str
+    pool: str
+    movable: bool  # role-free and healthy
+    compute_domain: str
+    load: WorkerLoad
+    since: float  # monotonic time it entered its pool
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    worker_id: str
+    source: str
+    target: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    ttft_p90_s: float | None
+    itl_p90_s: float | None
+    routed_tokens: int
+    remote_share: float  # of routed prompt tokens, prefilled on the prefill pool
+
+
+class SampleWindow:
+    """Timestamped samples of the last `window_s` seconds (one thread: the router's event loop)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, value: float) -> None:
+        self._samples.append((now, value))
+        self._trim(now)
+
+    def values(self, now: float, since: float = -math.inf) -> list[float]:
+        self._trim(now)
+        return [v for t, v in self._samples if t >= since]
+
+    def _trim(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+class PoolPlanner:
+    def __init__(self, config: PlannerConfig) -> None:
+        config.validate()
+        self.config = config
+        self._ttft = SampleWindow(config.window_s)
+        self._itl = SampleWindow(config.window_s)
+        self._remote_tokens = SampleWindow(config.window_s)  # value: tokens prefilled remotely
+        self._local_tokens = SampleWindow(config.window_s)
+        self._last_move_at = -math.inf
+        self._wanted: Move | None = None
+        self._streak = 0
+
+    # ---- what the router measures ------------------------------------------------------------------------
+    def observe_ttft(self, now: float, seconds: float) -> None:
+        self._ttft.add(now, seconds)
+
+    def observe_itl(self, now: float, seconds: float) -> None:
+        self._itl.add(now, seconds)
+
+    def observe_route(self, now: float, remote: bool, prompt_tokens: int) -> None:
+        (self._remote_tokens if remote else self._local_tokens).add(now, prompt_tokens)
+
+    def signals(self, now: float) -> Signals:
+        since = self._last_move_at
+        ttft, itl = self._ttft.values(now, since), self._itl.values(now, since)
+        remote, local = sum(self._remote_tokens.values(now, since)), sum(self._local_tokens.values(now, since))
+        enough = self.config.min_samples
+        return Signals(quantile(ttft, 0.9) if len(ttft) >= enough else None,
+                       quantile(itl, 0.9) if len(itl) >= enough else None,
+                       int(remote + local), remote / (remote + local) if remote + local else 0.0)
+
+    # ---- the decision ------------------------------------------------------------------------------------
+    def tick(self, now: float, members: Sequence[Member]) -> Move | None:
+        """The move to make now, if one has been wanted `confirm_ticks` ticks in a row (then it counts as made)."""
+        wanted = self._want(self.signals(now), members, now)
+        if wanted is None or wanted != self._wanted:
+            self._wanted, self._streak = wanted, 1 if wanted is not None else 0
+        else:
+            self._streak += 1
+        if wanted is None or self._streak < self.config.confirm_ticks:
+            return None
+        self._wanted, self._streak, self._last_move_at = None, 0, now
+        return wanted
+
+    def _want(self, signals: Signals, members: Sequence[Member], now: float) -> Move | None:
+        prefill = [m for m in members if m.pool == "prefill"]
+        decode = [m for m in members if m.pool == "decode"]
+        reason = self._to_decode_reason(signals, prefill, decode)
+        if reason is not None:
+            move = self._pick(prefill, decode, "decode", reason, now, key=lambda m: m.load.queued_prefill_tokens)
+            if move is not None:
+                return move
+        reason = self._to_prefill_reason(signals, decode)
+        if reason is not None and len(decode) >= 2:
+            return self._pick(decode, prefill, "prefill", reason, now, key=lambda m: m.load.num_running,
+                              keep=decode)
+        return None
+
+    def _to_decode_reason(self, s: Signals, prefill: list[Member], decode: list[Member]) -> str | None:
+        c = self.config
+        if not prefill or not decode:
+            return None
+        if all(m.load.kv_cache_usage >= c.saturated_kv_usage for m in decode):
+            return "decode pool KV cache nearly full"
+        locally = any(m.load.queued_prefill_tokens > 0 for m in decode)
+        if s.itl_p90_s is not None and s.itl_p90_s > c.slo_itl_s and not locally:
+            return f"inter-token p90 {s.itl_p90_s * 1000:.0f} ms over the {c.slo_itl_s * 1000:.0f} ms SLO from decode load"
+        busy = any(m.load.num_running > 0 for m in decode)
+        if (busy and s.routed_tokens >= c.min_samples and s.remote_share < c.idle_remote_share
+                and all(m.load.queued_prefill_tokens == 0 for m in prefill)):
+            return f"prefill pool idle ({s.remote_share:.0%} of prompt tokens)"
+        return None
+
+    def _to_prefill_reason(self, s: Signals, decode: list[Member]) -> str | None:
+        c = self.config
+        locally = any(m.load.queued_prefill_tokens > 0 for m in decode)
+        if s.itl_p90_s is not None and s.itl_p90_s > c.slo_itl_s and locally:
+            return (f"inter-token p90 {s.itl_p90_s * 1000:.0f} ms over the {c.slo_itl_s * 1000:.0f} ms SLO while "
+                    "decode workers prefill locally")
+        headroom = s.itl_p90_s is None or s.itl_p90_s <= c.itl_headroom * c.slo_itl_s
+        if s.ttft_p90_s is not None and s.ttft_p90_s > c.slo_ttft_s and headroom:
+            return (f"TTFT p90 {s.ttft_p90_s * 1000:.0f} ms over the {c.slo_ttft_s * 1000:.0f} ms SLO with "
+                    "inter-token headroom")
+        return None
+
+    def _pick(self, source: list[Member], target: list[Member], target_pool: str, reason: str, now: float,
+              key: object, keep: list[Member] | None = None) -> Move | None:
+        """The movable member of `source` (least `key` first) that shares compute with no member of `target`
+        (nor, when moving out of the decode pool, with a decode worker that stays)."""
+        for m in sorted(source, key=key):  # type: ignore[arg-type]
+            if not m.movable or now - m.since < self.config.min_dwell_s:
+                continue
+            others = [t for t in [*target, *(keep or [])] if t is not m]
+            if m.compute_domain and any(t.compute_domain == m.compute_domain for t in others):
+                continue
+            return Move(m.worker_id, m.pool, target_pool, reason)
+        return None

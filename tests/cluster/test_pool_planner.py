@@ -1,0 +1,159 @@
+"""Adaptive disaggregation's decisions, without processes: the per-request prefill choice (cluster/routing/disagg.py)
+and the pool planner's moves with their hysteresis (cluster/routing/planner.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.routing.disagg import choose_prefill_path
+from cluster.routing.events import WorkerLoad
+from cluster.routing.planner import Member, PlannerConfig, PoolPlanner, SampleWindow
+from cluster.routing.policy import WorkerView
+
+CONFIG = PlannerConfig(slo_ttft_s=1.0, slo_itl_s=0.040, window_s=5.0, confirm_ticks=2, min_dwell_s=5.0,
+                       min_samples=4)
+
+
+def view(worker_id: str, domain: str, queued: int = 0, running: int = 0, pending_prefill: int = 0) -> WorkerView:
+    return WorkerView(worker_id, worker_id, WorkerLoad(num_running=running, queued_prefill_tokens=queued),
+                      pending_prefill_tokens=pending_prefill, compute_domain=domain)
+
+
+def member(worker_id: str, pool: str, domain: str | None = None, movable: bool = True, since: float = -100.0,
+           **load: float) -> Member:
+    return Member(worker_id, pool, movable, domain or f"gpu-{worker_id}", WorkerLoad(**load), since)  # type: ignore[arg-type]
+
+
+# ---- the per-request choice -------------------------------------------------------------------------------------
+def test_static_always_uses_the_prefill_worker_and_no_pool_means_local() -> None:
+    p, d = view("p", "gpu-a", queued=10**6), view("d", "gpu-b", running=5)
+    assert choose_prefill_path("static", p, d, 100, 100).remote
+    path = choose_prefill_path("adaptive", None, d, 100, 100)
+    assert (path.remote, path.reason) == (False, "no_prefill_worker")
+
+
+def test_adaptive_prefills_locally_on_an_idle_decode_worker_and_remotely_beside_its_decodes() -> None:
+    p = view("p", "gpu-a")
+    idle, busy = view("d", "gpu-b"), view("d", "gpu-b", running=8)
+    assert choose_prefill_path("adaptive", p, idle, 2048, 2048).reason == "cheaper_local"  # no hop, no transfer
+    assert choose_prefill_path("adaptive", p, busy, 2048, 2048).reason == "cheaper_remote"  # shields its decodes
+
+
+def test_adaptive_overflows_to_local_when_the_prefill_worker_is_backed_up() -> None:
+    busy = view("d", "gpu-b", running=8)
+    backed_up = view("p", "gpu-a", queued=32 * 2048)
+    assert choose_prefill_path("adaptive", backed_up, busy, 2048, 2048).reason == "cheaper_local"
+    # the router's own recent sends count before the next heartbeat reports them
+    pending = view("p", "gpu-a", pending_prefill=32 * 2048)
+    assert not choose_prefill_path("adaptive", pending, busy, 2048, 2048).remote
+
+
+def test_adaptive_never_prefills_for_a_worker_on_the_same_compute() -> None:
+    p, d = view("p", "cpu@host"), view("d", "cpu@host", running=8)
+    path = choose_prefill_path("adaptive", p, d, 4096, 4096)
+    assert (path.remote, path.reason) == (False, "shared_compute")
+
+
+def test_a_prefix_cached_on_the_decode_worker_favours_local() -> None:
+    p, d = view("p", "gpu-a"), view("d", "gpu-b", running=1)
+    assert choose_prefill_path("adaptive", p, d, 4096, 4096).remote
+    assert not choose_prefill_path("adaptive", p, d, 4096, 64).remote
+
+
+# ---- the planner ------------------------------------------------------------------------------------------------
+def feed(planner: PoolPlanner, now: float, ttft: float | None = None, itl: float | None = None, remote: int = 0,
+         local: int = 0, n: int = 10) -> None:
+    for i in range(n):
+        at = now - 1.0 + i * 0.1
+        if ttft is not None:
+            planner.observe_ttft(at, ttft)
+        if itl is not None:
+            planner.observe_itl(at, itl)
+    if remote:
+        planner.observe_route(now - 0.5, True, remote)
+    if local:
+        planner.observe_route(now - 0.5, False, local)
+
+
+def settle(planner: PoolPlanner, members: list[Member], now: float) -> list:
+    return [planner.tick(now + i * 0.01, members) for i in range(CONFIG.confirm_ticks)]
+
+
+def test_a_busy_decode_pool_beside_an_idle_prefill_pool_takes_the_prefill_worker() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill"), member("d", "decode", num_running=20)]
+    feed(planner, 10.0, ttft=0.2, itl=0.02, local=5000)
+    first, second = settle(planner, members, 10.0)
+    assert first is None, "one tick is not enough (hysteresis)"
+    assert (second.worker_id, second.source, second.target) == ("p", "prefill", "decode")
+    assert "idle" in second.reason
+
+
+def test_gaps_over_the_slo_from_local_prefill_give_one_decode_worker_to_prefill() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("a", "decode", num_running=9, queued_prefill_tokens=4000),
+               member("b", "decode", num_running=3, queued_prefill_tokens=2000)]
+    feed(planner, 10.0, ttft=0.5, itl=0.080, local=8000)
+    move = settle(planner, members, 10.0)[-1]
+    assert (move.worker_id, move.target) == ("b", "prefill")  # the one with fewer running decodes
+    assert "prefill locally" in move.reason
+
+
+def test_ttft_over_the_slo_with_gap_headroom_grows_the_prefill_pool() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("a", "decode", num_running=4), member("b", "decode", num_running=4)]
+    feed(planner, 10.0, ttft=3.0, itl=0.010, local=8000)
+    move = settle(planner, members, 10.0)[-1]
+    assert move is not None and move.target == "prefill" and "TTFT" in move.reason
+
+
+def test_gaps_over_the_slo_from_decode_load_grow_the_decode_pool() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill", queued_prefill_tokens=100), member("d", "decode", num_running=200)]
+    feed(planner, 10.0, ttft=0.3, itl=0.090, remote=8000)
+    move = settle(planner, members, 10.0)[-1]
+    assert move is not None and (move.worker_id, move.target) == ("p", "decode")
+
+
+def test_no_move_while_the_slos_hold_and_the_pools_are_used() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill", queued_prefill_tokens=3000), member("d", "decode", num_running=20)]
+    feed(planner, 10.0, ttft=0.4, itl=0.030, remote=8000, local=500)
+    assert settle(planner, members, 10.0) == [None, None]
+
+
+def test_pinned_recent_and_shared_compute_workers_stay() -> None:
+    busy = member("d", "decode", domain="cpu@h", num_running=20)
+    for prefill in (member("p", "prefill", movable=False),  # pinned (kvflow prefill)
+                    member("p", "prefill", since=8.0),  # moved 2 s ago: dwell
+                    member("p", "prefill", domain="cpu@h")):  # same cores as the decode worker
+        planner = PoolPlanner(CONFIG)
+        feed(planner, 10.0, ttft=0.2, itl=0.02, local=5000)
+        assert settle(planner, [prefill, busy], 10.0) == [None, None]
+
+
+def test_the_last_decode_worker_never_leaves_and_samples_before_a_move_do_not_count() -> None:
+    planner = PoolPlanner(CONFIG)
+    lone = [member("d", "decode", num_running=9, queued_prefill_tokens=4000)]
+    feed(planner, 10.0, ttft=3.0, itl=0.010, local=8000)
+    assert settle(planner, lone, 10.0) == [None, None]
+    members = [member("a", "decode", num_running=9), member("b", "decode", num_running=3)]
+    assert settle(planner, members, 10.0)[-1] is not None
+    # right after a move, the old samples say nothing about the new layout
+    assert planner.signals(10.5).ttft_p90_s is None
+
+
+def test_slo_flags_are_validated() -> None:
+    with pytest.raises(ValueError, match="--slo-itl-ms"):
+        PoolPlanner(PlannerConfig(slo_itl_s=0.0))
+    with pytest.raises(ValueError, match="--slo-ttft-ms"):
+        PoolPlanner(PlannerConfig(slo_ttft_s=-1.0))
+
+
+def test_sample_window_forgets_old_samples() -> None:
+    window = SampleWindow(2.0)
+    window.add(0.0, 1.0)
+    window.add(1.5, 2.0)
+    assert window.values(1.9) == [1.0, 2.0]
+    assert window.values(3.0) == [2.0]
+    assert window.values(3.0, since=2.0) == []
