@@ -319,7 +319,7 @@ class Bench:
             return {**head, "error": f"{type(exc).__name__}: {exc}"}
         figures = {f"{c}.{k}": f"{v:.3g}" for c, m in [("all", record), *record["classes"].items()]
                    for k, v in m.items() if k in ("ttft_p99_s", "itl_p99_s", "itl_max_s") and v is not None}
-        log(f"{head['workload']} {mode} rate {workload.rate}: SLO {record['slo_attainment']:.3f}, out "
+        log(f"{head['workload']} {mode}{'' if workload.rate is None else f' @ {workload.rate:g} req/s'}: SLO {record['slo_attainment']:.3f}, out "
             f"{record['out_tok_s']:.0f} tok/s, failed {record['failed']}, pool moves {record['pool_moves']}; {figures}")
         return record
 
