@@ -93,11 +93,18 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return result
 
 
+def http_client() -> httpx.AsyncClient:
+    """The load generator's client. No connection limit (vLLM's bench serve sets none either): httpx's default
+    pool of 100 would queue requests past 100 in flight inside the client, and count the wait in their TTFT."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+
 async def run_benchmark(base_url: str, model: str | None, prompts: list[list[int]], output_len: int,
                         request_rate: float, max_concurrency: int | None, api_key: str | None,
                         seed: int = 0) -> tuple[list[RequestResult], float]:
     base = base_url.rstrip("/")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with http_client() as client:
         if model is None:
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
             model = (await client.get(f"{base}/v1/models", headers=headers)).json()["data"][0]["id"]
