@@ -61,32 +61,22 @@ SLO = {"ttft_s": 1.0, "itl_s": 0.040}  # the issue's, stated before measuring
 SMOKE_SLO = {"ttft_s": 30.0, "itl_s": 2.0}  # --smoke checks structure on a shared CPU, not speed
 SMOKE_ENGINE = ("--kv-cache-memory-bytes", str(64 << 20))  # CPU's default pool takes seconds to allocate
 WORKLOADS = ("mixed", "prefill_heavy", "decode_heavy", "changing", "sweep")
-MODE_FLAGS = {
-    "static_1p1d": ("--prefill-workers", "1", "--decode-workers", "1"),
-    "dp2": ("--data-parallel-size", "2"),
+MODE_FLAGS = {  # serve's default policy is adaptive: the fixed layouts pin static
+    "static_1p1d": ("--disagg-policy", "static", "--prefill-workers", "1", "--decode-workers", "1"),
+    "dp2": ("--disagg-policy", "static", "--data-parallel-size", "2"),
     "adaptive": ("--disagg-policy", "adaptive", "--prefill-workers", "1", "--decode-workers", "1"),
 }
 POLL_S = 0.5
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def mode_flags(mode: str, slo: dict[str, float], has_policy_flag: bool, itl_target_ms: float | None) -> list[str]:
-    """`kvflow serve` flags of a mode. Once serve has --disagg-policy its default is adaptive, so the fixed
-    layouts pin `static` there; adaptive gets the SLO as its targets."""
+def mode_flags(mode: str, slo: dict[str, float], itl_target_ms: float | None) -> list[str]:
+    """`kvflow serve` flags of a mode; adaptive gets the SLO as its targets."""
     flags = list(MODE_FLAGS[mode])
     if mode == "adaptive":
         flags += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:g}", "--slo-itl-ms", f"{slo['itl_s'] * 1e3:g}"]
         flags += ["--itl-target-ms", f"{itl_target_ms:g}"] if itl_target_ms else []
-    elif has_policy_flag:
-        flags += ["--disagg-policy", "static"]
     return flags
-
-
-def serve_has_flag(flag: str, value: str) -> bool:
-    from kvflow.cli import build_parser
-
-    _, unknown = build_parser().parse_known_args(["serve", "--model", "tiny", flag, value])
-    return not unknown
 
 
 # ---- loads ------------------------------------------------------------------------------------------------------
@@ -374,14 +364,13 @@ def main() -> int:
 
     args.rates = args.rates[:1] if args.smoke else args.rates
     slo = SMOKE_SLO if args.smoke else SLO
-    has_policy = serve_has_flag("--disagg-policy", "static")
     gpus = torch.cuda.device_count()
     bench = Bench(Setup(args.out, Path(tempfile.mkdtemp(prefix="pd-adaptive-")), SMOKE_MODEL if args.smoke else MODEL,
                         gpus >= 2),
-                  slo, {m: mode_flags(m, slo, has_policy, args.itl_target_ms) for m in args.modes}, args.seed,
+                  slo, {m: mode_flags(m, slo, args.itl_target_ms) for m in args.modes}, args.seed,
                   1 if args.smoke else 3, f"{gpus} x {device_name()}" if gpus > 1 else device_name(),
                   secrets.token_hex(8))
-    log(f"device {bench.device}; serve has --disagg-policy: {has_policy}; logs in {bench.setup.log_dir}")
+    log(f"device {bench.device}; logs in {bench.setup.log_dir}")
     runs = {key: plan(key, args.smoke, args.rates, args.seconds_per_rate) for key in args.workloads}
     groups = [list(runs)] if args.smoke else [[key] for key in runs]
     files: dict[str, list[dict[str, Any]]] = {}

@@ -16,16 +16,17 @@ FIELDS = {"workload", "device", "mode", "ttft_p99_s", "itl_p99_s", "slo_attainme
 WORKLOADS = {"mixed", "prefill_heavy", "decode_heavy", "changing", "sweep"}
 
 
-def test_mode_flags_pin_the_fixed_layouts_once_serve_has_the_policy_flag() -> None:
-    assert mode_flags("static_1p1d", SLO, False, None) == ["--prefill-workers", "1", "--decode-workers", "1"]
-    assert mode_flags("dp2", SLO, True, None) == ["--data-parallel-size", "2", "--disagg-policy", "static"]
-    adaptive = mode_flags("adaptive", SLO, False, 30.0)
+def test_mode_flags_pin_the_fixed_layouts_to_the_static_policy() -> None:
+    assert mode_flags("static_1p1d", SLO, None) == ["--disagg-policy", "static", "--prefill-workers", "1",
+                                                     "--decode-workers", "1"]
+    assert mode_flags("dp2", SLO, None) == ["--disagg-policy", "static", "--data-parallel-size", "2"]
+    adaptive = mode_flags("adaptive", SLO, 30.0)
     assert adaptive[:2] == ["--disagg-policy", "adaptive"]
     assert " ".join(adaptive).endswith("--slo-ttft-ms 1000 --slo-itl-ms 40 --itl-target-ms 30")
 
 
 def router_metrics(pools: dict[str, str], moves: int) -> str:
-    """The text `kvflow serve`'s router will render: a 0/1 gauge per worker and pool, a moves counter."""
+    """The text `kvflow serve`'s router renders: a 0/1 gauge per worker and pool, a moves counter."""
     rows = [f'kvflow:worker_pool{{pool="{pool}",worker="{w}"}} {float(pool == mine)}'
             for w, mine in pools.items() for pool in ("prefill", "decode")]
     return "\n".join(["# TYPE kvflow:worker_pool gauge", *rows, "# TYPE kvflow:pool_moves counter",
