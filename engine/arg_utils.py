@@ -148,6 +148,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
+    itl_target_ms: float | None = None  # None: off (prefill chunks are bounded by max_num_batched_tokens only)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed to the GPU per layer (CUDA only)
     load_format: str = "auto"
@@ -202,6 +203,10 @@ class EngineArgs:
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode)
+        g.add_argument("--itl-target-ms", type=float, default=None,
+                       help="when requests are decoding, prefill tokens per step are capped so that a step is "
+                            "predicted (from measured step times) to take at most this many milliseconds; steps "
+                            "without decodes are not capped. Needs chunked prefill. Off by default")
         g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap space")
         g.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
                        help="GiB of the model's weights (whole decoder layers, first layers first) kept in pinned "
@@ -311,6 +316,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
+            itl_target_ms=self.itl_target_ms,
         )
 
     def _model_config(self, resolved: ResolvedModel, dtype: str, device: str, max_model_len: int) -> ModelConfig:
@@ -403,7 +409,20 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
         check_generation_config(self.generation_config)
+        self.validate_itl_target()
         self.validate_parallel()
+
+    def validate_itl_target(self) -> None:
+        """itl_target_ms (--itl-target-ms): positive when set, and only with chunked prefill (without it a prompt
+        is never split, so a cap could only stall it)."""
+        target = self.itl_target_ms
+        if target is None:
+            return
+        if not target > 0 or target == float("inf"):
+            raise ValueError(f"--itl-target-ms must be a positive number of milliseconds, got {target:g}")
+        if not self.enable_chunked_prefill:
+            raise ValueError("--itl-target-ms needs chunked prefill (it caps prefill chunks); drop "
+                             "--no-enable-chunked-prefill or --itl-target-ms")
 
     def validate_cpu_offload(self, device: str | None = None) -> None:
         """cpu_offload_gb against the device (cheap: `kvflow serve` checks it before starting any worker)."""

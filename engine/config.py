@@ -58,6 +58,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
+    # --itl-target-ms: while requests decode, cap a step's prefill tokens so that the step is predicted to take at
+    # most this long (engine/core/step_budget.py). None: off. Needs chunked prefill.
+    itl_target_ms: float | None = None
 
 
 @dataclass(frozen=True)

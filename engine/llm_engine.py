@@ -27,11 +27,12 @@ from engine.core.block_hash import BlockHasher
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.core.step_budget import StepTimeModel
 from engine.core.swap_space import SwapSpace
 from engine.errors import InvalidRequest
 from engine.kv_port import KVPort
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
-from engine.outputs import PositionLogprobs, RequestOutput
+from engine.outputs import PositionLogprobs, RequestOutput, SchedulerOutput
 from engine.parallel.executor import create_runner
 from engine.processing.generation_config import resolve_generation_defaults
 from engine.processing.input_processor import InputProcessor, PromptInput, eos_token_id
@@ -69,7 +70,11 @@ class LLMEngine:
         self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self.hasher,
                                          config.cache.enable_prefix_caching, enable_kv_events)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, SwapSpace(num_swap) if num_swap else None)
+        # --itl-target-ms: the engine times each step and feeds this model; the scheduler asks it for budgets.
+        self.step_model = (StepTimeModel(floor_tokens=max(16, config.cache.block_size))
+                           if config.scheduler.itl_target_ms is not None else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, SwapSpace(num_swap) if num_swap else None,
+                                   self.step_model)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path)
         self.eos_token_id = eos_token_id(self.tokenizer, config.model.hf_config)
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.arch.vocab_size,
@@ -251,6 +256,7 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         self.expire_kv_leases()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
@@ -261,8 +267,21 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.stats.num_steps += 1
         outputs = self.outputs.process(updated, scheduler_output, runner_output)
+        self._observe_step(scheduler_output, time.perf_counter() - started)
         self._refresh_gauges()
         return outputs
+
+    def _observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Feed the --itl-target-ms step-time model: the whole step (schedule, forward, sampling, detokenizing)
+        is what a decoding request waits between two tokens. Steps that moved swapped blocks or ran nothing are
+        left out (their time is not the batch's)."""
+        if self.step_model is None:
+            return
+        self.stats.itl_prefill_token_budget = scheduler_output.prefill_token_cap or 0
+        if (scheduler_output.total_num_scheduled_tokens == 0 or scheduler_output.blocks_to_swap_in
+                or scheduler_output.blocks_to_swap_out):
+            return
+        self.step_model.observe(scheduler_output.num_decode_seqs, scheduler_output.num_prefill_tokens, seconds)
 
     def _refresh_gauges(self) -> None:
         s = self.stats

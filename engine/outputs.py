@@ -41,6 +41,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     finished_request_ids: set[str] = field(default_factory=set)  # runner may drop their state
+    # The step's make-up, for the step-time model of --itl-target-ms (engine/core/step_budget.py).
+    num_decode_seqs: int = 0
+    num_prefill_tokens: int = 0  # tokens of chunks that are not decodes (prompt, or recompute after preemption)
+    prefill_token_cap: int | None = None  # the --itl-target-ms cap this step ran under (None: uncapped)
 
 
 @dataclass(frozen=True, slots=True)

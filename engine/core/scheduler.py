@@ -3,6 +3,11 @@
 Every request simply has `num_computed_tokens` catching up with `num_tokens` (prompt + generated). Each step
 serves running requests first, then admits waiting ones while budget, sequence slots and blocks last. When
 blocks run out, the most recently admitted running request is preempted (recompute, or swap to CPU).
+
+With `itl_target_ms` set (and chunked prefill on), a step that holds at least one decoding request also caps its
+prefill tokens (running prefill chunks and new admissions together) at the step-time model's budget
+(engine/core/step_budget.py), so the decodes' inter-token gap stays near the target. Decode tokens are never
+capped; a step without decodes is not capped either.
 """
 
 from __future__ import annotations
@@ -10,21 +15,56 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
+from engine.core.step_budget import PrefillBudget
 from engine.core.swap_space import SwapSpace
 from engine.outputs import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
+def is_decoding(request: Request) -> bool:
+    """Its prompt is computed and only the last sampled token is pending (drafts aside): a decode this step."""
+    return (request.num_computed_tokens >= request.num_prompt_tokens
+            and request.num_tokens - request.num_computed_tokens == 1)
+
+
+@dataclass
+class _StepBudget:
+    """One step's token budgets: `tokens` left for everything, and at most `prefill_cap` (None: uncapped) prefill
+    tokens in all."""
+
+    tokens: int
+    prefill_cap: int | None
+    num_decode_seqs: int = 0
+    num_prefill_tokens: int = 0
+
+    def limit(self, decode: bool) -> int:
+        """The most new tokens the next chunk may take."""
+        if decode or self.prefill_cap is None:
+            return self.tokens
+        return max(0, min(self.tokens, self.prefill_cap - self.num_prefill_tokens))
+
+    def take(self, num_new: int, decode: bool) -> None:
+        self.tokens -= num_new
+        if decode:
+            self.num_decode_seqs += 1
+        else:
+            self.num_prefill_tokens += num_new
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, swap_space: SwapSpace | None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, swap_space: SwapSpace | None,
+                 prefill_budget: PrefillBudget | None = None) -> None:
         self.config = config
         self.kv = kv_manager
         self.swap_space = swap_space
+        # Asked each step while config.itl_target_ms is set; the engine feeds it step times.
+        self.prefill_budget = prefill_budget
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -131,7 +171,7 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        step = _StepBudget(self.config.max_num_batched_tokens, self._prefill_cap())
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
         swap_out: list[tuple[int, int]] = []
@@ -139,14 +179,19 @@ class Scheduler:
         preempted = False
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.tokens > 0:
             request = self.running[index]
+            decode = is_decoding(request)
+            limit = step.limit(decode)
+            if limit == 0:  # a prefill chunk over the ITL cap: it waits; the decodes after it still run
+                index += 1
+                continue
             # Draft tokens (speculative decoding) are scheduled after the last token; each counts in the budget.
-            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, limit)
             while self.kv.allocate_slots(request, num_new) is None:
                 if request.spec_token_ids:  # no room for the drafts: drop them before preempting anyone
                     request.spec_token_ids = []
-                    num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                    num_new = min(request.num_tokens - request.num_computed_tokens, limit)
                     continue
                 victim = self.running.pop()
                 self._preempt(victim, swap_out)
@@ -155,27 +200,29 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            budget -= num_new
+            step.take(num_new, decode)
             chunks.append(self._chunk(request, num_new, new_requests))
             index += 1
 
         skipped: list[Request] = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not preempted and self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.wait_for is not None and not request.wait_for.prefill_done:
                 skipped.append(self.waiting.popleft())  # its sibling's prompt blocks are not cached yet
                 continue
+            decode = is_decoding(request)  # only a swapped-out decode, among waiting requests
+            limit = step.limit(decode)
             if request.status is RequestStatus.SWAPPED:
                 num_new = request.num_tokens - request.num_computed_tokens
-                if num_new > budget or not self._swap_in(request, num_new, swap_in):
+                if num_new > limit or not self._swap_in(request, num_new, swap_in):
                     break
             else:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
-                if num_new > budget:
-                    if not self.config.enable_chunked_prefill:
+                if num_new > limit:
+                    if not self.config.enable_chunked_prefill or limit == 0:
                         break
-                    num_new = budget
+                    num_new = limit
                 if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
                     break
                 request.num_computed_tokens = num_hit
@@ -186,7 +233,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            budget -= num_new
+            step.take(num_new, decode)
             chunks.append(self._chunk(request, num_new, new_requests))
         self.waiting.extendleft(reversed(skipped))
 
@@ -194,11 +241,26 @@ class Scheduler:
         return SchedulerOutput(
             new_requests=new_requests,
             chunks=chunks,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.tokens,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             finished_request_ids=finished,
+            num_decode_seqs=step.num_decode_seqs,
+            num_prefill_tokens=step.num_prefill_tokens,
+            prefill_token_cap=step.prefill_cap,
         )
+
+    def _prefill_cap(self) -> int | None:
+        """Prefill tokens this step may carry under `itl_target_ms`; None (uncapped) when it is off, without
+        chunked prefill (a prompt could never fit), when no running request decodes, or while the step-time model
+        has no budget to give."""
+        target_ms = self.config.itl_target_ms
+        if target_ms is None or self.prefill_budget is None or not self.config.enable_chunked_prefill:
+            return None
+        num_decodes = sum(1 for request in self.running if is_decoding(request))
+        if not num_decodes:
+            return None
+        return self.prefill_budget.prefill_token_budget(num_decodes, target_ms / 1000.0)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, apply stop rules; returns the requests that changed."""

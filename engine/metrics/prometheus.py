@@ -48,6 +48,10 @@ class EngineMetrics:
         self.transfer_seconds = Histogram("kvflow:kv_transfer_seconds", "Duration of one request's KV transfer "
                                           "(overlapping prefill compute), by backend.", ["model_name", "backend"],
                                           buckets=KV_TRANSFER_BUCKETS, registry=r)
+        self.itl_prefill_budget = gauge("kvflow:itl_prefill_token_budget",
+                                        "Prefill tokens the last step could carry under --itl-target-ms (0: "
+                                        "uncapped: the flag is off, no request decoded, or the step-time model "
+                                        "is still learning).")
         self.blocks_freed = counter("kvflow:kv_blocks_freed",
                                     "KV blocks freed after a transfer finished, was cancelled or its lease expired.")
         self.fallback = Counter("kvflow:disagg_fallback", "Disaggregated prefills that fell back to local "
@@ -67,6 +71,7 @@ class EngineMetrics:
         self.waiting.set(stats.num_requests_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_cache_usage.set(stats.kv_cache_usage)
+        self.itl_prefill_budget.set(stats.itl_prefill_token_budget)
         for metric, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),

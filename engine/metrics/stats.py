@@ -21,6 +21,7 @@ class EngineStats:
     generation_tokens: int = 0
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     num_steps: int = 0
+    itl_prefill_token_budget: int = 0  # --itl-target-ms: the last step's prefill token cap (0: uncapped or off)
     # Speculative decoding, as vLLM counts it: one draft per verified chunk; accepted excludes the bonus token.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

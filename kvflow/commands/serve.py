@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = server_engine_args(args)
     engine_args.validate_parallel()  # refused here, before any worker starts
     engine_args.validate_cpu_offload()
+    engine_args.validate_itl_target()
     engine_args.structured_outputs()
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
                                                               args.data_parallel_size,
