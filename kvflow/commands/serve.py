@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args.validate_parallel()  # refused here, before any worker starts
     engine_args.validate_cpu_offload()
     engine_args.validate_itl_target()
+    engine_args = adaptive_itl_target(engine_args, args.disagg_policy, args.slo_itl_ms)
     engine_args.structured_outputs()
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
                                                               args.data_parallel_size,
@@ -140,6 +142,19 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         cluster.stop(args.drain_timeout + WORKER_STOP_MARGIN_S)
     return 0
+
+
+def adaptive_itl_target(engine_args: EngineArgs, policy: str, slo_itl_ms: float) -> EngineArgs:
+    """Adaptive on GPU workers: unless --itl-target-ms is given, local prefill beside decodes is chunked to keep
+    steps within --slo-itl-ms. CPU workers are left uncapped: a CPU decode step alone takes about a typical ITL
+    target (SmolLM2, 2 cores: ~40 ms), so a cap would only starve prefill."""
+    if policy != "adaptive" or engine_args.itl_target_ms is not None or not engine_args.enable_chunked_prefill:
+        return engine_args
+    from kvflow.launcher import visible_gpus
+
+    if engine_args.device not in ("auto", "cuda") or not visible_gpus():
+        return engine_args
+    return dataclasses.replace(engine_args, itl_target_ms=slo_itl_ms)
 
 
 def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None,
