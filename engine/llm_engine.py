@@ -31,6 +31,7 @@ from engine.core.step_budget import StepTimeModel
 from engine.core.swap_space import SwapSpace
 from engine.errors import InvalidRequest
 from engine.kv_port import KVPort
+from engine.metrics.busy import BusyMeter
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import PositionLogprobs, RequestOutput, SchedulerOutput
 from engine.parallel.executor import create_runner
@@ -55,6 +56,8 @@ class EngineLoad:
     num_kv_blocks: int
     num_free_blocks: int
     num_preemptions: int
+    busy_fraction: float = 0.0  # share of the last seconds spent in steps (engine/metrics/busy.py)
+    prefill_tokens_per_s: float = 0.0  # how fast a prompt admitted now would prefill; 0: not known yet
 
 
 class LLMEngine:
@@ -70,6 +73,7 @@ class LLMEngine:
         self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self.hasher,
                                          config.cache.enable_prefix_caching, enable_kv_events)
+        self.busy = BusyMeter()
         # --itl-target-ms: the engine times each step and feeds this model; the scheduler asks it for budgets.
         self.step_model = (StepTimeModel(floor_tokens=max(16, config.cache.block_size))
                            if config.scheduler.itl_target_ms is not None else None)
@@ -235,7 +239,16 @@ class LLMEngine:
         queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in pending)
         pool = self.kv_manager.pool
         return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
-                          pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions)
+                          pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions,
+                          self.busy.fraction(time.perf_counter()), self._prefill_rate())
+
+    def _prefill_rate(self) -> float:
+        if self.step_model is None:
+            return 0.0
+        config = self.config.scheduler
+        target = config.itl_target_ms / 1000 if config.itl_target_ms is not None else None
+        decoding = sum(1 for r in self.scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        return self.step_model.prefill_tokens_per_s(decoding, target, config.max_num_batched_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -267,7 +280,9 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.stats.num_steps += 1
         outputs = self.outputs.process(updated, scheduler_output, runner_output)
-        self._observe_step(scheduler_output, time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.busy.record(started, ended)
+        self._observe_step(scheduler_output, ended - started)
         self._refresh_gauges()
         return outputs
 

@@ -157,3 +157,15 @@ class StepTimeModel:
         if cost.per_prefill_token_s <= 0 or slack / cost.per_prefill_token_s >= MAX_BUDGET_TOKENS:
             return None
         return max(self.floor_tokens, int(slack / cost.per_prefill_token_s))
+
+    def prefill_tokens_per_s(self, num_decode_seqs: int, target_s: float | None, chunk_tokens: int) -> float:
+        """How fast a prompt admitted now would prefill beside `num_decode_seqs` decodes, in chunks of at most
+        `chunk_tokens` (fewer under `target_s` while decodes run); 0.0 while the fit is not trusted. The router
+        weighs local against remote prefill with it."""
+        cost = self.cost()
+        if cost is None or cost.per_prefill_token_s <= 0:
+            return 0.0
+        tokens = chunk_tokens
+        if num_decode_seqs and target_s is not None:
+            tokens = min(self.prefill_token_budget(num_decode_seqs, target_s) or chunk_tokens, chunk_tokens)
+        return tokens / max(cost.predict(num_decode_seqs, tokens), 1e-6)
