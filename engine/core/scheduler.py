@@ -214,6 +214,8 @@ class Scheduler:
                 continue
             decode = is_decoding(request)  # only a swapped-out decode, among waiting requests
             limit = step.limit(decode)
+            if limit == 0:  # the ITL cap is spent (before the prefix lookup, which counts a cache query)
+                break
             if request.status is RequestStatus.SWAPPED:
                 num_new = request.num_tokens - request.num_computed_tokens
                 if num_new > limit or not self._swap_in(request, num_new, swap_in):
@@ -222,7 +224,7 @@ class Scheduler:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if num_new > limit:
-                    if not self.config.enable_chunked_prefill or limit == 0:
+                    if not self.config.enable_chunked_prefill:
                         break
                     num_new = limit
                 if self.kv.allocate_slots(request, num_new, hit_blocks) is None:

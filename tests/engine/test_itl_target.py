@@ -167,8 +167,10 @@ def test_running_decodes_cap_prefill_tokens() -> None:
     _advance(sched, out)
     sched.add_request(_request("long", 40))
     sched.add_request(_request("next", 8))
+    queries = sched.kv.stats.queries
     out = sched.schedule()
-    assert _sizes(out) == {"a": 1, "b": 1, "long": 10}  # "next" waits: the cap is spent
+    assert _sizes(out) == {"a": 1, "b": 1, "long": 10}  # "next" waits: the cap is spent ...
+    assert sched.kv.stats.queries - queries == 40  # ... and is not even looked up in the prefix cache
     assert budget.asked == [(2, 0.025)] and budget.contexts == [0]  # the cap will go to "long", from its start
     assert (out.num_decode_seqs, out.num_prefill_tokens, out.prefill_token_cap) == (2, 10, 10)
     assert out.prefill_attention_pairs == 10 * 11 // 2
