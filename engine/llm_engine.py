@@ -296,7 +296,8 @@ class LLMEngine:
         if (scheduler_output.total_num_scheduled_tokens == 0 or scheduler_output.blocks_to_swap_in
                 or scheduler_output.blocks_to_swap_out):
             return
-        self.step_model.observe(scheduler_output.num_decode_seqs, scheduler_output.num_prefill_tokens, seconds)
+        self.step_model.observe(scheduler_output.num_decode_seqs, scheduler_output.num_prefill_tokens, seconds,
+                                scheduler_output.prefill_attention_pairs)
 
     def _refresh_gauges(self) -> None:
         s = self.stats

@@ -44,6 +44,7 @@ class SchedulerOutput:
     # The step's make-up, for the step-time model of --itl-target-ms (engine/core/step_budget.py).
     num_decode_seqs: int = 0
     num_prefill_tokens: int = 0  # tokens of chunks that are not decodes (prompt, or recompute after preemption)
+    prefill_attention_pairs: int = 0  # (query, key) pairs those chunks attend (engine/core/step_budget.py)
     prefill_token_cap: int | None = None  # the --itl-target-ms cap this step ran under (None: uncapped)
 
 

@@ -38,12 +38,12 @@ from kernels._triton import (
 )
 from kernels.fp8_kv import FP8_DTYPE
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits", "MIN_SPLIT_TOKENS"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4
-_MIN_CHUNK = 256  # tokens per split at least, when max_seq_len is known
+MIN_SPLIT_TOKENS = 256  # tokens per split at least, when max_seq_len is known
 
 if HAS_TRITON:
 
@@ -243,7 +243,7 @@ def default_num_splits(
     sweep was floor(4 * SMs / (batch * kv_heads)); rounding up (one split more) cost 6-30%.
     Chosen from shapes only (no device sync on seq_lens, so it is CUDA-graph safe);
     ``max_seq_len`` (a host-side bound the scheduler knows) keeps every split at least
-    ``_MIN_CHUNK`` tokens, so short contexts skip the second (reduce) launch.
+    ``MIN_SPLIT_TOKENS`` tokens, so short contexts skip the second (reduce) launch.
     """
     if device.type != "cuda":
         return 1
@@ -253,7 +253,7 @@ def default_num_splits(
     )
     splits = max(1, min(_MAX_SPLITS, target // programs))
     if max_seq_len is not None:
-        splits = min(splits, max(1, math.ceil(max_seq_len / _MIN_CHUNK)))
+        splits = min(splits, max(1, math.ceil(max_seq_len / MIN_SPLIT_TOKENS)))
     return splits
 
 

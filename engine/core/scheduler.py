@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from engine.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
-from engine.core.step_budget import PrefillBudget
+from engine.core.step_budget import PrefillBudget, attention_pairs
 from engine.core.swap_space import SwapSpace
 from engine.outputs import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 
@@ -42,6 +42,7 @@ class _StepBudget:
     prefill_cap: int | None
     num_decode_seqs: int = 0
     num_prefill_tokens: int = 0
+    prefill_attention_pairs: int = 0
 
     def limit(self, decode: bool) -> int:
         """The most new tokens the next chunk may take."""
@@ -49,12 +50,13 @@ class _StepBudget:
             return self.tokens
         return max(0, min(self.tokens, self.prefill_cap - self.num_prefill_tokens))
 
-    def take(self, num_new: int, decode: bool) -> None:
+    def take(self, num_new: int, decode: bool, num_cached: int) -> None:
         self.tokens -= num_new
         if decode:
             self.num_decode_seqs += 1
         else:
             self.num_prefill_tokens += num_new
+            self.prefill_attention_pairs += attention_pairs(num_new, num_cached)
 
 
 class Scheduler:
@@ -200,7 +202,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            step.take(num_new, decode)
+            step.take(num_new, decode, request.num_computed_tokens)
             chunks.append(self._chunk(request, num_new, new_requests))
             index += 1
 
@@ -212,6 +214,8 @@ class Scheduler:
                 continue
             decode = is_decoding(request)  # only a swapped-out decode, among waiting requests
             limit = step.limit(decode)
+            if limit == 0:  # the ITL cap is spent (before the prefix lookup, which counts a cache query)
+                break
             if request.status is RequestStatus.SWAPPED:
                 num_new = request.num_tokens - request.num_computed_tokens
                 if num_new > limit or not self._swap_in(request, num_new, swap_in):
@@ -220,7 +224,7 @@ class Scheduler:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if num_new > limit:
-                    if not self.config.enable_chunked_prefill or limit == 0:
+                    if not self.config.enable_chunked_prefill:
                         break
                     num_new = limit
                 if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
@@ -233,7 +237,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            step.take(num_new, decode)
+            step.take(num_new, decode, request.num_computed_tokens)
             chunks.append(self._chunk(request, num_new, new_requests))
         self.waiting.extendleft(reversed(skipped))
 
@@ -247,6 +251,7 @@ class Scheduler:
             finished_request_ids=finished,
             num_decode_seqs=step.num_decode_seqs,
             num_prefill_tokens=step.num_prefill_tokens,
+            prefill_attention_pairs=step.prefill_attention_pairs,
             prefill_token_cap=step.prefill_cap,
         )
 
@@ -260,7 +265,10 @@ class Scheduler:
         num_decodes = sum(1 for request in self.running if is_decoding(request))
         if not num_decodes:
             return None
-        return self.prefill_budget.prefill_token_budget(num_decodes, target_ms / 1000.0)
+        # The chunk the cap will mostly go to: a running prompt's next one, else the next admission's first.
+        first = next((r for r in self.running if not is_decoding(r)), self.waiting[0] if self.waiting else None)
+        context = first.num_computed_tokens if first is not None else 0
+        return self.prefill_budget.prefill_token_budget(num_decodes, target_ms / 1000.0, context)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, apply stop rules; returns the requests that changed."""

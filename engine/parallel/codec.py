@@ -15,7 +15,8 @@ from engine.outputs import NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.sampling_params import SamplingParams
 
 _SO_FIELDS = {"new_requests", "chunks", "total_num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in",
-              "finished_request_ids", "num_decode_seqs", "num_prefill_tokens", "prefill_token_cap"}
+              "finished_request_ids", "num_decode_seqs", "num_prefill_tokens", "prefill_attention_pairs",
+              "prefill_token_cap"}
 _CHUNK_FIELDS = ("request_id", "token_ids", "start_position", "block_ids", "sample", "prompt_logprobs",
                  "spec_token_ids")
 _NEW_FIELDS = {"request_id", "prompt_token_ids", "sampling_params", "output_token_ids", "generator_state"}
@@ -60,7 +61,7 @@ def encode(so: SchedulerOutput) -> bytes:
         "swap_out": so.blocks_to_swap_out,
         "swap_in": so.blocks_to_swap_in,
         "finished": sorted(so.finished_request_ids),
-        "mix": [so.num_decode_seqs, so.num_prefill_tokens, so.prefill_token_cap],  # the step's make-up
+        "mix": [so.num_decode_seqs, so.num_prefill_tokens, so.prefill_attention_pairs, so.prefill_token_cap],
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -77,5 +78,6 @@ def decode(data: bytes) -> SchedulerOutput:
         finished_request_ids=set(doc["finished"]),
         num_decode_seqs=int(doc["mix"][0]),
         num_prefill_tokens=int(doc["mix"][1]),
-        prefill_token_cap=doc["mix"][2],
+        prefill_attention_pairs=int(doc["mix"][2]),
+        prefill_token_cap=doc["mix"][3],
     )

@@ -7,6 +7,11 @@ still right, only slower; the runner orders chunks decode-first). New K/V are sc
 
 Metadata is built once per step on the host and sent in two copies (int64 slots, and every int32 table in one
 buffer); layers only slice it. The decode CUDA graphs build the same metadata over their static buffers.
+
+Every slice of the int32 buffer starts on 16 bytes and block tables are padded to a multiple of 16 columns:
+Triton specializes a kernel on its pointer arguments' 16-byte alignment and on integer arguments (a table's row
+stride) being 1 or a multiple of 16, so a layout that moved with the batch's make-up compiled new kernel variants
+in the middle of serving. With it fixed, the start-up warm-up (engine/runner/warmup.py) covers them all.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from kernels.paged_decode_attention import paged_decode_attention
 from kernels.paged_prefill_attention import paged_prefill_attention
 from kernels.rotary_kv_write import rotary_and_write_kv
 
+ALIGN_INTS = 4  # int32 slices start on 16 bytes
+TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
 TICKETS = 1 << 16  # int32 split tickets of the single-pass decode kernel: batch x kv heads up to this
 # The single-pass decode kernel (last split combines) measured slower than split + combine kernel on an H200
 # (Llama-8B shapes, batch 1: 9.0 vs 5.8 us per layer; Qwen-0.5B: 9.6 vs 5.2 us; bench/GPU_NOTES.md): off.
@@ -58,6 +65,10 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _fill_tables(out: np.ndarray, tables: list[list[int]], seq_lens: list[int], block_size: int) -> None:
     for row, (table, seq_len) in enumerate(zip(tables, seq_lens, strict=True)):
         used = -(-seq_len // block_size)  # the blocks holding the context; a table may hold more
@@ -83,15 +94,18 @@ class TritonPagedAttention:
         nd = num_leading_decodes(batch.query_lens)
         num_seqs = len(batch.query_lens)
         num_prefill = num_seqs - nd
-        width = max(-(-s // bs) for s in batch.seq_lens)
-        # One int32 buffer: decode seq_lens | prefill cu_seqlens | prefill seq_lens | all block tables.
-        head = nd + (num_prefill + 1 if num_prefill else 0) + num_prefill
+        width = _round_up(max(-(-s // bs) for s in batch.seq_lens), TABLE_COLUMNS)
+        # One int32 buffer, each slice 16-byte aligned: decode seq_lens | prefill cu_seqlens | prefill seq_lens |
+        # all block tables.
+        cu_at = _round_up(nd, ALIGN_INTS)
+        lens_at = _round_up(cu_at + num_prefill + 1, ALIGN_INTS) if num_prefill else cu_at
+        head = _round_up(lens_at + num_prefill, ALIGN_INTS)
         buf = np.zeros(head + num_seqs * width, dtype=np.int32)
         buf[:nd] = batch.seq_lens[:nd]
         if num_prefill:
-            cu = buf[nd : nd + num_prefill + 1]
+            cu = buf[cu_at : cu_at + num_prefill + 1]
             np.cumsum(batch.query_lens[nd:], out=cu[1:])
-            buf[nd + num_prefill + 1 : head] = batch.seq_lens[nd:]
+            buf[lens_at : lens_at + num_prefill] = batch.seq_lens[nd:]
         tables = buf[head:].reshape(num_seqs, width)
         _fill_tables(tables, batch.block_tables, batch.seq_lens, bs)
         ints = _to_device(buf, device)
@@ -104,8 +118,8 @@ class TritonPagedAttention:
             decode_seq_lens=ints[:nd] if nd else None,
             decode_max_seq_len=max(batch.seq_lens[:nd], default=0),
             prefill_block_tables=dev_tables[nd:] if num_prefill else None,
-            prefill_cu_seqlens_q=ints[nd : nd + num_prefill + 1] if num_prefill else None,
-            prefill_seq_lens=ints[nd + num_prefill + 1 : head] if num_prefill else None,
+            prefill_cu_seqlens_q=ints[cu_at : cu_at + num_prefill + 1] if num_prefill else None,
+            prefill_seq_lens=ints[lens_at : lens_at + num_prefill] if num_prefill else None,
             prefill_max_q_len=max(batch.query_lens[nd:], default=0),
         )
 

@@ -56,6 +56,7 @@ from engine.runner.kv_cache import (
 )
 from engine.runner.memory import GpuMemory, MemoryProfiler, ProfileShape
 from engine.runner.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
+from engine.runner.warmup import warm_up
 from engine.runner.weight_offload import LayerWeightStream, OffloadPlan, parameter_bytes, plan_offload
 from engine.spec.verify import verify_spans
 from engine.structured.grammar import StructuredOutputManager
@@ -256,13 +257,17 @@ class ModelRunner:
         return profiler.kv_budget(self.kv_spec, shape, self.memory_at_start, cache.gpu_memory_utilization)
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
-        """Allocate the KV cache (and CPU swap space), then capture the decode graphs, which bake in its address."""
+        """Allocate the KV cache (and CPU swap space), capture the decode graphs, which bake in its address, then
+        (CUDA) warm every eager kernel variant (engine/runner/warmup.py), so none compiles while serving. The CPU
+        path compiles nothing at run time: its C++ kernels are built when the model loads."""
         self._allocate_kv(num_blocks)
         self.swap_caches = self.kv_spec.allocate_swap(num_swap_blocks, pin=self.on_cuda)
         if self.graph_sizes:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, self.kv_caches, self.graph_sizes,
                                            self.config.device.max_seq_len_to_capture, self.block_size, self.device)
+        if self.on_cuda:
+            warm_up(self)
 
     def _allocate_kv(self, num_blocks: int) -> None:
         self.kv_caches = []  # drop the old cache before allocating the new one

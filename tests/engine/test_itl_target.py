@@ -15,7 +15,7 @@ from engine.core.block_hash import BlockHasher
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, is_decoding
-from engine.core.step_budget import StepCost, StepTimeModel, nonnegative_lstsq
+from engine.core.step_budget import StepCost, StepTimeModel, attention_pairs, nonnegative_lstsq
 from engine.llm_engine import LLMEngine
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -47,19 +47,49 @@ def test_model_fits_a_linear_cost_and_gives_the_budget() -> None:
     assert budget is not None and TRUE.predict(3, budget) <= 0.012555 < TRUE.predict(3, budget + 1)
 
 
-def test_floor_and_none() -> None:
+def test_floor_none_and_the_range_seen() -> None:
     model = StepTimeModel(floor_tokens=32, skip_first=0)
     assert model.prefill_token_budget(4, 0.05) is None  # nothing observed: no cap
     for decodes in range(1, 9):
         model.observe(decodes, 0, TRUE.predict(decodes, 0))
-    assert model.num_samples == 8 and model.prefill_token_budget(4, 0.05) is None  # prefill cost never seen
+    assert model.num_samples == 8 and model.prefill_token_budget(4, 0.05) == 32  # prefill never seen: start small
     for tokens in (100, 200, 300):
         model.observe(2, tokens, TRUE.predict(2, tokens))
-    assert model.prefill_token_budget(4, 0.05) is not None
+    assert model.prefill_token_budget(4, 0.05) == 600  # the fit allows 4660: only twice the largest chunk seen
     assert model.prefill_token_budget(100, 0.010) == 32  # decodes alone predicted at 12 ms: the floor
     assert model.prefill_token_budget(4, 0.0035) == 32  # slack under the floor: still the floor
     free = trained(StepCost(2e-3, 1e-4, 0.0, 0.0))
-    assert free.prefill_token_budget(4, 0.05) is None  # prefill tokens cost nothing measurable: nothing to cap
+    assert free.prefill_token_budget(4, 0.05) == 2048  # prefill looks free: as far as seen (2 x 1024)
+
+
+def test_attention_pairs_make_deep_chunks_smaller() -> None:
+    deep = StepCost(2e-3, 1e-4, 1e-5, 1e-3, per_attention_pair_s=1e-8)
+    model = StepTimeModel(skip_first=0)
+    for decodes in (1, 4, 8, 16):
+        for tokens, cached in ((0, 0), (64, 0), (256, 1024), (1024, 0), (512, 4096), (128, 8192)):
+            pairs = attention_pairs(tokens, cached)
+            model.observe(decodes, tokens, deep.predict(decodes, tokens, pairs), pairs)
+    cost = model.cost()
+    assert cost is not None and math.isclose(cost.per_attention_pair_s, 1e-8, rel_tol=1e-4)
+    fresh, deeper = model.prefill_token_budget(4, 0.020), model.prefill_token_budget(4, 0.020, context_tokens=8192)
+    assert fresh is not None and deeper is not None and deeper < fresh
+    for budget, cached in ((fresh, 0), (deeper, 8192)):  # each is the largest chunk predicted within 20 ms
+        assert deep.predict(4, budget, attention_pairs(budget, cached)) <= 0.020
+        assert deep.predict(4, budget + 1, attention_pairs(budget + 1, cached)) > 0.020
+
+
+def test_a_model_that_saw_only_decodes_explores_by_doubling() -> None:
+    model = StepTimeModel(skip_first=0)
+    for decodes in range(1, 9):
+        model.observe(decodes, 0, TRUE.predict(decodes, 0))
+    budgets = []
+    for _ in range(10):
+        budget = model.prefill_token_budget(4, 0.020)
+        assert budget is not None
+        budgets.append(budget)
+        model.observe(4, budget, TRUE.predict(4, budget))  # the capped step, as the scheduler would run it
+    assert budgets[:6] == [16, 32, 64, 128, 256, 512]
+    assert budgets[-1] in (1659, 1660)  # then the fitted slope binds: (20 - 2.4 - 1) ms / 10 us
 
 
 def test_warm_up_and_outliers_are_dropped() -> None:
@@ -72,6 +102,7 @@ def test_warm_up_and_outliers_are_dropped() -> None:
     assert model.cost() == before
     assert model.observe(8, 256, 1.0)  # a third in a row: the cost really changed, follow it
     assert model.cost() != before
+    assert trained().observe(8, 4096, 1.0)  # beyond the range seen: never an outlier, that is where it learns
 
 
 def test_coefficients_are_never_negative() -> None:
@@ -96,9 +127,11 @@ class FixedBudget:
     def __init__(self, tokens: int | None) -> None:
         self.tokens = tokens
         self.asked: list[tuple[int, float]] = []
+        self.contexts: list[int] = []
 
-    def prefill_token_budget(self, num_decode_seqs: int, target_s: float) -> int | None:
+    def prefill_token_budget(self, num_decode_seqs: int, target_s: float, context_tokens: int = 0) -> int | None:
         self.asked.append((num_decode_seqs, target_s))
+        self.contexts.append(context_tokens)
         return self.tokens
 
 
@@ -134,15 +167,19 @@ def test_running_decodes_cap_prefill_tokens() -> None:
     _advance(sched, out)
     sched.add_request(_request("long", 40))
     sched.add_request(_request("next", 8))
+    queries = sched.kv.stats.queries
     out = sched.schedule()
-    assert _sizes(out) == {"a": 1, "b": 1, "long": 10}  # "next" waits: the cap is spent
-    assert budget.asked == [(2, 0.025)]
+    assert _sizes(out) == {"a": 1, "b": 1, "long": 10}  # "next" waits: the cap is spent ...
+    assert sched.kv.stats.queries - queries == 40  # ... and is not even looked up in the prefix cache
+    assert budget.asked == [(2, 0.025)] and budget.contexts == [0]  # the cap will go to "long", from its start
     assert (out.num_decode_seqs, out.num_prefill_tokens, out.prefill_token_cap) == (2, 10, 10)
+    assert out.prefill_attention_pairs == 10 * 11 // 2
     _advance(sched, out)
     budget.tokens = 35
     out = sched.schedule()  # the running prefill continues, then "next" is admitted with what is left
     assert _sizes(out) == {"a": 1, "b": 1, "long": 30, "next": 5}
-    assert out.total_num_scheduled_tokens == 37
+    assert out.total_num_scheduled_tokens == 37 and budget.contexts[-1] == 10  # "long" is 10 tokens in
+    assert out.prefill_attention_pairs == (30 * 10 + 30 * 31 // 2) + 5 * 6 // 2
 
 
 def test_a_capped_prefill_never_blocks_the_decodes_behind_it() -> None:

@@ -94,10 +94,12 @@ def test_step_codec_round_trips_without_pickle() -> None:
         new_requests=[NewRequestData("a", [1, 2, 3], params, [4], b"\x00\xffstate")],
         chunks=[ScheduledChunk("a", [3], 2, [5, 6], True, False), ScheduledChunk("b", [1, 2], 0, [7], False, True)],
         total_num_scheduled_tokens=3, blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(3, 4)],
-        finished_request_ids={"z"}, num_decode_seqs=1, num_prefill_tokens=2, prefill_token_cap=16)
+        finished_request_ids={"z"}, num_decode_seqs=1, num_prefill_tokens=2, prefill_attention_pairs=3,
+        prefill_token_cap=16)
     back = codec.decode(codec.encode(so))
     assert back.chunks == so.chunks and back.finished_request_ids == so.finished_request_ids
-    assert (back.num_decode_seqs, back.num_prefill_tokens, back.prefill_token_cap) == (1, 2, 16)
+    assert (back.num_decode_seqs, back.num_prefill_tokens, back.prefill_attention_pairs, back.prefill_token_cap) \
+        == (1, 2, 3, 16)
     assert back.blocks_to_swap_in == so.blocks_to_swap_in and back.blocks_to_swap_out == so.blocks_to_swap_out
     new = back.new_requests[0]
     assert (new.request_id, new.prompt_token_ids, new.output_token_ids, new.generator_state) == \

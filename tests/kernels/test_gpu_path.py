@@ -85,9 +85,15 @@ def test_triton_metadata_splits_decode_run_and_prefill() -> None:
     assert meta.num_decode_tokens == 2 and meta.decode_max_seq_len == 11 and meta.prefill_max_q_len == 6
     assert meta.decode_seq_lens is not None and meta.decode_seq_lens.tolist() == [5, 11]
     assert meta.decode_block_tables is not None and meta.prefill_block_tables is not None
-    # Tables hold only the blocks of each context (a table may list more), zero-padded to the widest.
-    assert meta.decode_block_tables.tolist() == [[3, 9, 0], [4, 5, 6]]
-    assert meta.prefill_block_tables.tolist() == [[7, 8, 0], [10, 11, 0]]
+    # Tables hold only the blocks of each context (a table may list more), zero-padded to 16 columns.
+    assert meta.decode_block_tables.tolist() == [[3, 9] + [0] * 14, [4, 5, 6] + [0] * 13]
+    assert meta.prefill_block_tables.tolist() == [[7, 8] + [0] * 14, [10, 11] + [0] * 14]
+    # Every int32 slice starts on 16 bytes and every table row stride is a multiple of 16 (no new Triton
+    # specialization per batch make-up)
+    for t in (meta.decode_seq_lens, meta.decode_block_tables, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+              meta.prefill_seq_lens):
+        assert t.data_ptr() % 16 == 0
+    assert meta.decode_block_tables.stride(0) % 16 == 0 and meta.prefill_block_tables.stride(0) % 16 == 0
     assert meta.prefill_cu_seqlens_q is not None and meta.prefill_cu_seqlens_q.tolist() == [0, 3, 9]
     assert meta.prefill_seq_lens is not None and meta.prefill_seq_lens.tolist() == [7, 6]
     assert meta.decode_block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64

@@ -1,0 +1,125 @@
+"""Kernel warm-up: run every kernel variant a GPU worker will use once, before the worker says it is ready.
+
+Why: Triton compiles a kernel the first time it meets a new specialization: its constexprs (an fp8 cache, the
+decode kernel's split-count class) and Triton's own specialization of integer arguments (== 1, a multiple of 16:
+token and row counts) and of pointer alignment. A compile takes from a fraction of a second to seconds, so a
+first batch of a new shape ran at half the speed of the same batch a minute later. cuBLAS picks its kernels
+lazily too. The engine builds (and the worker's health answers only after) `LLMEngine` construction, which calls
+`ModelRunner.initialize_kv_cache`, which runs this after the KV cache is allocated and the decode graphs are
+captured (the graphs warmed the decode-only replays; this covers the eager steps).
+
+What runs (`warmup_batches`): eager forwards of the runner's own model and attention backend, plus the lm head,
+over dummy tokens (id 0): the largest prefill chunk and one token less (token counts that are and are not
+multiples of 16), a small prompt, a chunk continuing a cached prefix, eager decode batches of 1 and 3 rows, mixed
+decode + prefill steps of 16 and 21 tokens, and one decode row at each context that selects another split-count
+class of the decode kernel (kernels/paged_decode_attention.py). No sampling.
+
+Invariants:
+- Every K/V write goes to block 0, the null block that pads block tables and is never handed out, and every
+  block table lists only block 0; block 0 of every layer is saved before and restored after. So the cache's
+  bytes, the KV cache manager, the prefix cache, the runner's requests, the sampler's generators and every
+  counter and metric are exactly as before.
+- No forward holds more than max_num_batched_tokens tokens or a context over max_model_len: the memory profile
+  covered every one.
+- The batches depend on the config alone, so tensor-parallel ranks (each runs this in its own
+  `initialize_kv_cache`) run the same forwards and their collectives pair up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.runner.attention import AttentionBatch
+from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
+
+if TYPE_CHECKING:
+    from engine.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+SCRATCH_BLOCK = 0  # the null block: pads block tables, never handed out to a request
+# Split counts of the decode kernel, one per compiled class: next_pow2(splits) is a constexpr, and Triton
+# specializes the count itself on being 1 or a multiple of 16.
+DECODE_SPLITS = (1, 2, 3, 5, 9, 16, 17, 32, 33, 48)
+SAMPLE_ROWS = (1, 3, 16)  # lm-head row counts: one, another, a multiple of 16
+
+
+@dataclass(frozen=True)
+class WarmupBatch:
+    """One dummy step: per sequence, its new tokens and its context after the step (decodes first)."""
+
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def attention_batch(self, block_size: int) -> tuple[AttentionBatch, list[int]]:
+        """The attention batch (every table and every write on the scratch block) and the tokens' positions."""
+        positions = [p for q, s in zip(self.query_lens, self.seq_lens, strict=True) for p in range(s - q, s)]
+        tables = [[SCRATCH_BLOCK] * -(-s // block_size) for s in self.seq_lens]
+        slots = [SCRATCH_BLOCK * block_size + p % block_size for p in positions]
+        return AttentionBatch(list(self.query_lens), list(self.seq_lens), tables, slots), positions
+
+
+def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[WarmupBatch]:
+    """The dummy steps, within the scheduler's limits (see the module docstring)."""
+    chunk = min(max_num_batched_tokens, max_model_len)
+    wanted = [
+        WarmupBatch((chunk,), (chunk,)),
+        WarmupBatch((chunk - 1,), (chunk - 1,)),
+        WarmupBatch((17,), (17,)),
+        WarmupBatch((16,), (48,)),  # a chunk after a cached prefix
+        WarmupBatch((1,), (9,)),
+        WarmupBatch((1, 1, 1), (5, 40, 300)),
+        WarmupBatch((1, 1, 14), (12, 70, 14)),  # 16 tokens
+        WarmupBatch((1, 20), (33, 20)),  # 21 tokens
+    ]
+    wanted += [WarmupBatch((1,), (splits * MIN_SPLIT_TOKENS,)) for splits in DECODE_SPLITS[1:]]
+    batches = []
+    for batch in wanted:
+        fits = (1 <= batch.num_tokens <= max_num_batched_tokens and len(batch.query_lens) <= max_num_seqs
+                and max(batch.seq_lens) <= max_model_len and min(batch.query_lens) >= 1)
+        if fits and batch not in batches:
+            batches.append(batch)
+    return batches
+
+
+def warm_up(runner: ModelRunner) -> float:
+    """Run `warmup_batches` on the runner's model; the seconds it took. See the module docstring."""
+    sched = runner.config.scheduler
+    batches = warmup_batches(sched.max_num_batched_tokens, runner.config.model.max_model_len, sched.max_num_seqs)
+    started = time.perf_counter()
+    saved = [(k[SCRATCH_BLOCK].clone(), v[SCRATCH_BLOCK].clone()) for k, v in runner.kv_caches]
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                run_batch(runner, batch)
+    finally:
+        for (key, value), (saved_key, saved_value) in zip(runner.kv_caches, saved, strict=True):
+            key[SCRATCH_BLOCK].copy_(saved_key)
+            value[SCRATCH_BLOCK].copy_(saved_value)
+        if runner.on_cuda:
+            torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - started
+    logger.info("warmed the kernels with %d dummy steps (up to %d tokens) in %.1fs", len(batches),
+                max(b.num_tokens for b in batches), seconds)
+    return seconds
+
+
+def run_batch(runner: ModelRunner, batch: WarmupBatch) -> None:
+    """One dummy step: the forward and the lm head at `SAMPLE_ROWS` rows (block 0 is left written)."""
+    attention, positions = batch.attention_batch(runner.block_size)
+    device = runner.device
+    ids = torch.zeros(len(positions), dtype=torch.int64, device=device)
+    meta = runner.attn_backend.build_metadata(attention, device)
+    hidden = runner.model(ids, torch.as_tensor(positions, dtype=torch.int64, device=device), runner.kv_caches, meta)
+    for rows in SAMPLE_ROWS:
+        if rows <= len(hidden):
+            runner.model.compute_logits(hidden[:rows])
