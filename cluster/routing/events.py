@@ -32,6 +32,8 @@ class WorkerLoad:
     kv_cache_usage: float = 0.0  # 0..1 of blocks referenced by requests
     num_kv_blocks: int = 0
     num_preemptions: int = 0  # cumulative
+    busy_fraction: float = 0.0  # share of recent time spent in steps
+    prefill_tokens_per_s: float = 0.0  # a new prompt's prefill rate there now; 0: not known
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,12 @@ decodes finish where they are and its KV transfers complete, so nothing restarts
 Rules, checked each tick (`--slo-ttft-ms`, `--slo-itl-ms`):
 - to decode: the decode pool's KV is nearly full; or inter-token gaps break the SLO while no decode worker prefills
   locally (decode capacity is short); or the prefill pool idles (it got under 10 % of the window's routed prompt
-  tokens and queues nothing) while the decode pool has work;
+  tokens and queues nothing) while the decode pool has work; or the prefill pool is mostly idle (busy under half
+  the time) while the decode pool is saturated (busy over 90 %) and gaps near the SLO;
 - to prefill (with at least two decode workers): gaps break the SLO while decode workers prefill locally (one
   worker prefilling for the others shields them); or TTFT breaks the SLO while gaps have headroom.
-Hysteresis: a move must be wanted on `confirm_ticks` consecutive ticks, a moved worker stays `min_dwell_s` in its
-pool, and after a move only samples taken since count. A move never empties the decode pool, never touches a
+Hysteresis: a move must be wanted on `confirm_ticks` consecutive ticks, no move follows another within
+`min_dwell_s`, and after a move only samples taken since count. A move never empties the decode pool, never touches a
 pinned worker, and never puts a worker in a pool whose members share its compute (that adds no capacity).
 """
 
@@ -39,6 +40,8 @@ class PlannerConfig:
     itl_headroom: float = 0.8  # gaps under this share of the SLO leave room for more local prefill
     idle_remote_share: float = 0.1  # the prefill pool got less than this share of routed prompt tokens: idle
     saturated_kv_usage: float = 0.9
+    idle_busy: float = 0.5  # a pool busy less than this share of the time has capacity to give
+    saturated_busy: float = 0.9
 
     def validate(self) -> None:
         if not self.slo_ttft_s > 0:
@@ -95,6 +98,10 @@ class SampleWindow:
             self._samples.popleft()
 
 
+def _mean_busy(members: Sequence[Member]) -> float:
+    return sum(m.load.busy_fraction for m in members) / len(members)
+
+
 def quantile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
@@ -134,6 +141,8 @@ class PoolPlanner:
     # ---- the decision ------------------------------------------------------------------------------------
     def tick(self, now: float, members: Sequence[Member]) -> Move | None:
         """The move to make now, if one has been wanted `confirm_ticks` ticks in a row (then it counts as made)."""
+        if now - self._last_move_at < self.config.min_dwell_s:
+            return None
         wanted = self._want(self.signals(now), members, now)
         if wanted is None or wanted != self._wanted:
             self._wanted, self._streak = wanted, 1 if wanted is not None else 0
@@ -171,6 +180,11 @@ class PoolPlanner:
         if (busy and s.routed_tokens >= c.min_samples and s.remote_share < c.idle_remote_share
                 and all(m.load.queued_prefill_tokens == 0 for m in prefill)):
             return f"prefill pool idle ({s.remote_share:.0%} of prompt tokens)"
+        prefill_busy, decode_busy = _mean_busy(prefill), _mean_busy(decode)
+        near_slo = s.itl_p90_s is not None and s.itl_p90_s > c.itl_headroom * c.slo_itl_s
+        if prefill_busy < c.idle_busy and decode_busy > c.saturated_busy and near_slo:
+            return (f"decode pool saturated ({decode_busy:.0%} busy, inter-token p90 {s.itl_p90_s * 1000:.0f} ms) "
+                    f"beside a prefill pool {prefill_busy:.0%} busy")
         return None
 
     def _to_prefill_reason(self, s: Signals, decode: list[Member]) -> str | None:

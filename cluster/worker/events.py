@@ -54,7 +54,8 @@ class KVEventHub:
             return pb.WorkerLoad()
         return pb.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
                              queued_prefill_tokens=load.queued_prefill_tokens, kv_cache_usage=load.kv_cache_usage,
-                             num_kv_blocks=load.num_kv_blocks, num_preemptions=load.num_preemptions)
+                             num_kv_blocks=load.num_kv_blocks, num_preemptions=load.num_preemptions,
+                             busy_fraction=load.busy_fraction, prefill_tokens_per_s=load.prefill_tokens_per_s)
 
     def _batch(self, sequence: int, events: list[pb.KVEvent]) -> pb.KVEventBatch:
         return pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, sequence=sequence, events=events,

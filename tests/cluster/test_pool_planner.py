@@ -157,3 +157,28 @@ def test_sample_window_forgets_old_samples() -> None:
     assert window.values(1.9) == [1.0, 2.0]
     assert window.values(3.0) == [2.0]
     assert window.values(3.0, since=2.0) == []
+
+
+def test_with_measured_rates_the_choice_compares_seconds() -> None:
+    def rated(worker_id: str, rate: float, queued: int = 0, running: int = 0) -> WorkerView:
+        return WorkerView(worker_id, worker_id, WorkerLoad(num_running=running, queued_prefill_tokens=queued,
+                                                           prefill_tokens_per_s=rate), compute_domain=f"gpu-{worker_id}")
+    fast_p = rated("p", 40_000)
+    # D decodes under an ITL cap: 2,000 tokens/s left for prefill -> 1 s locally vs 0.05 s + the hop remotely
+    assert choose_prefill_path("adaptive", fast_p, rated("d", 2_000, running=60), 2048, 2048).reason == "faster_remote"
+    # P is 4 s behind: D's slow local prefill still wins
+    backed_up = rated("p", 40_000, queued=160_000)
+    assert choose_prefill_path("adaptive", backed_up, rated("d", 2_000, running=60), 2048, 2048).reason == "faster_local"
+
+
+def test_a_saturated_decode_pool_takes_a_mostly_idle_prefill_worker() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill", busy_fraction=0.1, queued_prefill_tokens=256),
+               member("d", "decode", num_running=190, busy_fraction=1.0)]
+    feed(planner, 10.0, ttft=0.3, itl=0.035, remote=8000)
+    move = settle(planner, members, 10.0)[-1]
+    assert move is not None and (move.worker_id, move.target) == ("p", "decode") and "saturated" in move.reason
+    # and no second move follows within the dwell time, whatever the signals say
+    members = [member("p", "decode", since=10.0), member("d", "decode", num_running=190, busy_fraction=1.0)]
+    feed(planner, 12.0, ttft=3.0, itl=0.010, local=8000)
+    assert settle(planner, members, 12.0) == [None, None]

@@ -533,20 +533,24 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions")
+    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "busy_fraction", "prefill_tokens_per_s")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     queued_prefill_tokens: int
     kv_cache_usage: float
     num_kv_blocks: int
     num_preemptions: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    busy_fraction: float
+    prefill_tokens_per_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("worker_id", "epoch", "sequence", "events", "load", "sent_unix_s")
