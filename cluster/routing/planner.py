@@ -36,7 +36,7 @@ class PlannerConfig:
     window_s: float = 5.0  # latency samples older than this are forgotten
     confirm_ticks: int = 2  # ticks in a row a move must be wanted
     min_dwell_s: float = 5.0  # a moved worker stays this long in its new pool
-    min_samples: int = 8  # fewer latency samples (or routed requests) than this: no opinion
+    min_samples: int = 16  # fewer latency samples (or routed requests) than this: no opinion
     itl_headroom: float = 0.8  # gaps under this share of the SLO leave room for more local prefill
     idle_remote_share: float = 0.1  # the prefill pool got less than this share of routed prompt tokens: idle
     saturated_kv_usage: float = 0.9
@@ -74,7 +74,7 @@ class Move:
 class Signals:
     ttft_p90_s: float | None
     itl_p90_s: float | None
-    routed_tokens: int
+    routed_requests: int
     remote_share: float  # of routed prompt tokens, prefilled on the prefill pool
 
 
@@ -132,11 +132,12 @@ class PoolPlanner:
     def signals(self, now: float) -> Signals:
         since = self._last_move_at
         ttft, itl = self._ttft.values(now, since), self._itl.values(now, since)
-        remote, local = sum(self._remote_tokens.values(now, since)), sum(self._local_tokens.values(now, since))
+        remote_routes, local_routes = self._remote_tokens.values(now, since), self._local_tokens.values(now, since)
+        remote, local = sum(remote_routes), sum(local_routes)
         enough = self.config.min_samples
         return Signals(quantile(ttft, 0.9) if len(ttft) >= enough else None,
                        quantile(itl, 0.9) if len(itl) >= enough else None,
-                       int(remote + local), remote / (remote + local) if remote + local else 0.0)
+                       len(remote_routes) + len(local_routes), remote / (remote + local) if remote + local else 0.0)
 
     # ---- the decision ------------------------------------------------------------------------------------
     def tick(self, now: float, members: Sequence[Member]) -> Move | None:
@@ -177,7 +178,7 @@ class PoolPlanner:
         if s.itl_p90_s is not None and s.itl_p90_s > c.slo_itl_s and not locally:
             return f"inter-token p90 {s.itl_p90_s * 1000:.0f} ms over the {c.slo_itl_s * 1000:.0f} ms SLO from decode load"
         busy = any(m.load.num_running > 0 for m in decode)
-        if (busy and s.routed_tokens >= c.min_samples and s.remote_share < c.idle_remote_share
+        if (busy and s.routed_requests >= c.min_samples and s.remote_share < c.idle_remote_share
                 and all(m.load.queued_prefill_tokens == 0 for m in prefill)):
             return f"prefill pool idle ({s.remote_share:.0%} of prompt tokens)"
         prefill_busy, decode_busy = _mean_busy(prefill), _mean_busy(decode)

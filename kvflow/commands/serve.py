@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.auth import ClusterAuth, add_cluster_auth_args
+from cluster.routing.planner import PlannerConfig
 from cluster.routing.policy import POLICY_NAMES
 from cluster.transfer.backends import KV_TRANSFER_BACKENDS
 from engine.arg_utils import EngineArgs
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def adaptive_itl_target(engine_args: EngineArgs, policy: str, slo_itl_ms: float) -> EngineArgs:
     """Adaptive on GPU workers: unless --itl-target-ms is given, local prefill beside decodes is chunked to keep
-    steps within --slo-itl-ms. CPU workers are left uncapped: a CPU decode step alone takes about a typical ITL
+    steps within 0.8 x --slo-itl-ms (the pool planner's headroom: gaps at the cap must not read as a breach). CPU
+    workers are left uncapped: a CPU decode step alone takes about a typical ITL
     target (SmolLM2, 2 cores: ~40 ms), so a cap would only starve prefill."""
     if policy != "adaptive" or engine_args.itl_target_ms is not None or not engine_args.enable_chunked_prefill:
         return engine_args
@@ -154,7 +156,7 @@ def adaptive_itl_target(engine_args: EngineArgs, policy: str, slo_itl_ms: float)
 
     if engine_args.device not in ("auto", "cuda") or not visible_gpus():
         return engine_args
-    return dataclasses.replace(engine_args, itl_target_ms=slo_itl_ms)
+    return dataclasses.replace(engine_args, itl_target_ms=PlannerConfig().itl_headroom * slo_itl_ms)
 
 
 def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None,

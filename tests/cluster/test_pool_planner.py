@@ -63,16 +63,17 @@ def test_a_prefix_cached_on_the_decode_worker_favours_local() -> None:
 # ---- the planner ------------------------------------------------------------------------------------------------
 def feed(planner: PoolPlanner, now: float, ttft: float | None = None, itl: float | None = None, remote: int = 0,
          local: int = 0, n: int = 10) -> None:
+    """`n` samples of each latency given, and `n` routes sharing the remote and the local prompt tokens."""
     for i in range(n):
         at = now - 1.0 + i * 0.1
         if ttft is not None:
             planner.observe_ttft(at, ttft)
         if itl is not None:
             planner.observe_itl(at, itl)
-    if remote:
-        planner.observe_route(now - 0.5, True, remote)
-    if local:
-        planner.observe_route(now - 0.5, False, local)
+        if remote:
+            planner.observe_route(at, True, remote // n)
+        if local:
+            planner.observe_route(at, False, local // n)
 
 
 def settle(planner: PoolPlanner, members: list[Member], now: float) -> list:
@@ -119,6 +120,13 @@ def test_no_move_while_the_slos_hold_and_the_pools_are_used() -> None:
     planner = PoolPlanner(CONFIG)
     members = [member("p", "prefill", queued_prefill_tokens=3000), member("d", "decode", num_running=20)]
     feed(planner, 10.0, ttft=0.4, itl=0.030, remote=8000, local=500)
+    assert settle(planner, members, 10.0) == [None, None]
+
+
+def test_a_few_requests_say_nothing_about_the_prefill_pool() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill"), member("d", "decode", num_running=3)]
+    feed(planner, 10.0, ttft=0.2, itl=0.02, local=5000, n=CONFIG.min_samples - 1)  # a warm-up's worth, all local
     assert settle(planner, members, 10.0) == [None, None]
 
 
