@@ -246,7 +246,7 @@ class WorkerCluster:
         self._gpu_ids: list[str] = []
         self._ports: dict[int, int] = {}  # worker index -> its gRPC port, chosen up front
         self._prefill_addresses: list[str] = []
-        self._cpu_workers = 0  # worker processes that compute on this host's cores
+        self._cpu_workers = 0  # worker processes that may compute on this host's cores at the same time
 
     def addresses(self, role: str) -> list[str]:
         return [w.address for w in self.workers if w.role == role]
@@ -257,7 +257,10 @@ class WorkerCluster:
         gpu_ids = visible_gpus() if self.spec.engine_args.device in ("auto", "cuda") else []
         self._gpu_ids = gpu_ids
         self._pending = list(enumerate(place_workers(self.spec, len(gpu_ids))))
-        self._cpu_workers = sum(placement.gpu is None for _, placement in self._pending)
+        # Role-free workers starting in the prefill pool stay idle on a shared host: the router never prefills on
+        # one worker for another of the same compute domain, nor moves one into a pool it shares compute with.
+        self._cpu_workers = sum(placement.gpu is None and not (self.spec.role_free and placement.role == "prefill")
+                                for _, placement in self._pending)
         self._ports = {index: free_port(self.spec.host) for index, _ in self._pending}
         # Where decode workers may pull KV from: the prefill workers, or, role-free, every worker (any may be moved
         # into the prefill pool).
