@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def kvflow(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvflow.cli", "--log-level", "WARNING", *args],
@@ -41,3 +43,12 @@ def test_bad_arguments_give_a_message_not_a_traceback() -> None:
     assert "no-such-model" in result.stderr and "Traceback" not in result.stderr
     result = kvflow("generate", "--model", "tiny", "--block-size", "3", "hi")
     assert result.returncode == 2 and "block_size" in result.stderr
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--slo-itl-ms", "-5"], "--slo-itl-ms"), (["--slo-ttft-ms", "0"], "--slo-ttft-ms"),
+    (["--disagg-policy", "sometimes"], "--disagg-policy"), (["--itl-target-ms", "-1"], "--itl-target-ms"),
+])
+def test_serve_refuses_bad_disaggregation_flags_before_any_worker_starts(flags: list[str], needle: str) -> None:
+    result = kvflow("serve", "--model", "tiny", "--load-format", "dummy", *flags)
+    assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
