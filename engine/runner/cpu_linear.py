@@ -60,7 +60,6 @@ def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> bool:
                 setattr(parent, name, PackedLinear(child, batch_hint))
     if getattr(model, "cpu_logits_head", None) is not None:  # a quantized head (engine/quant) keeps its own
         return True
-    head = getattr(model, "lm_head", None)
-    weight = head.weight if head is not None else model.embed_tokens.weight  # type: ignore[union-attr]
-    model.cpu_logits_head = PackedHead(weight, batch_hint)  # type: ignore[assignment]
+    # the model names its own logits module (lm_head, or the tied embedding): no architecture's names here
+    model.cpu_logits_head = PackedHead(model.head_module().weight, batch_hint)  # type: ignore[assignment,operator]
     return True

@@ -131,7 +131,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvflow.cli", "serve", "--model", "smollm2", "--port", str(port), "--grpc-port",
-             "0", "--drain-timeout", str(DRAIN_S), "--sse-keepalive-s", "0.5", *ENGINE],
+             "0", "--drain-timeout", str(DRAIN_S), "--sse-keepalive-s", "0.5", "--disagg-policy", "static", *ENGINE],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = Serve(process, port, log)
     try:

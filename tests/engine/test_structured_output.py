@@ -264,7 +264,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvflow.cli", "serve", "--model", "smollm2", "--port", str(port), "--grpc-port",
              "0", "--kv-cache-memory-bytes", str(256 << 20), "--max-model-len", "1024", "--disagg-min-prompt-tokens",
-             str(DISAGG_MIN), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+             str(DISAGG_MIN), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+             "--disagg-policy", "static"],  # the P/D path by prompt length (adaptive: all local on one host)
             stdout=out, stderr=subprocess.STDOUT, env=env)
     srv = Server(f"http://127.0.0.1:{port}", log)
     try:
