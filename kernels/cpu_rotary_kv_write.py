@@ -5,11 +5,10 @@ checks it with `torch.equal`."""
 
 from __future__ import annotations
 
-from kernels.cpu_build import exact_kernel_loader, print_build_outcome
+from kernels.cpu_build import ROTARY_KV_WRITE, kernel_loader, print_build_outcome
 
 # The compiled module, or None (logged once) when it cannot be built here: the torch path runs then.
-load_rotary_extension = exact_kernel_loader("kvflow_cpu_rotary_kv_write", "rotary_kv_write.cpp",
-                                            "rotary + KV-write")
+load_rotary_extension = kernel_loader(ROTARY_KV_WRITE)
 
 if __name__ == "__main__":
     print_build_outcome(load_rotary_extension)

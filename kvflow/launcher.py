@@ -257,6 +257,12 @@ class WorkerCluster:
         gpu_ids = visible_gpus() if self.spec.engine_args.device in ("auto", "cuda") else []
         self._gpu_ids = gpu_ids
         self._pending = list(enumerate(place_workers(self.spec, len(gpu_ids))))
+        if any(placement.gpu is None for _, placement in self._pending):
+            # Built here, once and in parallel, rather than by each worker's engine at load (silent, one at a time).
+            # Imported here: a router-only process never loads kernels/ (tests/deploy/test_floor_plan.py).
+            from kernels.cpu_build import build_all
+
+            build_all(echo=logger.info)
         # Role-free workers starting in the prefill pool stay idle on a shared host: the router never prefills on
         # one worker for another of the same compute domain, nor moves one into a pool it shares compute with.
         self._cpu_workers = sum(placement.gpu is None and not (self.spec.role_free and placement.role == "prefill")

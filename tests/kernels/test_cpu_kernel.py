@@ -155,19 +155,23 @@ def test_tcmalloc_preload_respects_the_callers_choice() -> None:
 
 
 def test_a_dead_builders_lock_file_does_not_hang_the_next_build() -> None:
-    # torch waits forever while its `lock` file exists; a build killed mid-way (a stopped CI run) leaves one.
+    # torch waits forever while its `lock` file exists; a build killed mid-way (a stopped CI run) leaves one. The
+    # unmarked build takes the builder's path (ninja finds nothing to recompile), which must clear the lock.
     import subprocess
     import sys
 
-    from kernels.cpu_build import build_dir
+    from kernels.cpu_build import BUILT_MARK, QUANT_GEMM, kernel_dir, kernel_loader
 
-    stale = build_dir() / "quant_gemm" / "lock"
-    stale.parent.mkdir(exist_ok=True)
+    assert kernel_loader(QUANT_GEMM)() is not None
+    directory = kernel_dir(QUANT_GEMM)
+    stale = directory / "lock"
+    (directory / BUILT_MARK).unlink()
     stale.touch()
     try:
         done = subprocess.run([sys.executable, "-m", "kernels.cpu_quant_gemm"], capture_output=True, text=True,
                               timeout=600)
         assert done.stdout.strip() == "built", done.stderr
         assert not stale.exists()
+        assert (directory / BUILT_MARK).exists()
     finally:
         stale.unlink(missing_ok=True)
