@@ -38,6 +38,10 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvflow' has no attribute {name!r}")
+    # Before the engine's first `import torch` loads libgomp (engine/process/openmp.py).
+    from engine.process.openmp import apply_openmp_policy
+
+    apply_openmp_policy()
     return getattr(importlib.import_module(module), name)
 
 

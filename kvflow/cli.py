@@ -10,6 +10,7 @@ import sys
 
 from engine.errors import ModelNotAvailable
 from engine.process.lifeline import die_with_parent_if_asked
+from engine.process.openmp import apply_openmp_policy
 from kvflow.commands.flag_compat import FlagRefused, make_vllm_style, prepare_argv
 
 # Each module defines register(subparsers) -> None and sets a `handler` default on its parser.
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
+    apply_openmp_policy()  # before the commands' modules import torch, which loads libgomp
     parser = build_parser()
     try:  # vLLM's spellings (--flag_name, --flag false); vLLM flags kvflow lacks end here, one line each
         argv = prepare_argv(parser, sys.argv[1:] if argv is None else argv)

@@ -43,6 +43,7 @@ from cluster.auth import TOKEN_ENV, ClusterAuth
 from engine.arg_utils import EngineArgs
 from engine.process.cpu_memory import tcmalloc_preload
 from engine.process.lifeline import lifeline_env
+from engine.process.openmp import openmp_env
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -217,22 +218,6 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
     return placements
 
 
-SHARED_CORES_GOMP_SPINCOUNT = "1000"
-
-
-def shared_cores_openmp_env(env: dict[str, str]) -> dict[str, str]:
-    """OpenMP settings for CPU workers that share the host's cores with other workers (1P+1D on one machine).
-
-    A worker whose OpenMP threads fit its cores gets libgomp's full spin after each parallel region (300,000
-    spins), which is what a lone worker wants (its decode step 51-56 -> 41-44 ms once its engine thread held the
-    only OpenMP pool: cluster/worker/threads.py `in_passing_thread`); two such workers on 2 cores spin against each
-    other (1P+1D served 1.25 -> 0.45 req/s). 1,000 spins is libgomp's own choice when threads outnumber cores.
-    The caller's GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
-    if env.get("GOMP_SPINCOUNT") or env.get("OMP_WAIT_POLICY"):
-        return {}
-    return {"GOMP_SPINCOUNT": SHARED_CORES_GOMP_SPINCOUNT}
-
-
 class WorkerCluster:
     """The worker subprocesses of a `kvflow serve`; use as a context manager."""
 
@@ -246,7 +231,6 @@ class WorkerCluster:
         self._gpu_ids: list[str] = []
         self._ports: dict[int, int] = {}  # worker index -> its gRPC port, chosen up front
         self._prefill_addresses: list[str] = []
-        self._cpu_workers = 0  # worker processes that may compute on this host's cores at the same time
 
     def addresses(self, role: str) -> list[str]:
         return [w.address for w in self.workers if w.role == role]
@@ -263,10 +247,6 @@ class WorkerCluster:
             from kernels.cpu_build import build_all
 
             build_all(echo=logger.info)
-        # Role-free workers starting in the prefill pool stay idle on a shared host: the router never prefills on
-        # one worker for another of the same compute domain, nor moves one into a pool it shares compute with.
-        self._cpu_workers = sum(placement.gpu is None and not (self.spec.role_free and placement.role == "prefill")
-                                for _, placement in self._pending)
         self._ports = {index: free_port(self.spec.host) for index, _ in self._pending}
         # Where decode workers may pull KV from: the prefill workers, or, role-free, every worker (any may be moved
         # into the prefill pool).
@@ -305,8 +285,8 @@ class WorkerCluster:
         preload = tcmalloc_preload(env) if placement.gpu is None else None
         if preload is not None:  # CPU workers: tcmalloc when installed (engine/process/cpu_memory.py)
             env["LD_PRELOAD"] = preload
-        if placement.gpu is None and self._cpu_workers > 1:
-            env.update(shared_cores_openmp_env(env))
+        if placement.gpu is None:  # its CLI would choose the same; a caller's OpenMP settings win
+            env.update(openmp_env(env))
         with open(log_path, log_mode) as log:  # own session: a terminal's Ctrl-C goes to the launcher only
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,10 +13,12 @@ from engine.llm_engine import LLMEngine, PromptInput
 from engine.metrics.stat_logger import StatLogger
 from engine.metrics.stats import EngineStats
 from engine.outputs import RequestOutput
+from engine.process.openmp import SHARED_CORES_GOMP_SPINCOUNT, apply_openmp_policy
 from engine.processing.tokenizer import apply_chat_template
 from engine.sampling_params import SamplingParams
 from kvflow.closing import Closing
 
+logger = logging.getLogger(__name__)
 Messages = list[dict[str, Any]]
 
 
@@ -23,6 +26,10 @@ class LLM(Closing):
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        if self.llm_engine.device.type == "cpu" and not apply_openmp_policy():
+            logger.warning("torch was imported before kvflow, so libgomp keeps its full spin: beside other busy "
+                           "processes CPU generation can run several times slower; set GOMP_SPINCOUNT=%s, or "
+                           "import kvflow first (engine/process/openmp.py)", SHARED_CORES_GOMP_SPINCOUNT)
         self._next_id = 0
         # vLLM's LLM logs no stats unless asked: LLM(..., disable_log_stats=False).
         self._stat_logger = None if self.engine_args.disable_log_stats else \

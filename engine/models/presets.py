@@ -33,6 +33,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
     ),
+    # SmolLM2-135M-Instruct's shapes (the real model is `smollm2`): CPU timings where its weights cannot travel.
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
     "tiny-llama": dict(_TINY, model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False),
     "tiny-qwen2": dict(_TINY, model_type="qwen2", rms_norm_eps=1e-6, tie_word_embeddings=True),
     "tiny-qwen3": dict(_TINY, model_type="qwen3", head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True),

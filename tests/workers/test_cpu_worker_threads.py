@@ -1,11 +1,13 @@
 """CPU workers and OpenMP: the model loads, and the decode worker's gRPC KV writes run, on threads that end with
 them (so the engine thread holds the process's only long-lived OpenMP pool and libgomp keeps spinning between its
-parallel regions), and `kvflow serve` shortens that spin when several CPU workers share the cores."""
+parallel regions), and CPU workers get libgomp's short spin (engine/process/openmp.py) unless the caller chose."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -23,15 +25,10 @@ from cluster.worker.threads import in_passing_thread
 from engine.arg_utils import EngineArgs
 from engine.kv_layout import KVSlice
 from engine.kv_port import KVPort
+from engine.process.openmp import SHARED_CORES_GOMP_SPINCOUNT, apply_openmp_policy, openmp_env
 from engine.sampling_params import SamplingParams
 from kvflow import launcher
-from kvflow.launcher import (
-    SHARED_CORES_GOMP_SPINCOUNT,
-    ClusterSpec,
-    Placement,
-    WorkerCluster,
-    shared_cores_openmp_env,
-)
+from kvflow.launcher import ClusterSpec, Placement, WorkerCluster
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -57,17 +54,22 @@ def test_in_passing_thread_returns_raises_and_its_thread_ends() -> None:
     assert not seen[0].is_alive()
 
 
-def test_shared_cores_spin_count_respects_the_callers_openmp_settings() -> None:
-    assert shared_cores_openmp_env({}) == {"GOMP_SPINCOUNT": SHARED_CORES_GOMP_SPINCOUNT}
-    assert shared_cores_openmp_env({"GOMP_SPINCOUNT": "50000"}) == {}
-    assert shared_cores_openmp_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+def test_the_short_spin_respects_the_callers_openmp_settings() -> None:
+    assert openmp_env({}) == {"GOMP_SPINCOUNT": SHARED_CORES_GOMP_SPINCOUNT}
+    assert openmp_env({"GOMP_SPINCOUNT": "50000"}) == {}
+    assert openmp_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    # This process loaded libgomp with torch: too late to set a policy, so it keeps what it started with.
+    assert apply_openmp_policy({}) is False
+    assert apply_openmp_policy({"GOMP_SPINCOUNT": "1000"}) is True
 
 
-@pytest.mark.parametrize("cpu_workers,expected", [(2, SHARED_CORES_GOMP_SPINCOUNT), (1, None)])
-def test_cpu_workers_sharing_the_cores_get_the_short_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          cpu_workers: int, expected: str | None) -> None:
+@pytest.mark.parametrize("caller_env,expected", [({}, SHARED_CORES_GOMP_SPINCOUNT), ({"GOMP_SPINCOUNT": "7"}, "7")])
+def test_cpu_workers_get_the_short_spin_unless_the_caller_chose(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caller_env: dict[str, str], expected: str) -> None:
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for name, value in caller_env.items():
+        monkeypatch.setenv(name, value)
     envs: list[dict[str, str]] = []
 
     class FakePopen:
@@ -76,11 +78,20 @@ def test_cpu_workers_sharing_the_cores_get_the_short_spin(tmp_path: Path, monkey
 
     monkeypatch.setattr(launcher, "tcmalloc_preload", lambda env: None)  # its library lookup runs a subprocess
     monkeypatch.setattr(subprocess, "Popen", FakePopen)
-    cluster = WorkerCluster(ClusterSpec(EngineArgs(model="smollm2", device="cpu"), cpu_workers - 1, 1,
-                                        log_dir=tmp_path))
-    cluster._cpu_workers = cpu_workers  # what start() counts from the placements
+    cluster = WorkerCluster(ClusterSpec(EngineArgs(model="smollm2", device="cpu"), 0, 1, log_dir=tmp_path))
     cluster._popen(Placement("decode", None, None), 0, 1234, tmp_path / "decode.log", "wb")
     assert envs[0].get("GOMP_SPINCOUNT") == expected
+
+
+@pytest.mark.parametrize("entry", [
+    "import kvflow; kvflow.SamplingParams",  # the package's lazy names: LLM's way in
+    "from kvflow.cli import main\ntry:\n    main(['no-such-command'])\nexcept SystemExit:\n    pass",
+])
+def test_entry_points_set_the_spin_before_torch_loads_libgomp(entry: str) -> None:
+    probe = f"import os, sys\n{entry}\nprint(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.split()[:2] == [SHARED_CORES_GOMP_SPINCOUNT, "True"], done.stdout + done.stderr
 
 
 # ---- the decode worker's gRPC KV writes ----------------------------------------------------------------------
