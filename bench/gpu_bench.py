@@ -61,16 +61,6 @@ from engine.sampling_params import SamplingParams
 
 PROFILE_HOST = os.environ.get("KVFLOW_PROFILE_HOST") == "1"
 PROFILE_KERNELS = os.environ.get("KVFLOW_PROFILE_KERNELS") == "1"
-# Batch-1 decode A/B (--only decode_ab): the default, without programmatic dependent launch (KVFLOW_PDL=0), cuBLAS
-# with separate norm/SwiGLU kernels (engine/models/llama.py SmallGemmMode), GEMVs without prologues, and the GEMV's
-# load-streaming flags (KVFLOW_GEMV, kernels/small_gemm.py GemvConfig); --ab picks some.
-DECODE_AB = {"auto": {}, "auto_no_pdl": {"KVFLOW_PDL": "0"}, "cublas": {"KVFLOW_SMALL_GEMM": "0"},
-             "cublas_no_pdl": {"KVFLOW_SMALL_GEMM": "0", "KVFLOW_PDL": "0"},
-             "plain_gemv": {"KVFLOW_SMALL_GEMM": "plain"}, "gemv_none": {"KVFLOW_GEMV": "none"},
-             "gemv_pipelined": {"KVFLOW_GEMV": "pipelined"}, "gemv_prefetch": {"KVFLOW_GEMV": "prefetch"},
-             "gemv_pipelined_prefetch": {"KVFLOW_GEMV": "pipelined,prefetch"},
-             "gemv_all": {"KVFLOW_GEMV": "pipelined,prefetch,evict_first"},
-             "fused_norm": {"KVFLOW_SMALL_GEMM": "fused"}}
 
 
 def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
@@ -242,10 +232,10 @@ def prefill_workload(report: Report, name: str, engine: LLMEngine, tokens: int, 
 class Parts:
     """The run's parts, in order; each records into the report and frees the GPU after itself."""
 
-    ORDER = ("correctness", "gemv", "qwen", "llama8b", "decode_ab")
+    ORDER = ("correctness", "qwen", "llama8b")
 
-    def __init__(self, report: Report, quick: bool, ab: list[str] | None) -> None:
-        self.report, self.quick, self.ab = report, quick, ab
+    def __init__(self, report: Report, quick: bool) -> None:
+        self.report, self.quick = report, quick
 
     def correctness(self) -> None:
         gpu_checks.check_small_gemm(self.report)
@@ -258,14 +248,6 @@ class Parts:
         gpu_checks.check_eager_vs_graphs(self.report, "tiny-qwen3", "float32")
         gpu_checks.check_eager_vs_graphs(self.report, "tiny-llama", "bfloat16", across_batches=False)
         gpu_checks.check_eager_vs_graphs(self.report, "tiny-qwen2", "bfloat16", across_batches=False)
-
-    def gemv(self) -> None:
-        from bench.gpu_gemv import gemv_stream_record
-
-        record, checks = gemv_stream_record()
-        for name, ok, detail in checks:
-            self.report.check(name, ok, detail)
-        self.report.record({"device": self.report.meta["device"], **record})
 
     def qwen(self) -> None:
         hf = build_hf("qwen2.5-0.5b", torch.bfloat16)
@@ -324,26 +306,6 @@ class Parts:
             del engine
             release_memory()
 
-    def decode_ab(self) -> None:
-        unknown = set(self.ab or ()) - set(DECODE_AB)
-        if unknown:
-            raise ValueError(f"unknown --ab variants {sorted(unknown)}; known: {sorted(DECODE_AB)}")
-        chosen = {k: v for k, v in DECODE_AB.items() if not self.ab or k in self.ab}
-        for preset, label, max_len, seqs in (("qwen2.5-0.5b", "qwen05b", 2048, 8),
-                                             ("llama-3.1-8b", "llama8b", 8192 + 64, 256)):
-            for variant, env in chosen.items():
-                os.environ.update(env)  # read once at model build
-                try:
-                    engine = build_engine(preset, max_model_len=max_len, max_num_seqs=seqs,
-                                          enable_prefix_caching=False)
-                    decode_workload(self.report, f"{label}_b1_decode_{variant}", engine, None,
-                                    DecodeShape(128, 64 if self.quick else 256, 2), 0)
-                finally:
-                    for key in env:
-                        os.environ.pop(key)
-                del engine
-                release_memory()
-
     def run(self, name: str) -> None:
         started = time.perf_counter()
         try:
@@ -385,15 +347,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="every workload at reduced size (smoke test)")
     parser.add_argument("--record", action="store_true", help="write bench/results/gpu_<device>.json")
-    parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: correctness qwen llama8b gemv decode_ab (default: all but decode_ab)")
-    parser.add_argument("--ab", nargs="*", default=None, help="decode_ab variants to run (default: all)")
+    parser.add_argument("--only", nargs="*", default=None, choices=Parts.ORDER, help="a subset (default: all)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = Report(os.environ.get("OUT"))
     measure_meta(report, args.quick)
-    parts = Parts(report, args.quick, args.ab)
-    wanted = set(args.only or ["correctness", "gemv", "qwen", "llama8b"])
+    parts = Parts(report, args.quick)
+    wanted = set(args.only or Parts.ORDER)
     for name in Parts.ORDER:
         if name in wanted:
             parts.run(name)
