@@ -19,8 +19,8 @@ the FLOPs actually needed: linear layers, lm_head on sampled rows only, causal a
 
 Results: $OUT/gpu_bench.json (rewritten after every record, so a timeout keeps what finished) and, with
 --record, bench/results/gpu_<device>.json. `--quick` runs every workload at reduced size (a smoke test).
-KVFLOW_PROFILE_HOST=1 cProfiles one batch-1 decode run per workload, KVFLOW_PROFILE_KERNELS=1 prints the per-kernel
-GPU time of a decode graph.
+(KVFLOW_PROFILE_HOST / KVFLOW_PROFILE_KERNELS, the cProfile and per-kernel hooks bench/GPU_NOTES.md quotes, were
+retired: they run at `git checkout be1a1ae`.)
 
     PYTHONUNBUFFERED=1 python -m bench.gpu_bench --quick
     PYTHONUNBUFFERED=1 python -m bench.gpu_bench --record
@@ -32,10 +32,8 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +49,7 @@ from bench.gpu_checks import (
     load_hf_weights,
     random_prompts,
     release_memory,
+    run_requests,
 )
 from bench.harness.ceilings import copy_bytes_per_s, matmul_flops_per_s
 from bench.harness.records import RESULTS, device_slug
@@ -58,40 +57,6 @@ from bench.harness.runs import first_divergence, step_until_done
 from bench.harness.timing import cuda_event_seconds
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-
-PROFILE_HOST = os.environ.get("KVFLOW_PROFILE_HOST") == "1"
-PROFILE_KERNELS = os.environ.get("KVFLOW_PROFILE_KERNELS") == "1"
-
-
-def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-    """Submit every prompt, step to completion; wall time, TTFT/TPOT and outputs (in submission order)."""
-    ids = [engine.add_request(None, p, params, output_kind="final") for p in prompts]
-    engine.take_finished_timings()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    outputs, steps = step_until_done(engine)
-    elapsed = time.perf_counter() - started
-    timings = engine.take_finished_timings()
-    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
-    tpots = [t.mean_tpot_s for t in timings if t.mean_tpot_s is not None]
-    return {"elapsed": elapsed, "steps": steps,
-            "token_ids": [list(outputs[i].outputs[0].token_ids) for i in ids],
-            "logprobs": [outputs[i].outputs[0].logprobs for i in ids],
-            "ttft": statistics.median(ttfts) if ttfts else None, "tpot": statistics.median(tpots) if tpots else None,
-            "out_tokens": sum(len(outputs[i].outputs[0].token_ids) for i in ids)}
-
-
-def kernel_table(fn: Callable[[], Any], reps: int) -> None:
-    """GPU time per kernel over reps calls of fn (CUPTI also traces kernels inside graph replays)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60), flush=True)
 
 
 # ---- workloads -------------------------------------------------------------------------------------------------
@@ -119,22 +84,9 @@ def decode_graph_figures(engine: LLMEngine, tpot_s: float) -> dict[str, Any]:
     graphs = engine.runner.graphs
     graph = graphs.graphs[graphs.sizes[0]].graph
     replay_ms = cuda_event_seconds(graph.replay, 50) * 1e3
-    if PROFILE_KERNELS:
-        kernel_table(graph.replay, 20)
     return {"graph_replay_ms": replay_ms, "host_ms_per_step": tpot_s * 1e3 - replay_ms,
             "decode_ahead_hits": engine.runner.decode_ahead.hits,
             "decode_ahead_misses": engine.runner.decode_ahead.misses}
-
-
-def profile_host(engine: LLMEngine, prompt: list[list[int]], params: SamplingParams) -> None:
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run_requests(engine, prompt, params)
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(28)
 
 
 @dataclass(frozen=True)
@@ -164,8 +116,6 @@ def decode_workload(report: Report, name: str, engine: LLMEngine, hf: Any | None
            "cuda_graphs": engine.runner.graphs is not None}
     if engine.runner.graphs is not None:
         rec.update(decode_graph_figures(engine, best["tpot"]))
-    if PROFILE_HOST:
-        profile_host(engine, random_prompts(1, shape.prompt_len, arch.vocab_size, seed=200), params)
     if hf is not None:
         prompt = random_prompts(1, shape.prompt_len, arch.vocab_size, seed=100)
         hf_generate(hf, prompt, 8)  # warm-up

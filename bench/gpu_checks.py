@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -118,11 +119,22 @@ def load_hf_weights(engine: LLMEngine, hf_model: Any) -> None:
     engine.runner.model.load_hf_state_dict(hf_model.state_dict())
 
 
-def greedy_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
-    """Each prompt's output (in order), the engine stepped to completion."""
+def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    """Submit every prompt, step to completion; wall time, TTFT/TPOT and outputs (in submission order)."""
     ids = [engine.add_request(None, p, params, output_kind="final") for p in prompts]
-    outputs = step_until_done(engine)[0]
-    return [outputs[i].outputs[0] for i in ids]
+    engine.take_finished_timings()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    outputs, steps = step_until_done(engine)
+    elapsed = time.perf_counter() - started
+    timings = engine.take_finished_timings()
+    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
+    tpots = [t.mean_tpot_s for t in timings if t.mean_tpot_s is not None]
+    return {"elapsed": elapsed, "steps": steps,
+            "token_ids": [list(outputs[i].outputs[0].token_ids) for i in ids],
+            "logprobs": [outputs[i].outputs[0].logprobs for i in ids],
+            "ttft": statistics.median(ttfts) if ttfts else None, "tpot": statistics.median(tpots) if tpots else None,
+            "out_tokens": sum(len(outputs[i].outputs[0].token_ids) for i in ids)}
 
 
 # ---- correctness -----------------------------------------------------------------------------------------------
@@ -130,20 +142,20 @@ def check_vs_hf(report: Report, preset: str, dtype: str, prompts: list[list[int]
     hf = build_hf(preset, HF_DTYPES[dtype])
     engine = build_engine(preset, dtype=dtype, kv_cache_memory_bytes=256 << 20, max_model_len=512, max_num_seqs=16)
     load_hf_weights(engine, hf)
-    mine = greedy_ids(engine, prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
-                                                      logprobs=5))
+    mine = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                                                        logprobs=5))
     exact, within, worst = 0, 0, ""
     for i, prompt in enumerate(prompts):
         theirs, logits, _ = hf_generate(hf, [prompt], new_tokens, want_logits=True)
         assert logits is not None
-        ours, hf_ids = list(mine[i].token_ids), theirs[0]
+        ours, hf_ids = mine["token_ids"][i], theirs[0]
         j = first_divergence(ours, hf_ids)
         if j is None:
             exact += 1
             within += 1
             continue
         hf_top5 = logits[j][0].topk(5).indices.tolist()
-        our_top5 = [tok for tok, lp in mine[i].logprobs[j].items() if lp.rank <= 5]
+        our_top5 = [tok for tok, lp in mine["logprobs"][i][j].items() if lp.rank <= 5]
         within += ours[j] in hf_top5 and hf_ids[j] in our_top5
         worst = f"prompt {i} diverges at {j}: kvflow {ours[j]} (HF top5 {hf_top5}), HF {hf_ids[j]}"
     n = len(prompts)
@@ -168,8 +180,8 @@ def check_eager_vs_graphs(report: Report, preset: str, dtype: str, across_batche
         engine = build_engine(preset, dtype=dtype, kv_cache_memory_bytes=256 << 20, max_model_len=512,
                               max_num_seqs=16, enforce_eager=eager)
         for group in (1, 3, 8):
-            results[(eager, group)] = [list(o.token_ids) for start in range(0, len(prompts), group)
-                                       for o in greedy_ids(engine, prompts[start : start + group], params)]
+            results[(eager, group)] = [ids for start in range(0, len(prompts), group)
+                                       for ids in run_requests(engine, prompts[start : start + group], params)["token_ids"]]
         del engine
         release_memory()
     if not across_batches:
