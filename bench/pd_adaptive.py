@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.harness.jobs import MULTICAST_OFF
 from bench.harness.records import RESULTS, log, write_json
 from bench.pd_gpu import MODEL, SMOKE_MODEL, Setup
 from kvflow.benchmarks.pd import device_name
@@ -67,7 +68,6 @@ MODE_FLAGS = {  # serve's default policy is adaptive: the fixed layouts pin stat
     "adaptive": ("--disagg-policy", "adaptive", "--prefill-workers", "1", "--decode-workers", "1"),
 }
 POLL_S = 0.5
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def mode_flags(mode: str, slo: dict[str, float], itl_target_ms: float | None) -> list[str]:
@@ -278,7 +278,7 @@ class Bench:
     def start(self, mode: str, runs: list[Workload]) -> ServerProcess:
         """`mode`'s server for `runs`, started (not yet ready)."""
         smoke = self.setup.model == SMOKE_MODEL
-        env = {k: os.environ.get(k, v) for k, v in NCCL_ENV.items()}
+        env = {k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}
         return self.setup.serve("--max-model-len", str(max(w.max_len() for w in runs) + 64),
                                 *(SMOKE_ENGINE if smoke else ()), "--api-key", self.api_key,
                                 "--metrics-require-api-key", *self.flags[mode], env=env)

@@ -41,6 +41,8 @@ from engine.arg_utils import EngineArgs
 from kvflow.benchmarks.pd import device_name, pd_pair, run_pd_bench
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
 from kvflow.benchmarks.server import ServerProcess
+from protos.kvflow.v1 import kvflow_pb2 as pb
+from protos.kvflow.v1 import kvflow_pb2_grpc
 
 SLO = {"ttft_s": 1.0, "tpot_s": 0.040}  # stated before measuring: the issue's example
 STRICT_SLO = {"ttft_s": 1.0, "tpot_s": 0.020}  # a second, interactive-grade SLO, reported beside it
@@ -134,8 +136,6 @@ def part_check(setup: Setup) -> dict[str, Any]:
 
 
 def _exact_check(stub: Any, prefill: str, i: int, length: int) -> dict[str, Any]:
-    from protos.kvflow.v1 import kvflow_pb2 as pb
-
     prompt = [(7919 * (i + 1) * (k + 3)) % 400 + 50 for k in range(length)]  # tiny: 512 ids
     got = {}
     for name, minimum in (("local", 1 << 30), ("disaggregated", 0)):
@@ -155,8 +155,6 @@ def _exact_check(stub: Any, prefill: str, i: int, length: int) -> dict[str, Any]
 def _fault_checks(cluster: Any, decode: str, prefill: str) -> list[dict[str, Any]]:
     """The prefill worker stopped (a hung peer), then killed, mid-transfer over NCCL: the decode worker notices
     (missing heartbeats / a closed stream), recomputes locally and answers; no decode block stays stranded."""
-    from protos.kvflow.v1 import kvflow_pb2_grpc
-
     worker = next(w for w in cluster.workers if w.role == "prefill")
     stub = kvflow_pb2_grpc.GenerationStub(cluster.spec.auth.channel(decode))
     prefill_stub = kvflow_pb2_grpc.PrefillStub(cluster.spec.auth.channel(prefill))
@@ -171,8 +169,6 @@ def _fault_checks(cluster: Any, decode: str, prefill: str) -> list[dict[str, Any
 
 def _one_fault(stub: Any, prefill_stub: Any, worker: Any, prefill: str, kind: str, sig: int) -> dict[str, Any]:
     import grpc
-
-    from protos.kvflow.v1 import kvflow_pb2 as pb
 
     baseline = prefill_stub.Info(pb.InfoRequest(), timeout=10).num_free_kv_blocks
     decode_free = stub.Info(pb.InfoRequest(), timeout=10).num_free_kv_blocks
@@ -211,8 +207,6 @@ def _one_fault(stub: Any, prefill_stub: Any, worker: Any, prefill: str, kind: st
 
 def _link_rebuilt(stub: Any, prefill: str) -> dict[str, Any]:
     """The resumed peer answers again: a new link to it must work (the old one was torn down)."""
-    from protos.kvflow.v1 import kvflow_pb2 as pb
-
     again = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[(17 * k) % 400 + 50 for k in range(300)]),
                                cache_salt=["again"], sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=4),
                                disaggregation=pb.DisaggregationParams(prefill_address=prefill))

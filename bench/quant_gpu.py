@@ -8,7 +8,7 @@ random weights (`--load-format dummy`):
          activation quantization alone, Triton vs torch (codes compared).
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
          torch reference; and the block count of each KV dtype in one budget.
-- int4:  the decode step's weight GEMMs, int4 vs bf16, and the tile sweeps (bench/quant_int4.py).
+- int4:  the decode step's weight GEMMs, int4 vs bf16, and the nibble-pair sweep (bench/quant_int4.py).
 
 Writes bench/results/quant_gpu_<device>.json (fields: workload, device, numbers). `--smoke` runs the same code
 paths on CPU at tiny shapes (Triton under its interpreter; fp8 W8A8 as the layer alone, since the engine refuses
@@ -38,19 +38,14 @@ import torch  # noqa: E402
 
 from bench.harness.records import RESULTS, device_slug, gpu_name, write_json  # noqa: E402
 from bench.harness.runs import timed_generate  # noqa: E402
-from bench.harness.timing import graph_seconds, wall_seconds  # noqa: E402
-from bench.quant_int4 import part_int4, rel_err  # noqa: E402
+from bench.harness.timing import wall_seconds  # noqa: E402
+from bench.quant_int4 import graph_ms, part_int4, rel_err  # noqa: E402
 from engine.quant.fp8_linear import Fp8Linear, fp8_matmul_ref  # noqa: E402
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128  # Llama-3.1-8B
 PARTS = ("w8a8", "w8a8_layers", "kv", "int4")
-
-
-def cuda_ms(fn: Any, reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph of fn."""
-    return graph_seconds(fn, reps) * 1e3
 
 
 # ------------------------------------------------------------------------------------------------ fp8 W8A8
@@ -112,10 +107,10 @@ def linear_row(name: str, dense: list[Any], fp8: list[Any], m: int, k: int) -> d
     layers = len(dense)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        bf16_ms = cuda_ms(lambda: [d(x) for d in dense])
-        fp8_ms = cuda_ms(lambda: [f(x) for f in fp8])
-        quant_ms = cuda_ms(lambda: [per_token_quant_fp8(x) for _ in range(layers)])
-        ref_ms = cuda_ms(lambda: [quantize_per_token(x) for _ in range(layers)])
+        bf16_ms = graph_ms(lambda: [d(x) for d in dense], 20)
+        fp8_ms = graph_ms(lambda: [f(x) for f in fp8], 20)
+        quant_ms = graph_ms(lambda: [per_token_quant_fp8(x) for _ in range(layers)], 20)
+        ref_ms = graph_ms(lambda: [quantize_per_token(x) for _ in range(layers)], 20)
     row: dict[str, Any] = {"linear": name, "rows": m, "bf16_ms": round(bf16_ms / layers, 4),
                            "fp8_ms": round(fp8_ms / layers, 4), "fp8_speedup": round(bf16_ms / fp8_ms, 3),
                            "quant_triton_ms": round(quant_ms / layers, 4), "quant_torch_ms": round(ref_ms / layers, 4)}
@@ -168,7 +163,7 @@ def kv_row(ctx: int, batch: int, dims: tuple[int, int, int, int], g: torch.Gener
     for name, (kk, vv) in {"bf16": (kc, vc), "fp8": (quantize_fp8(kc, 1.0), quantize_fp8(vc, 1.0))}.items():
         run = functools.partial(paged_decode_attention, q, kk, vv, tables, seq_lens, d ** -0.5, max_seq_len=ctx,
                                 tickets=tickets)
-        seconds = wall_seconds(run, 3, False) if smoke else cuda_ms(run, 50) / 1e3
+        seconds = wall_seconds(run, 3, False) if smoke else graph_ms(run, 50) / 1e3
         row[f"{name}_us"] = round(seconds * 1e6, 1)
         if with_error:
             row[f"{name}_rel_err"] = rel_err(run(), paged_decode_attention_ref(q, kk, vv, tables, seq_lens, d ** -0.5))
@@ -205,9 +200,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"],
-                        choices=["gemv", "gemm", "kngemv", "kngemm", "pairs"],
-                        help="int4: which tile sweeps to run after the cases (none: no sweep)")
+    parser.add_argument("--int4-sweeps", nargs="*", default=[], choices=["pairs"],
+                        help="int4: the nibble-pair sweep after the cases (the tile sweeps were retired)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
     parser.add_argument("--smoke", action="store_true")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.harness.records import RESULTS, device_slug, write_json
-from bench.harness.runs import output_tokens, timed_generate
+from bench.harness.runs import output_tokens, spec_counters, timed_generate
 from engine.llm_engine import LLMEngine
 from engine.outputs import NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -94,20 +94,15 @@ def time_steps(engine: LLMEngine, batch: int, num_drafts: int, iters: int, tag: 
     return statistics.median(times)
 
 
-def spec_counters(engine: LLMEngine) -> tuple[int, int, int]:
-    s = engine.stats
-    return s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
-
-
 def throughput(llm: LLM, proposer: NgramProposer | None, prompts: list[list[int]], output_len: int
                ) -> dict[str, Any]:
     """Greedy tok/s of `prompts` with `proposer` in the engine, and the drafts it made."""
     engine = llm.llm_engine
     engine.proposer = proposer
-    before = spec_counters(engine)
+    before = spec_counters(engine.stats)
     outs, elapsed = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=output_len,
                                                                 ignore_eos=True))
-    drafts, drafted, accepted = (now - then for now, then in zip(spec_counters(engine), before, strict=True))
+    drafts, drafted, accepted = (now - then for now, then in zip(spec_counters(engine.stats), before, strict=True))
     return {"output_tok_s": round(output_tokens(outs) / elapsed, 1), "elapsed_s": round(elapsed, 3),
             "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted}
 

@@ -31,13 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness.jobs import answer, run_jobs
+from bench.harness.jobs import MULTICAST_OFF, answer, run_jobs
 from bench.harness.records import RESULTS, write_json
 from bench.harness.runs import output_tokens, timed_generate
 
 PARTS = ("check", "allreduce", "decode8b", "tput8b", "llama70b")
-# Multicast off in every process this scenario starts (the lent machines' NVLink multicast is not usable).
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 H200_BF16_DENSE_TFLOPS = 989.0  # per GPU (H100/H200 SXM spec sheet, dense)
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
 MODULE = "bench.tp_gpu"
@@ -178,7 +176,7 @@ class Bench:
         return {**base, **extra}
 
     def jobs(self, jobs: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
-        return run_jobs(MODULE, jobs, timeout_s, ENV)
+        return run_jobs(MODULE, jobs, timeout_s, MULTICAST_OFF)
 
     def write(self, part: str, record: dict[str, Any]) -> None:
         record = {"part": part, "device": self.device, "smoke": self.smoke, **record}

@@ -9,6 +9,8 @@ import signal
 import tempfile
 from pathlib import Path
 
+import httpx
+
 from kvflow.benchmarks.server import ServerProcess
 
 
@@ -17,6 +19,12 @@ def kvflow_serve(work: Path, *flags: str, env: dict[str, str] | None = None,
     own = Path(tempfile.mkdtemp(prefix="serve-", dir=work))
     return ServerProcess.kvflow("serve", *flags, "--log-dir", str(own / "workers"), "--disable-log-requests",
                                 env=env, log_path=own / "serve.log", stop_signal=stop_signal)
+
+
+def metric_total(url: str, prefix: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of a server's /metrics samples whose line starts with `prefix` (a name, or a name and labels)."""
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def worker_logs(server: ServerProcess) -> list[Path]:
