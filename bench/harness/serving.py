@@ -1,5 +1,5 @@
 """`kvflow serve` under test, logging into a folder of its own: serve.log (the router and launcher) and workers/
-(one log per worker), so a scenario can start several clusters in one working folder and read each one's logs.
+(one log per worker), so a scenario can start several clusters in one working folder; and its /metrics totals.
 
 Invariant: every cluster gets a fresh folder under the scenario's; nothing is written outside it."""
 
@@ -26,7 +26,3 @@ def metric_total(url: str, prefix: str, headers: dict[str, str] | None = None) -
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
-
-def worker_logs(server: ServerProcess) -> list[Path]:
-    assert server.log_path is not None
-    return sorted((server.log_path.parent / "workers").glob("*.log"))
