@@ -4,11 +4,12 @@ report, engines and HF models on random weights, random prompts.
 - kvflow vs transformers: greedy ids equal in fp32; in bf16 the first divergence within the other side's top-5;
 - --enforce-eager on and off: the same greedy ids at group sizes 1, 3 and 8;
 - the fused decode kernels: single-pass split-KV decode vs the two-kernel combine and the fp64 reference, fused
-  rotary + KV write bit-identical to the two kernels;
-- kernels/small_gemm.py at Llama-8B / Qwen-0.5B layer shapes: each prologue vs the fp32 reference.
+  rotary + KV write bit-identical to the two kernels.
 
-The kernel A/B timings that came along (small_gemm_timings: fused vs the unfused chain, the tl.dot block-config
-sweep; fused_kernel_timings) were retired: they run at `git checkout be1a1ae`.
+The small_gemm check (each prologue vs the fp32 reference at Llama-8B / Qwen-0.5B shapes; under the interpreter:
+tests/kernels/test_kernels_small_gemm.py) and the kernel A/B timings that came along (small_gemm_timings: fused vs
+the unfused chain, the tl.dot block-config sweep; fused_kernel_timings) were retired: they run at
+`git checkout be1a1ae`.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ from engine.sampling_params import SamplingParams
 
 DEV = torch.device("cuda")
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SMALL_GEMM_SHAPES = {  # (hidden, q + 2 kv, intermediate, vocab)
-    "llama8b": (4096, 6144, 14336, 128256),
-    "qwen05b": (896, 1152, 4864, 151936),
-}
 
 
 class Report:
@@ -261,47 +258,3 @@ def check_fused_kernels(report: Report) -> None:
                      f"{worst:.2e}")
         same = _fused_rotary_kv(heads, kv_heads, dim, kc, vc, g)
         report.check(f"fused_rotary_kv_write_{label}", same, f"bit-identical to rotary + write_kv_cache: {same}")
-
-
-def _small_gemm_weights(hidden: int, qkv: int, inter: int, vocab: int, g: torch.Generator) -> dict[str, Any]:
-    def w(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=g, device=DEV) / k**0.5).to(torch.bfloat16)
-
-    return {"qkv": w(qkv, hidden), "o": w(hidden, hidden), "gate_up": w(2 * inter, hidden), "down": w(hidden, inter),
-            "head": w(vocab, hidden), "norm": (1 + 0.1 * torch.randn(hidden, generator=g, device=DEV)).to(torch.bfloat16)}
-
-
-def _rows(m: int, hidden: int, inter: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """x, residual and a gate|up activation of m rows."""
-    return tuple(torch.randn(m, n, generator=g, device=DEV).to(torch.bfloat16) for n in (hidden, hidden, 2 * inter))
-
-
-def _small_gemm_accuracy(ws: dict[str, Any], hidden: int, inter: int, vocab: int, g: torch.Generator
-                         ) -> tuple[float, bool]:
-    """Each prologue vs the fp32 torch reference at M = 1 and 4 (worst rel error), residual sum and argmax exact."""
-    from kernels.small_gemm import small_gemm, small_gemm_ref
-
-    worst, exact = 0.0, True
-    for m in (1, 4):
-        x, res, gu = _rows(m, hidden, inter, g)
-        for xin, w, kw in [(x, ws["qkv"], dict(prologue="norm", residual=res, norm_weight=ws["norm"])),
-                           (x, ws["o"], {}), (gu, ws["down"], dict(prologue="silu"))]:
-            y, rsum, _ = small_gemm(xin, w, **kw)
-            ref, ref_sum = small_gemm_ref(xin, w, **kw)
-            worst = max(worst, float((y.double() - ref.double()).norm() / ref.double().norm()))
-            if ref_sum is not None:
-                exact &= rsum is not None and torch.equal(rsum, ref_sum)
-        logits, _, tokens = small_gemm(x, ws["head"], out=torch.empty(m, vocab, device=DEV), argmax=True)
-        exact &= tokens is not None and torch.equal(tokens, logits.argmax(dim=-1))
-    return worst, exact
-
-
-def check_small_gemm(report: Report) -> None:
-    g = torch.Generator(device=DEV).manual_seed(0)
-    for label, (hidden, qkv, inter, vocab) in SMALL_GEMM_SHAPES.items():
-        ws = _small_gemm_weights(hidden, qkv, inter, vocab, g)
-        worst, exact = _small_gemm_accuracy(ws, hidden, inter, vocab, g)
-        report.check(f"small_gemm_{label}", worst < 1e-2 and exact,
-                     f"worst rel err vs fp32 ref {worst:.2e}; residual sum and argmax exact: {exact}")
-        for m in (1, 4):  # the rows the retired timings drew: the next shape's weights stay the ones it checked
-            _rows(m, hidden, inter, g)
