@@ -14,14 +14,8 @@ class and phase gets at least one request.
 SLO: a request meets it if it completed, its TTFT <= slo["ttft_s"] and its TPOT (mean gap per output token after
 the first) <= slo["itl_s"]; slo_attainment = requests meeting it / requests sent (a failed one misses it).
 
-$OUT/pd_adaptive_<workload>.json (--smoke: pd_adaptive_smoke.json) = {"context", "records"}, rewritten after each
-mode. A record: workload, device, mode, slo, slo_attainment, ttft_p99_s, itl_p99_s (every gap between streamed
-tokens), itl_max_s, tpot_p99_s, out_tok_s (output tokens / seconds to the last completion), requests, failed,
-errors, classes and phases (the same figures per class / phase), pool_moves (kvflow:pool_moves_total over the run,
-from the router's /metrics polled every 0.5 s; None where it exports no pools); `changing` adds seconds_to_adapt
-(phase change -> the last pool change in phase 2; 0.0 if none; None without pools) and pool_timeline; sweep
-records add request_rate. A mode that does not start gets {workload, device, mode, error}; the others go on. A run
-of some modes keeps the file's records of the others (each record is dated): one mode per device call fits.
+Writes $OUT/pd_adaptive_<workload>.json (--smoke: pd_adaptive_smoke.json), rewritten after each mode; its
+records' fields: bench/README.md.
 
 Servers: one per mode and workload (the same starting pools for each), warmed up with a few requests per class;
 --smoke (tiny model on CPU, seconds-long loads) starts one per mode for all workloads, all three up front.
