@@ -38,7 +38,7 @@ import httpx
 import psutil
 
 from bench.harness.records import RESULTS, log, write_json
-from bench.harness.serving import kvflow_serve
+from bench.harness.serving import kvflow_serve, metric_total
 from kvflow.benchmarks.serve import sse_events
 from kvflow.benchmarks.throughput import host_context
 from kvflow.launcher import free_port
@@ -113,10 +113,6 @@ class Cluster:
                 except grpc.RpcError:
                     out[address] = -1
         return out
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
     def wait_workers(self, count: int, timeout_s: float = 300) -> None:
         """Until `count` workers answer Info again (after a restart)."""
@@ -251,7 +247,7 @@ def run_case(name: str, cluster: Cluster, reference: dict[str, str], prompts: li
     requests in flight at the fault (a first token before it) apart from those sent after it (refused, 503)."""
     counters = ("kvflow:worker_restarts_total", "kvflow:migrations_total", "kvflow:router_retries_total")
     baseline_blocks = cluster.free_blocks()
-    before = [cluster.metric(c) for c in counters]
+    before = [metric_total(cluster.url, c) for c in counters]
     load = Load(prompts)
     started = time.monotonic()
     fault_at = run_load(cluster, load, concurrency, fault, fault_after_streams, drop_every)
@@ -261,7 +257,7 @@ def run_case(name: str, cluster: Cluster, reference: dict[str, str], prompts: li
     ok = sum(r.ok for r in load.results)
     dropped = sum(1 for r in load.results if r.dropped)
     # After SIGTERM the router is gone: its counters can no longer be read.
-    restarts, migrations, retries = (None if final else cluster.metric(c) - b for c, b in zip(counters, before,
+    restarts, migrations, retries = (None if final else metric_total(cluster.url, c) - b for c, b in zip(counters, before,
                                                                                               strict=True))
     record = {
         "case": name, "requests": len(prompts), "succeeded": ok, "dropped_by_client": dropped,

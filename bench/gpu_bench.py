@@ -19,8 +19,8 @@ the FLOPs actually needed: linear layers, lm_head on sampled rows only, causal a
 
 Results: $OUT/gpu_bench.json (rewritten after every record, so a timeout keeps what finished) and, with
 --record, bench/results/gpu_<device>.json. `--quick` runs every workload at reduced size (a smoke test).
-KVFLOW_PROFILE_HOST=1 cProfiles one batch-1 decode run per workload, KVFLOW_PROFILE_KERNELS=1 prints the per-kernel
-GPU time of a decode graph.
+(KVFLOW_PROFILE_HOST / KVFLOW_PROFILE_KERNELS, the cProfile and per-kernel hooks bench/GPU_NOTES.md quotes, were
+retired: they run at `git checkout be1a1ae`.)
 
     PYTHONUNBUFFERED=1 python -m bench.gpu_bench --quick
     PYTHONUNBUFFERED=1 python -m bench.gpu_bench --record
@@ -32,10 +32,8 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +49,7 @@ from bench.gpu_checks import (
     load_hf_weights,
     random_prompts,
     release_memory,
+    run_requests,
 )
 from bench.harness.ceilings import copy_bytes_per_s, matmul_flops_per_s
 from bench.harness.records import RESULTS, device_slug
@@ -58,50 +57,6 @@ from bench.harness.runs import first_divergence, step_until_done
 from bench.harness.timing import cuda_event_seconds
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-
-PROFILE_HOST = os.environ.get("KVFLOW_PROFILE_HOST") == "1"
-PROFILE_KERNELS = os.environ.get("KVFLOW_PROFILE_KERNELS") == "1"
-# Batch-1 decode A/B (--only decode_ab): the default, without programmatic dependent launch (KVFLOW_PDL=0), cuBLAS
-# with separate norm/SwiGLU kernels (engine/models/llama.py SmallGemmMode), GEMVs without prologues, and the GEMV's
-# load-streaming flags (KVFLOW_GEMV, kernels/small_gemm.py GemvConfig); --ab picks some.
-DECODE_AB = {"auto": {}, "auto_no_pdl": {"KVFLOW_PDL": "0"}, "cublas": {"KVFLOW_SMALL_GEMM": "0"},
-             "cublas_no_pdl": {"KVFLOW_SMALL_GEMM": "0", "KVFLOW_PDL": "0"},
-             "plain_gemv": {"KVFLOW_SMALL_GEMM": "plain"}, "gemv_none": {"KVFLOW_GEMV": "none"},
-             "gemv_pipelined": {"KVFLOW_GEMV": "pipelined"}, "gemv_prefetch": {"KVFLOW_GEMV": "prefetch"},
-             "gemv_pipelined_prefetch": {"KVFLOW_GEMV": "pipelined,prefetch"},
-             "gemv_all": {"KVFLOW_GEMV": "pipelined,prefetch,evict_first"},
-             "fused_norm": {"KVFLOW_SMALL_GEMM": "fused"}}
-
-
-def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-    """Submit every prompt, step to completion; wall time, TTFT/TPOT and outputs (in submission order)."""
-    ids = [engine.add_request(None, p, params, output_kind="final") for p in prompts]
-    engine.take_finished_timings()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    outputs, steps = step_until_done(engine)
-    elapsed = time.perf_counter() - started
-    timings = engine.take_finished_timings()
-    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
-    tpots = [t.mean_tpot_s for t in timings if t.mean_tpot_s is not None]
-    return {"elapsed": elapsed, "steps": steps,
-            "token_ids": [list(outputs[i].outputs[0].token_ids) for i in ids],
-            "logprobs": [outputs[i].outputs[0].logprobs for i in ids],
-            "ttft": statistics.median(ttfts) if ttfts else None, "tpot": statistics.median(tpots) if tpots else None,
-            "out_tokens": sum(len(outputs[i].outputs[0].token_ids) for i in ids)}
-
-
-def kernel_table(fn: Callable[[], Any], reps: int) -> None:
-    """GPU time per kernel over reps calls of fn (CUPTI also traces kernels inside graph replays)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60), flush=True)
 
 
 # ---- workloads -------------------------------------------------------------------------------------------------
@@ -129,22 +84,9 @@ def decode_graph_figures(engine: LLMEngine, tpot_s: float) -> dict[str, Any]:
     graphs = engine.runner.graphs
     graph = graphs.graphs[graphs.sizes[0]].graph
     replay_ms = cuda_event_seconds(graph.replay, 50) * 1e3
-    if PROFILE_KERNELS:
-        kernel_table(graph.replay, 20)
     return {"graph_replay_ms": replay_ms, "host_ms_per_step": tpot_s * 1e3 - replay_ms,
             "decode_ahead_hits": engine.runner.decode_ahead.hits,
             "decode_ahead_misses": engine.runner.decode_ahead.misses}
-
-
-def profile_host(engine: LLMEngine, prompt: list[list[int]], params: SamplingParams) -> None:
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run_requests(engine, prompt, params)
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(28)
 
 
 @dataclass(frozen=True)
@@ -174,8 +116,6 @@ def decode_workload(report: Report, name: str, engine: LLMEngine, hf: Any | None
            "cuda_graphs": engine.runner.graphs is not None}
     if engine.runner.graphs is not None:
         rec.update(decode_graph_figures(engine, best["tpot"]))
-    if PROFILE_HOST:
-        profile_host(engine, random_prompts(1, shape.prompt_len, arch.vocab_size, seed=200), params)
     if hf is not None:
         prompt = random_prompts(1, shape.prompt_len, arch.vocab_size, seed=100)
         hf_generate(hf, prompt, 8)  # warm-up
@@ -242,13 +182,12 @@ def prefill_workload(report: Report, name: str, engine: LLMEngine, tokens: int, 
 class Parts:
     """The run's parts, in order; each records into the report and frees the GPU after itself."""
 
-    ORDER = ("correctness", "gemv", "qwen", "llama8b", "decode_ab")
+    ORDER = ("correctness", "qwen", "llama8b")
 
-    def __init__(self, report: Report, quick: bool, ab: list[str] | None) -> None:
-        self.report, self.quick, self.ab = report, quick, ab
+    def __init__(self, report: Report, quick: bool) -> None:
+        self.report, self.quick = report, quick
 
     def correctness(self) -> None:
-        gpu_checks.check_small_gemm(self.report)
         gpu_checks.check_fused_kernels(self.report)
         prompts = [p[: 6 + 9 * i] for i, p in enumerate(random_prompts(4, 64, 500, seed=11))]
         for preset in ("tiny-llama", "tiny-qwen2", "tiny-qwen3"):
@@ -258,14 +197,6 @@ class Parts:
         gpu_checks.check_eager_vs_graphs(self.report, "tiny-qwen3", "float32")
         gpu_checks.check_eager_vs_graphs(self.report, "tiny-llama", "bfloat16", across_batches=False)
         gpu_checks.check_eager_vs_graphs(self.report, "tiny-qwen2", "bfloat16", across_batches=False)
-
-    def gemv(self) -> None:
-        from bench.gpu_gemv import gemv_stream_record
-
-        record, checks = gemv_stream_record()
-        for name, ok, detail in checks:
-            self.report.check(name, ok, detail)
-        self.report.record({"device": self.report.meta["device"], **record})
 
     def qwen(self) -> None:
         hf = build_hf("qwen2.5-0.5b", torch.bfloat16)
@@ -324,26 +255,6 @@ class Parts:
             del engine
             release_memory()
 
-    def decode_ab(self) -> None:
-        unknown = set(self.ab or ()) - set(DECODE_AB)
-        if unknown:
-            raise ValueError(f"unknown --ab variants {sorted(unknown)}; known: {sorted(DECODE_AB)}")
-        chosen = {k: v for k, v in DECODE_AB.items() if not self.ab or k in self.ab}
-        for preset, label, max_len, seqs in (("qwen2.5-0.5b", "qwen05b", 2048, 8),
-                                             ("llama-3.1-8b", "llama8b", 8192 + 64, 256)):
-            for variant, env in chosen.items():
-                os.environ.update(env)  # read once at model build
-                try:
-                    engine = build_engine(preset, max_model_len=max_len, max_num_seqs=seqs,
-                                          enable_prefix_caching=False)
-                    decode_workload(self.report, f"{label}_b1_decode_{variant}", engine, None,
-                                    DecodeShape(128, 64 if self.quick else 256, 2), 0)
-                finally:
-                    for key in env:
-                        os.environ.pop(key)
-                del engine
-                release_memory()
-
     def run(self, name: str) -> None:
         started = time.perf_counter()
         try:
@@ -385,15 +296,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="every workload at reduced size (smoke test)")
     parser.add_argument("--record", action="store_true", help="write bench/results/gpu_<device>.json")
-    parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: correctness qwen llama8b gemv decode_ab (default: all but decode_ab)")
-    parser.add_argument("--ab", nargs="*", default=None, help="decode_ab variants to run (default: all)")
+    parser.add_argument("--only", nargs="*", default=None, choices=Parts.ORDER, help="a subset (default: all)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report = Report(os.environ.get("OUT"))
     measure_meta(report, args.quick)
-    parts = Parts(report, args.quick, args.ab)
-    wanted = set(args.only or ["correctness", "gemv", "qwen", "llama8b"])
+    parts = Parts(report, args.quick)
+    wanted = set(args.only or Parts.ORDER)
     for name in Parts.ORDER:
         if name in wanted:
             parts.run(name)

@@ -1,12 +1,15 @@
-"""The correctness half of `bench.gpu_bench` (PASS/FAIL checks, with the kernel timings they take along) and
-what it shares with the workloads: the report, engines and HF models on random weights, random prompts.
+"""The correctness half of `bench.gpu_bench` (PASS/FAIL checks) and what it shares with the workloads: the
+report, engines and HF models on random weights, random prompts.
 
 - kvflow vs transformers: greedy ids equal in fp32; in bf16 the first divergence within the other side's top-5;
 - --enforce-eager on and off: the same greedy ids at group sizes 1, 3 and 8;
 - the fused decode kernels: single-pass split-KV decode vs the two-kernel combine and the fp64 reference, fused
-  rotary + KV write bit-identical to the two kernels, each pair timed inside a CUDA graph;
-- kernels/small_gemm.py at Llama-8B / Qwen-0.5B layer shapes: each prologue vs the fp32 reference, then the fused
-  kernel vs the unfused chain it replaces, and a sweep of the tl.dot kernel's block configs.
+  rotary + KV write bit-identical to the two kernels.
+
+The small_gemm check (each prologue vs the fp32 reference at Llama-8B / Qwen-0.5B shapes; under the interpreter:
+tests/kernels/test_kernels_small_gemm.py) and the kernel A/B timings that came along (small_gemm_timings: fused vs
+the unfused chain, the tl.dot block-config sweep; fused_kernel_timings) were retired: they run at
+`git checkout be1a1ae`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,6 @@ from typing import Any
 import torch
 
 from bench.harness.runs import first_divergence, step_until_done
-from bench.harness.timing import graph_seconds
 from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.presets import preset_hf_config
@@ -29,12 +32,6 @@ from engine.sampling_params import SamplingParams
 
 DEV = torch.device("cuda")
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SMALL_GEMM_SHAPES = {  # (hidden, q + 2 kv, intermediate, vocab)
-    "llama8b": (4096, 6144, 14336, 128256),
-    "qwen05b": (896, 1152, 4864, 151936),
-}
-SMALL_GEMM_CONFIGS = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 4),
-                      (64, 256, 8, 3), (128, 128, 4, 4), (32, 512, 4, 3)]
 
 
 class Report:
@@ -119,11 +116,22 @@ def load_hf_weights(engine: LLMEngine, hf_model: Any) -> None:
     engine.runner.model.load_hf_state_dict(hf_model.state_dict())
 
 
-def greedy_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
-    """Each prompt's output (in order), the engine stepped to completion."""
+def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    """Submit every prompt, step to completion; wall time, TTFT/TPOT and outputs (in submission order)."""
     ids = [engine.add_request(None, p, params, output_kind="final") for p in prompts]
-    outputs = step_until_done(engine)[0]
-    return [outputs[i].outputs[0] for i in ids]
+    engine.take_finished_timings()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    outputs, steps = step_until_done(engine)
+    elapsed = time.perf_counter() - started
+    timings = engine.take_finished_timings()
+    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
+    tpots = [t.mean_tpot_s for t in timings if t.mean_tpot_s is not None]
+    return {"elapsed": elapsed, "steps": steps,
+            "token_ids": [list(outputs[i].outputs[0].token_ids) for i in ids],
+            "logprobs": [outputs[i].outputs[0].logprobs for i in ids],
+            "ttft": statistics.median(ttfts) if ttfts else None, "tpot": statistics.median(tpots) if tpots else None,
+            "out_tokens": sum(len(outputs[i].outputs[0].token_ids) for i in ids)}
 
 
 # ---- correctness -----------------------------------------------------------------------------------------------
@@ -131,20 +139,20 @@ def check_vs_hf(report: Report, preset: str, dtype: str, prompts: list[list[int]
     hf = build_hf(preset, HF_DTYPES[dtype])
     engine = build_engine(preset, dtype=dtype, kv_cache_memory_bytes=256 << 20, max_model_len=512, max_num_seqs=16)
     load_hf_weights(engine, hf)
-    mine = greedy_ids(engine, prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
-                                                      logprobs=5))
+    mine = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                                                        logprobs=5))
     exact, within, worst = 0, 0, ""
     for i, prompt in enumerate(prompts):
         theirs, logits, _ = hf_generate(hf, [prompt], new_tokens, want_logits=True)
         assert logits is not None
-        ours, hf_ids = list(mine[i].token_ids), theirs[0]
+        ours, hf_ids = mine["token_ids"][i], theirs[0]
         j = first_divergence(ours, hf_ids)
         if j is None:
             exact += 1
             within += 1
             continue
         hf_top5 = logits[j][0].topk(5).indices.tolist()
-        our_top5 = [tok for tok, lp in mine[i].logprobs[j].items() if lp.rank <= 5]
+        our_top5 = [tok for tok, lp in mine["logprobs"][i][j].items() if lp.rank <= 5]
         within += ours[j] in hf_top5 and hf_ids[j] in our_top5
         worst = f"prompt {i} diverges at {j}: kvflow {ours[j]} (HF top5 {hf_top5}), HF {hf_ids[j]}"
     n = len(prompts)
@@ -169,8 +177,8 @@ def check_eager_vs_graphs(report: Report, preset: str, dtype: str, across_batche
         engine = build_engine(preset, dtype=dtype, kv_cache_memory_bytes=256 << 20, max_model_len=512,
                               max_num_seqs=16, enforce_eager=eager)
         for group in (1, 3, 8):
-            results[(eager, group)] = [list(o.token_ids) for start in range(0, len(prompts), group)
-                                       for o in greedy_ids(engine, prompts[start : start + group], params)]
+            results[(eager, group)] = [ids for start in range(0, len(prompts), group)
+                                       for ids in run_requests(engine, prompts[start : start + group], params)["token_ids"]]
         del engine
         release_memory()
     if not across_batches:
@@ -185,11 +193,6 @@ def check_eager_vs_graphs(report: Report, preset: str, dtype: str, across_batche
                  f"differing: {[k for k in results if k not in same]}")
 
 
-def graph_time_per_call(fn: Any) -> float:
-    """Seconds per call of fn, from a CUDA graph of 32 back-to-back calls (how the decode graphs run it)."""
-    return graph_seconds(fn, reps=30, calls=32, warmup=2)
-
-
 def rotary_then_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cos_sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          slots: torch.Tensor) -> None:
@@ -201,10 +204,10 @@ def rotary_then_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     write_kv_cache(k, v, key_cache, value_cache, slots)
 
 
-def _single_pass_decode(label: str, heads: int, kv_heads: int, dim: int, g: torch.Generator,
-                        timings: dict[str, float]) -> tuple[bool, float, torch.Tensor, torch.Tensor]:
+def _single_pass_decode(heads: int, kv_heads: int, dim: int, g: torch.Generator
+                        ) -> tuple[bool, float, torch.Tensor, torch.Tensor]:
     """Single-pass decode at batch 1, 4, 32 against the two-kernel path and the fp64 reference (20 launches with one
-    ticket buffer: a race would move the result), batch 1 timed both ways: (stable, worst error, last caches)."""
+    ticket buffer: a race would move the result): (stable, worst error, last caches)."""
     import kernels.paged_decode_attention as dec
 
     worst, stable = 0.0, True
@@ -224,144 +227,34 @@ def _single_pass_decode(label: str, heads: int, kv_heads: int, dim: int, g: torc
         stable &= all(torch.equal(r, runs[0]) for r in runs) and int(tickets.abs().sum()) == 0
         worst = max(worst, float((runs[0].double() - ref).norm() / ref.norm()),
                     float((runs[0].double() - two.double()).norm() / two.double().norm()))
-        if batch == 1:
-            for single in (True, False):
-                name = f"{label}_decode_b1_ctx300_{'single_pass' if single else 'two_kernel'}_us"
-                timings[name] = 1e6 * graph_time_per_call(functools.partial(call, tickets=tickets,
-                                                                            single_pass=single))
     return stable, worst, kc, vc
 
 
-def _fused_rotary_kv(label: str, heads: int, kv_heads: int, dim: int, kc: torch.Tensor, vc: torch.Tensor,
-                     g: torch.Generator, timings: dict[str, float]) -> bool:
-    """The fused rotary + KV write and the two kernels it replaces on the same inputs: bit-identical, each timed."""
+def _fused_rotary_kv(heads: int, kv_heads: int, dim: int, kc: torch.Tensor, vc: torch.Tensor,
+                     g: torch.Generator) -> bool:
+    """The fused rotary + KV write and the two kernels it replaces on the same inputs: bit-identical."""
     from kernels.rotary import build_cos_sin_cache
     from kernels.rotary_kv_write import rotary_and_write_kv
 
     cos_sin = build_cos_sin_cache(8192, dim, device=DEV)
     qkv = torch.randn(1, (heads + 2 * kv_heads) * dim, generator=g, device=DEV).bfloat16()
     pos, slots = torch.tensor([777], device=DEV), torch.tensor([5 * 16 + 3], device=DEV)
-    outs, calls = [], []
+    outs = []
     for fn in (rotary_and_write_kv, rotary_then_write_kv):
         x, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
         qv, kv, vv = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        args = (pos, qv.view(1, heads, dim), kv.view(1, kv_heads, dim), vv.view(1, kv_heads, dim), cos_sin,
-                kc2, vc2, slots)
-        fn(*args)
+        fn(pos, qv.view(1, heads, dim), kv.view(1, kv_heads, dim), vv.view(1, kv_heads, dim), cos_sin, kc2, vc2,
+           slots)
         outs.append((x.clone(), kc2[5].clone(), vc2[5].clone()))
-        calls.append(functools.partial(fn, *args))
-    timings[f"{label}_rotary_kv_fused_us"] = 1e6 * graph_time_per_call(calls[0])
-    timings[f"{label}_rotary_kv_separate_us"] = 1e6 * graph_time_per_call(calls[1])
     return all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
 def check_fused_kernels(report: Report) -> None:
     g = torch.Generator(device=DEV).manual_seed(0)
-    timings: dict[str, float] = {}
     for label, heads, kv_heads, dim in (("llama8b", 32, 8, 128), ("qwen05b", 14, 2, 64)):
-        stable, worst, kc, vc = _single_pass_decode(label, heads, kv_heads, dim, g, timings)
+        stable, worst, kc, vc = _single_pass_decode(heads, kv_heads, dim, g)
         report.check(f"single_pass_decode_{label}", stable and worst < 1e-2,
                      f"20 launches identical, tickets back to 0: {stable}; worst rel err vs fp64 ref / two-kernel "
                      f"{worst:.2e}")
-        same = _fused_rotary_kv(label, heads, kv_heads, dim, kc, vc, g, timings)
+        same = _fused_rotary_kv(heads, kv_heads, dim, kc, vc, g)
         report.check(f"fused_rotary_kv_write_{label}", same, f"bit-identical to rotary + write_kv_cache: {same}")
-    report.record({"workload": "fused_kernel_timings", **timings})
-
-
-def unfused_chain(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none", residual: torch.Tensor | None = None,
-                  norm_weight: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  argmax: bool = False, small: bool = False, impl: str = "dot") -> Any:
-    """What the engine ran before kernels/small_gemm.py: norm / SwiGLU kernel, cuBLAS, cast, torch argmax;
-    `small`: the same with the matmul (and argmax) through small_gemm without prologue."""
-    import torch.nn.functional as F
-
-    from kernels.rms_norm import fused_add_rms_norm
-    from kernels.silu_and_mul import silu_and_mul
-    from kernels.small_gemm import small_gemm
-
-    if prologue == "norm":
-        assert residual is not None and norm_weight is not None
-        x = fused_add_rms_norm(x, residual, norm_weight, 1e-5)[0]  # in place: values drift, timing does not
-    elif prologue == "silu":
-        x = silu_and_mul(x)
-    if small:
-        return small_gemm(x, weight, out=out, argmax=argmax, impl=impl)
-    y = F.linear(x, weight)
-    if out is not None:
-        y = out.copy_(y)
-    return y.argmax(dim=-1) if argmax else y
-
-
-def _small_gemm_weights(hidden: int, qkv: int, inter: int, vocab: int, g: torch.Generator) -> dict[str, Any]:
-    def w(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=g, device=DEV) / k**0.5).to(torch.bfloat16)
-
-    return {"qkv": w(qkv, hidden), "o": w(hidden, hidden), "gate_up": w(2 * inter, hidden), "down": w(hidden, inter),
-            "head": w(vocab, hidden), "norm": (1 + 0.1 * torch.randn(hidden, generator=g, device=DEV)).to(torch.bfloat16)}
-
-
-def _rows(m: int, hidden: int, inter: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """x, residual and a gate|up activation of m rows."""
-    return tuple(torch.randn(m, n, generator=g, device=DEV).to(torch.bfloat16) for n in (hidden, hidden, 2 * inter))
-
-
-def _small_gemm_accuracy(ws: dict[str, Any], hidden: int, inter: int, vocab: int, g: torch.Generator
-                         ) -> tuple[float, bool]:
-    """Each prologue vs the fp32 torch reference at M = 1 and 4 (worst rel error), residual sum and argmax exact."""
-    from kernels.small_gemm import small_gemm, small_gemm_ref
-
-    worst, exact = 0.0, True
-    for m in (1, 4):
-        x, res, gu = _rows(m, hidden, inter, g)
-        for xin, w, kw in [(x, ws["qkv"], dict(prologue="norm", residual=res, norm_weight=ws["norm"])),
-                           (x, ws["o"], {}), (gu, ws["down"], dict(prologue="silu"))]:
-            y, rsum, _ = small_gemm(xin, w, **kw)
-            ref, ref_sum = small_gemm_ref(xin, w, **kw)
-            worst = max(worst, float((y.double() - ref.double()).norm() / ref.double().norm()))
-            if ref_sum is not None:
-                exact &= rsum is not None and torch.equal(rsum, ref_sum)
-        logits, _, tokens = small_gemm(x, ws["head"], out=torch.empty(m, vocab, device=DEV), argmax=True)
-        exact &= tokens is not None and torch.equal(tokens, logits.argmax(dim=-1))
-    return worst, exact
-
-
-def _gemm_timings(xin: torch.Tensor, w: torch.Tensor, kw: dict[str, Any], m: int) -> dict[str, Any]:
-    """The fused kernel vs the unfused chain; at M = 1 also the GEMV, the plain kernels and the block-config sweep."""
-    from kernels.small_gemm import small_gemm
-
-    def us(fn: Any, **extra: Any) -> float:
-        return 1e6 * graph_time_per_call(functools.partial(fn, xin, w, **kw, **extra))
-
-    entry: dict[str, Any] = {"fused_us": us(small_gemm), "unfused_us": us(unfused_chain)}
-    entry["fused_weight_gbps"] = w.numel() * w.element_size() / entry["fused_us"] / 1e3
-    if m == 1:
-        entry.update(gemv_us=us(small_gemm, impl="gemv"), plain_dot_us=us(unfused_chain, small=True),
-                     plain_gemv_us=us(unfused_chain, small=True, impl="gemv"))
-        sweep = {}
-        for cfg in SMALL_GEMM_CONFIGS:
-            try:
-                sweep["x".join(map(str, cfg))] = round(us(small_gemm, config=cfg), 2)
-            except Exception as exc:  # a config the shape cannot take (e.g. out of shared memory)
-                sweep["x".join(map(str, cfg))] = f"error: {type(exc).__name__}"
-        entry["sweep_us"] = sweep
-    return entry
-
-
-def check_small_gemm(report: Report) -> None:
-    g = torch.Generator(device=DEV).manual_seed(0)
-    timings: dict[str, Any] = {}
-    for label, (hidden, qkv, inter, vocab) in SMALL_GEMM_SHAPES.items():
-        ws = _small_gemm_weights(hidden, qkv, inter, vocab, g)
-        worst, exact = _small_gemm_accuracy(ws, hidden, inter, vocab, g)
-        report.check(f"small_gemm_{label}", worst < 1e-2 and exact,
-                     f"worst rel err vs fp32 ref {worst:.2e}; residual sum and argmax exact: {exact}")
-        for m in (1, 4):
-            x, res, gu = _rows(m, hidden, inter, g)
-            norm_kw = dict(prologue="norm", residual=res, norm_weight=ws["norm"])
-            cases = {"qkv_norm": (x, ws["qkv"], norm_kw), "o": (x, ws["o"], {}),
-                     "gate_up_norm": (x, ws["gate_up"], norm_kw), "down_silu": (gu, ws["down"], dict(prologue="silu")),
-                     "lm_head_argmax": (x, ws["head"], dict(out=torch.empty(m, vocab, device=DEV), argmax=True))}
-            for name, (xin, w, kw) in cases.items():
-                entry = timings[f"{label}_{name}_m{m}"] = _gemm_timings(xin, w, kw, m)
-                print(f"small_gemm {label} {name} m={m}: " + json.dumps(entry), flush=True)
-    report.record({"workload": "small_gemm_timings", **timings})

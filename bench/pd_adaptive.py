@@ -14,14 +14,8 @@ class and phase gets at least one request.
 SLO: a request meets it if it completed, its TTFT <= slo["ttft_s"] and its TPOT (mean gap per output token after
 the first) <= slo["itl_s"]; slo_attainment = requests meeting it / requests sent (a failed one misses it).
 
-$OUT/pd_adaptive_<workload>.json (--smoke: pd_adaptive_smoke.json) = {"context", "records"}, rewritten after each
-mode. A record: workload, device, mode, slo, slo_attainment, ttft_p99_s, itl_p99_s (every gap between streamed
-tokens), itl_max_s, tpot_p99_s, out_tok_s (output tokens / seconds to the last completion), requests, failed,
-errors, classes and phases (the same figures per class / phase), pool_moves (kvflow:pool_moves_total over the run,
-from the router's /metrics polled every 0.5 s; None where it exports no pools); `changing` adds seconds_to_adapt
-(phase change -> the last pool change in phase 2; 0.0 if none; None without pools) and pool_timeline; sweep
-records add request_rate. A mode that does not start gets {workload, device, mode, error}; the others go on. A run
-of some modes keeps the file's records of the others (each record is dated): one mode per device call fits.
+Writes $OUT/pd_adaptive_<workload>.json (--smoke: pd_adaptive_smoke.json), rewritten after each mode; its
+records' fields: bench/README.md.
 
 Servers: one per mode and workload (the same starting pools for each), warmed up with a few requests per class;
 --smoke (tiny model on CPU, seconds-long loads) starts one per mode for all workloads, all three up front.
@@ -51,6 +45,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.harness.jobs import MULTICAST_OFF
 from bench.harness.records import RESULTS, log, write_json
 from bench.pd_gpu import MODEL, SMOKE_MODEL, Setup
 from kvflow.benchmarks.pd import device_name
@@ -67,7 +62,6 @@ MODE_FLAGS = {  # serve's default policy is adaptive: the fixed layouts pin stat
     "adaptive": ("--disagg-policy", "adaptive", "--prefill-workers", "1", "--decode-workers", "1"),
 }
 POLL_S = 0.5
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def mode_flags(mode: str, slo: dict[str, float], itl_target_ms: float | None) -> list[str]:
@@ -278,7 +272,7 @@ class Bench:
     def start(self, mode: str, runs: list[Workload]) -> ServerProcess:
         """`mode`'s server for `runs`, started (not yet ready)."""
         smoke = self.setup.model == SMOKE_MODEL
-        env = {k: os.environ.get(k, v) for k, v in NCCL_ENV.items()}
+        env = {k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}
         return self.setup.serve("--max-model-len", str(max(w.max_len() for w in runs) + 64),
                                 *(SMOKE_ENGINE if smoke else ()), "--api-key", self.api_key,
                                 "--metrics-require-api-key", *self.flags[mode], env=env)

@@ -4,14 +4,13 @@ random weights (`--load-format dummy`):
 - w8a8:  `--quantization fp8` vs bf16, engine throughput on N prompts x 512 in / 128 out (default N=1000; the
          lead may scale it down with --num-prompts), plus fp8 KV alone and fp8 weights + fp8 KV; the KV block
          count of each engine; and the Fp8Linear layer against its float32 reference at a real shape.
-- w8a8_layers: the four decoder linears, Fp8Linear vs bf16 F.linear at prefill and decode row counts, and the
-         activation quantization alone, Triton vs torch (codes compared).
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
          torch reference; and the block count of each KV dtype in one budget.
-- int4:  the decode step's weight GEMMs, int4 vs bf16, and the tile sweeps (bench/quant_int4.py).
+- int4:  the decode step's weight GEMMs, int4 vs bf16, and the nibble-pair sweep (bench/quant_int4.py).
 
-Writes bench/results/quant_gpu_<device>.json (fields: workload, device, numbers). `--smoke` runs the same code
-paths on CPU at tiny shapes (Triton under its interpreter; fp8 W8A8 as the layer alone, since the engine refuses
+The w8a8_layers part (each decoder linear, Fp8Linear vs bf16; the activation quantization, Triton vs torch) was
+retired: it runs at `git checkout be1a1ae`. Writes bench/results/quant_gpu_<device>.json (fields: workload, device,
+numbers). `--smoke` runs the same code paths on CPU at tiny shapes (Triton under its interpreter; fp8 W8A8 as the layer alone, since the engine refuses
 fp8 weights on CPU) and writes bench/results/quant_gpu_smoke.json.
 
     python -m bench.quant_gpu                        # all parts on a GPU
@@ -38,19 +37,14 @@ import torch  # noqa: E402
 
 from bench.harness.records import RESULTS, device_slug, gpu_name, write_json  # noqa: E402
 from bench.harness.runs import timed_generate  # noqa: E402
-from bench.harness.timing import graph_seconds, wall_seconds  # noqa: E402
-from bench.quant_int4 import part_int4, rel_err  # noqa: E402
+from bench.harness.timing import wall_seconds  # noqa: E402
+from bench.quant_int4 import graph_ms, part_int4, rel_err  # noqa: E402
 from engine.quant.fp8_linear import Fp8Linear, fp8_matmul_ref  # noqa: E402
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128  # Llama-3.1-8B
-PARTS = ("w8a8", "w8a8_layers", "kv", "int4")
-
-
-def cuda_ms(fn: Any, reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph of fn."""
-    return graph_seconds(fn, reps) * 1e3
+PARTS = ("w8a8", "kv", "int4")
 
 
 # ------------------------------------------------------------------------------------------------ fp8 W8A8
@@ -103,52 +97,6 @@ def part_w8a8(smoke: bool, num_prompts: int, only: list[str] | None = None) -> d
     return record
 
 
-def linear_row(name: str, dense: list[Any], fp8: list[Any], m: int, k: int) -> dict[str, Any]:
-    """One linear shape at m rows over the layers' distinct weights: bf16 vs fp8 and the activation quantization,
-    Triton (one launch) vs the torch reference (six kernels), each from a CUDA graph."""
-    from engine.quant.fp8_linear import quantize_per_token
-    from kernels.fp8_quant import per_token_quant_fp8
-
-    layers = len(dense)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        bf16_ms = cuda_ms(lambda: [d(x) for d in dense])
-        fp8_ms = cuda_ms(lambda: [f(x) for f in fp8])
-        quant_ms = cuda_ms(lambda: [per_token_quant_fp8(x) for _ in range(layers)])
-        ref_ms = cuda_ms(lambda: [quantize_per_token(x) for _ in range(layers)])
-    row: dict[str, Any] = {"linear": name, "rows": m, "bf16_ms": round(bf16_ms / layers, 4),
-                           "fp8_ms": round(fp8_ms / layers, 4), "fp8_speedup": round(bf16_ms / fp8_ms, 3),
-                           "quant_triton_ms": round(quant_ms / layers, 4), "quant_torch_ms": round(ref_ms / layers, 4)}
-    if m == 64:  # codes against the torch reference, with the hardware convert and with round_to_e4m3
-        rq, rs = quantize_per_token(x)
-        for label, hw in (("hw_cast", True), ("round_to_e4m3", False)):
-            q, sc = per_token_quant_fp8(x, hw_cast=hw)
-            diff = q.view(torch.uint8) != rq.view(torch.uint8)
-            row[f"quant_{label}"] = {
-                "codes_differing": int(diff.sum()), "scales_differing": int((sc != rs).sum()),
-                "examples": [{"x_over_scale": float(x[i, j].float() / rs[i]), "q": float(q[i, j]),
-                              "q_torch": float(rq[i, j])} for i, j in diff.nonzero()[:3].tolist()]}
-    print("w8a8_layers", row, flush=True)
-    return row
-
-
-def part_w8a8_layers(smoke: bool) -> dict[str, Any]:
-    """The four decoder linears of Llama-8B at prefill and decode row counts, 8 distinct layers' weights each."""
-    if smoke:
-        return {"skipped": "GPU only (cuBLASLt fp8 GEMMs)"}
-    shapes = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-    layers = 8
-    out: dict[str, Any] = {"workload": f"Llama-3.1-8B linears, {layers} layers of distinct weights per shape, "
-                                       "CUDA graphs", "cases": []}
-    for name, (n, k) in shapes.items():
-        dense = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
-        fp8 = [Fp8Linear.from_dense(d) for d in dense]
-        out["cases"] += [linear_row(name, dense, fp8, m, k) for m in (1, 64, 256, 2048, 8192)]
-        del dense, fp8
-        torch.cuda.empty_cache()
-    return out
-
-
 # ------------------------------------------------------------------------------------------------- fp8 KV
 def kv_row(ctx: int, batch: int, dims: tuple[int, int, int, int], g: torch.Generator, smoke: bool,
            with_error: bool) -> dict[str, Any]:
@@ -168,7 +116,7 @@ def kv_row(ctx: int, batch: int, dims: tuple[int, int, int, int], g: torch.Gener
     for name, (kk, vv) in {"bf16": (kc, vc), "fp8": (quantize_fp8(kc, 1.0), quantize_fp8(vc, 1.0))}.items():
         run = functools.partial(paged_decode_attention, q, kk, vv, tables, seq_lens, d ** -0.5, max_seq_len=ctx,
                                 tickets=tickets)
-        seconds = wall_seconds(run, 3, False) if smoke else cuda_ms(run, 50) / 1e3
+        seconds = wall_seconds(run, 3, False) if smoke else graph_ms(run, 50) / 1e3
         row[f"{name}_us"] = round(seconds * 1e6, 1)
         if with_error:
             row[f"{name}_rel_err"] = rel_err(run(), paged_decode_attention_ref(q, kk, vv, tables, seq_lens, d ** -0.5))
@@ -198,16 +146,15 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         return part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts, args.w8a8_configs)
     if part == "int4":
         return part_int4(args.smoke, tuple(args.int4_sweeps))
-    return {"w8a8_layers": part_w8a8_layers, "kv": part_kv}[part](args.smoke)
+    return part_kv(args.smoke)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--int4-sweeps", nargs="*", default=["gemv", "gemm"],
-                        choices=["gemv", "gemm", "kngemv", "kngemm", "pairs"],
-                        help="int4: which tile sweeps to run after the cases (none: no sweep)")
+    parser.add_argument("--int4-sweeps", nargs="*", default=[], choices=["pairs"],
+                        help="int4: the nibble-pair sweep after the cases (the tile sweeps were retired)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
     parser.add_argument("--smoke", action="store_true")

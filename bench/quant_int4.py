@@ -2,11 +2,10 @@
 distinct weights, one CUDA graph) at batch 1, 8, 16, 64 and 256: Q4_1-style int4 (group 32) vs bf16 (cuBLAS).
 `int4` is the engine's CUDA path (the kn layout's GEMV / GEMM, kernels/quant_gemm_kn.py), `int4_canonical` the
 canonical layout's (kernels/quant_gemm.py); tok/s = batch / step time (weights only: no attention, no head).
-Then, on request (`sweeps`), the tile sweeps: `gemv` / `gemm` over the canonical layout's kernels, `kngemv` /
-`kngemm` over the kn layout's, `pairs` the kn GEMV's nibble-pair form beside the single-nibble one.
-
-Every sweep entry is checked against the torch reference first (a relative error over 2e-2 is recorded, not
-timed) and a config that does not compile is recorded as an error, never fatal."""
+On request (`sweeps`: `pairs`), the kn GEMV's nibble-pair form beside the single-nibble one over a few tiles, each
+entry checked against the torch reference first (over 2e-2 relative error: recorded, not timed; a config that does
+not compile: recorded as an error). The tile sweeps that chose the shipped tiles (gemv, gemm, kngemv, kngemm) and
+the int4_tiled_gemm case were retired; they run at `git checkout be1a1ae`."""
 
 from __future__ import annotations
 
@@ -23,23 +22,6 @@ from engine.quant.kn_layout import KNWeight, from_kn, to_kn
 from engine.quant.quant_layers import quant_matmul
 
 HIDDEN, INTER, LAYERS = 4096, 14336, 32  # Llama-3.1-8B
-# The kn GEMM's tiles (BLOCK_M, BLOCK_N, BLOCK_R word rows, warps, SWAP_AB), and the dense path (dequantize W once,
-# then cuBLAS). H100 rounds in quant_gpu_h100.json int4.kn_gemm_sweep: round 1 picked the tiles; round 2 found
-# loading the codes one iteration ahead slower everywhere and the dequantization's tiles all within 4 %.
-KN_GEMM_SWEEP: list[dict[str, Any]] = (
-    [{"gemm_tiles": t, "dense": False} for t in ((16, 128, 16, 4, True), (32, 128, 16, 4, True),
-                                                 (64, 128, 16, 4, True), (64, 128, 32, 4, True),
-                                                 (64, 256, 16, 8, True), (128, 128, 16, 8, True))]
-    + [{"dense": True}]
-)
-# The kn GEMV at batch 1: (BLOCK_N, NSUB, programs per SM, warps) x loads one iteration ahead.
-KN_GEMV_SWEEP: list[dict[str, Any]] = [
-    {"gemv_tiles": t, "pipeline": True, "sum_here": sh}
-    for t in ((32, 4, 16, 1), (32, 4, 24, 1), (32, 4, 32, 1), (16, 8, 16, 1), (32, 8, 16, 1), (32, 4, 8, 1))
-    for sh in (False, True)
-]
-# (earlier H100 rounds, kn_gemv_sweep.round_1 / round_2 in quant_gpu_h100.json: (32, 4, 16, 1) fastest of 20 tiles;
-# loads one iteration ahead 2.27 vs 2.44 ms; round 3: the K split summed in the same launch or by a second one)
 # The nibble-pair GEMV (`quant_gemm_kn(pairs=True)`) beside the single-nibble one at the same tiles. Offline sm_90
 # SASS (int4_gemv_sass_offline.json, Triton 3.6 / 3.9) counts its loop at 6.5 / 4.8 instructions per code against
 # 7.6 / 7.2 at the default tiles, with more registers; narrower tiles are in too, and 24 programs per SM where the
@@ -50,26 +32,6 @@ KN_PAIRS_SWEEP: list[dict[str, Any]] = [
               (64, 2, 16, 1), (64, 2, 24, 1))
     for pairs in (False, True)
 ]
-# The canonical batch-1 GEMV's tiles (BLOCK_N rows, HALF: half the K elements per iteration, programs per SM) and
-# warps: its default reads 1 KB per program per iteration (16 rows x 64 bytes); the bf16 GEMV that streams at
-# ~3 TB/s reads 8 KB (4 rows x 1,024 weights).
-GEMV_SWEEP: list[dict[str, Any]] = (
-    [{}]
-    + [{"tiles": t, "num_warps": w} for t, w in (((8, 128, 8), 4), ((4, 256, 8), 4), ((4, 512, 8), 4),
-                                                 ((4, 512, 4), 8), ((8, 512, 4), 8), ((2, 512, 8), 4),
-                                                 ((8, 128, 16), 4), ((8, 128, 4), 4), ((4, 128, 8), 4),
-                                                 ((8, 64, 8), 4), ((8, 128, 8), 2), ((4, 128, 16), 2),
-                                                 ((8, 128, 12), 4), ((16, 128, 8), 8), ((8, 256, 8), 8),
-                                                 ((4, 256, 8), 2))]
-)
-GEMM_SWEEP: list[dict[str, Any]] = (
-    [{"meta_per_sub": False, "swap_ab": False, "tiles": (64, 64, 4), "num_warps": 4}, {}]  # before, the defaults
-    + [{"swap_ab": True, "tiles": t, "num_warps": w} for t in ((16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 128, 4),
-                                                              (64, 128, 2), (64, 256, 2))
-       for w in (4, 8)]
-    + [{"swap_ab": False, "tiles": (64, 128, 4), "num_warps": w} for w in (4, 8)]
-    + [{"swap_ab": True, "tiles": (64, 128, 2), "num_warps": 8, "num_stages": st} for st in (2, 4)]
-)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,36 +67,11 @@ def triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
                       KINDS.index(w.kind), w.group_size, w.out_features)
 
 
-def canonical_gemv(x: torch.Tensor, w: QuantWeight, **cfg: Any) -> torch.Tensor:
-    from kernels.quant_gemm import _quant_gemv
-
-    y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
-    return _quant_gemv(x, w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind), w.group_size, w.out_features, y, **cfg)
-
-
-def canonical_tiled(x: torch.Tensor, w: QuantWeight, **cfg: Any) -> torch.Tensor:
-    from kernels.quant_gemm import _quant_gemm_tiled
-
-    y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
-    return _quant_gemm_tiled(x, w.qweight, w.scales, w.mins, 4, KINDS.index(w.kind), w.group_size, w.out_features,
-                             y, **cfg)
-
-
-def step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool,
-              tiled: dict[str, Any] | None = None, gemv: dict[str, Any] | None = None) -> None:
-    """quant_matmul's own choice per batch; `tiled`: the dequantizing tensor-core GEMM (split K) with these
-    keyword arguments, even where the GEMV would be taken (the A/B that sets GEMV_MAX_M, and the sweep)."""
+def step_int4(weights: list[list[QuantWeight]], xs: dict[int, torch.Tensor], smoke: bool) -> None:
+    """quant_matmul's own choice per batch (the Triton kernel itself under --smoke)."""
     for ws in weights:
         for w in ws:
-            x = xs[w.in_features]
-            if smoke:
-                triton_matmul(x, w)
-            elif gemv is not None:
-                canonical_gemv(x, w, **gemv)
-            elif tiled is not None:
-                canonical_tiled(x, w, **tiled)
-            else:
-                quant_matmul(x, w)
+            (triton_matmul if smoke else quant_matmul)(xs[w.in_features], w)
 
 
 def arrivals_for(weights: list[list[KNWeight]]) -> list[list[torch.Tensor]]:
@@ -210,13 +147,11 @@ class Int4Run:
                              "bf16": sum(w.numel() * 2 for ws in self.bf16 for w in ws)},
             "cases": []}
 
-    def case(self, batch: int, tiled: bool) -> dict[str, Any]:
+    def case(self, batch: int) -> dict[str, Any]:
         xs = self.inputs(batch)
         steps = [("bf16", functools.partial(step_bf16, self.bf16, xs)),
                  ("int4", functools.partial(step_kn, self.kn, xs, self.kn_arrivals)),
                  ("int4_canonical", functools.partial(step_int4, self.int4, xs, self.smoke))]
-        if tiled:
-            steps.append(("int4_tiled_gemm", functools.partial(step_int4, self.int4, xs, self.smoke, {})))
         if batch == 1 and self.dev == "cuda":  # (at 2+ rows the engine's bf16 linears are cuBLAS: the bf16 row)
             steps.append(("bf16_engine", functools.partial(step_bf16_engine, self.bf16, xs)))
         row: dict[str, Any] = {"batch": batch}
@@ -229,60 +164,31 @@ class Int4Run:
         row["int4_canonical_vs_bf16"] = round(row["int4_canonical_tok_s"] / row["bf16_tok_s"], 3)
         if "bf16_engine_tok_s" in row:
             row["int4_vs_bf16_engine"] = round(row["int4_tok_s"] / row["bf16_engine_tok_s"], 3)
-        if "int4_tiled_gemm_tok_s" in row:
-            row["int4_tiled_gemm_vs_bf16"] = round(row["int4_tiled_gemm_tok_s"] / row["bf16_tok_s"], 3)
         print("int4", row, flush=True)
         return row
 
 
-# ---- sweeps ---------------------------------------------------------------------------------------------------
+# ---- the pairs sweep ------------------------------------------------------------------------------------------
 def as_json(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
 
 
-def sweep_entry(tag: str, rec: dict[str, Any], error: Callable[[], float], step_ms: Callable[[], float],
-                bf16_ms: float, kn: bool, extra: Callable[[float], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One sweep config: checked against the reference, then timed beside bf16. `kn` entries also record the
-    error itself."""
+def sweep_entry(rec: dict[str, Any], error: Callable[[], float], step_ms: Callable[[], float], bf16_ms: float,
+                extra: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
+    """One sweep config: checked against the reference, then timed beside bf16."""
     try:
         err = error()
-        if kn:
-            rec["rel_err"] = float(f"{err:.3g}")
+        rec["rel_err"] = float(f"{err:.3g}")
         if err > 2e-2:
-            rec["error"] = "wrong result" if kn else f"rel err {err:.3g}"
+            rec["error"] = "wrong result"
         else:
             ms = step_ms()
             rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3), vs_bf16=round(bf16_ms / ms, 3))
-            rec.update(extra(ms) if extra else {})
+            rec.update(extra(ms))
     except Exception as exc:  # a config that does not compile is recorded, not fatal
-        rec["error"] = f"{type(exc).__name__}: {str(exc)[:200 if kn else 160]}"
-    print(tag, rec, flush=True)
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    print("kn_gemv_sweep", rec, flush=True)
     return rec
-
-
-def canonical_sweeps(run: Int4Run, sweeps: tuple[str, ...]) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {"gemv_sweep": [], "gemm_sweep": []}
-    xs = run.inputs(1)
-    bf16_ms = graph_ms(functools.partial(step_bf16, run.bf16, xs))
-    w = run.int4[0][0]
-    for cfg in GEMV_SWEEP if "gemv" in sweeps else []:
-        out["gemv_sweep"].append(sweep_entry(
-            "int4_gemv_sweep", as_json(cfg),
-            lambda cfg=cfg: rel_err(canonical_gemv(xs[w.in_features], w, **cfg).float(),
-                                    quant_matmul_ref(xs[w.in_features].float(), w)),
-            lambda cfg=cfg: graph_ms(functools.partial(step_int4, run.int4, xs, False, None, cfg)), bf16_ms, False))
-    for batch in (1, 8, 16, 64, 256) if "gemm" in sweeps else ():
-        xs_b = run.inputs(batch)
-        bf16_b = graph_ms(functools.partial(step_bf16, run.bf16, xs_b))
-        wg = run.int4[0][2]
-        for cfg in GEMM_SWEEP:
-            out["gemm_sweep"].append(sweep_entry(
-                "int4_gemm_sweep", {"batch": batch, **as_json(cfg)},
-                lambda cfg=cfg, xs_b=xs_b, wg=wg: rel_err(canonical_tiled(xs_b[wg.in_features], wg, **cfg).float(),
-                                                          quant_matmul_ref(xs_b[wg.in_features].float(), wg)),
-                lambda cfg=cfg, xs_b=xs_b: graph_ms(functools.partial(step_int4, run.int4, xs_b, False, cfg)), bf16_b,
-                False))
-    return out
 
 
 def kn_gemv_sweep(run: Int4Run, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -298,42 +204,18 @@ def kn_gemv_sweep(run: Int4Run, configs: list[dict[str, Any]]) -> list[dict[str,
         overrides = {k: v for k, v in cfg.items() if k != "sum_here"}
         arrivals = fresh_arrivals if cfg["sum_here"] else None
         out.append(sweep_entry(
-            "kn_gemv_sweep", as_json(cfg),
+            as_json(cfg),
             lambda o=overrides, a=arrivals: rel_err(kn_out(w, xs[w.in_features], arrivals=None if a is None
                                                            else a[0][3], **o).float(), ref),
-            lambda o=overrides, a=arrivals: graph_ms(functools.partial(step_kn, run.kn, xs, a, **o)), bf16_ms, True,
+            lambda o=overrides, a=arrivals: graph_ms(functools.partial(step_kn, run.kn, xs, a, **o)), bf16_ms,
             lambda ms: {"tb_s": round(nbytes / ms / 1e9, 3)}))
     return out
 
 
-def kn_gemm_sweep(run: Int4Run) -> list[dict[str, Any]]:
-    out = []
-    for batch in (8, 16, 32, 64, 128, 256):
-        xs = run.inputs(batch)
-        bf16_ms = graph_ms(functools.partial(step_bf16, run.bf16, xs))
-        w = run.kn[0][3]
-        ref = quant_matmul_ref(xs[w.in_features].float(), from_kn(w))
-        for cfg in KN_GEMM_SWEEP:
-            out.append(sweep_entry(
-                "kn_gemm_sweep", {"batch": batch, **as_json(cfg)},
-                lambda cfg=cfg, xs=xs, w=w, ref=ref: rel_err(kn_out(w, xs[w.in_features], **cfg).float(), ref),
-                lambda cfg=cfg, xs=xs: graph_ms(functools.partial(step_kn, run.kn, xs, None, **cfg)), bf16_ms, True))
-    return out
-
-
-def part_int4(smoke: bool, sweeps: tuple[str, ...] = ("gemv", "gemm")) -> dict[str, Any]:
+def part_int4(smoke: bool, sweeps: tuple[str, ...] = ()) -> dict[str, Any]:
     run = Int4Run(smoke)
     out = run.header()
-    for batch in (1, 8, 16, 64, 256):
-        out["cases"].append(run.case(batch, tiled=batch in (1, 8) and not smoke and bool(sweeps)))
-    if smoke:
-        return out
-    if sweeps:  # the GEMV's tiles at batch 1, the GEMM's variants and tiles at larger batches
-        out.update(canonical_sweeps(run, sweeps))
-    if "kngemv" in sweeps:
-        out["kn_gemv_sweep"] = kn_gemv_sweep(run, KN_GEMV_SWEEP)
-    if "pairs" in sweeps:
+    out["cases"] = [run.case(batch) for batch in (1, 8, 16, 64, 256)]
+    if "pairs" in sweeps and not smoke:
         out["kn_pairs_sweep"] = kn_gemv_sweep(run, KN_PAIRS_SWEEP)
-    if "kngemm" in sweeps:
-        out["kn_gemm_sweep"] = kn_gemm_sweep(run)
     return out

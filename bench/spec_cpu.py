@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from bench.harness.records import RESULTS, cpu_name, write_json
+from bench.harness.runs import spec_counters
 from kvflow import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -64,13 +65,8 @@ def chat_ids(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], 
     return list(out.outputs[0].token_ids), time.perf_counter() - start
 
 
-def counters(llm: LLM) -> tuple[int, int, int]:
-    s = llm.stats
-    return s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
-
-
 def acceptance(before: tuple[int, int, int], llm: LLM) -> dict[str, Any]:
-    drafts, drafted, accepted = (now - then for now, then in zip(counters(llm), before, strict=True))
+    drafts, drafted, accepted = (now - then for now, then in zip(spec_counters(llm.stats), before, strict=True))
     return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None}
@@ -83,7 +79,7 @@ class SetRun:
         self.configs = configs
         self.tokens = dict.fromkeys(configs, 0)
         self.seconds = dict.fromkeys(configs, 0.0)
-        self.before = {name: counters(llm) for name, llm in configs.items()}
+        self.before = {name: spec_counters(llm.stats) for name, llm in configs.items()}
         self.identical = {name: True for name in configs if name != "off"}
 
     def prompt(self, label: str, prompt: str, params: SamplingParams) -> None:

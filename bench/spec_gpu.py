@@ -1,9 +1,5 @@
 """Speculative decoding on a GPU (Llama-3.1-8B shapes, dummy bf16 weights), in one call:
 
-0. the engine's own speculative path end to end (greedy, batch 1 and 4) on repetitive prompts, which give the
-   n-gram proposer drafts: outputs against speculation off (on a GPU, rows verified in a batch use other GEMM
-   shapes than single-token decode, so bf16 rounding may let a random-weight model diverge: the first differing
-   position is reported), and batch 1's tok/s on vs off.
 1. verify step vs plain decode step: the runner's whole step (forward, logits, sampling / greedy verification)
    for k + 1 tokens per sequence (k = 1..8 drafts) against one token per sequence (the plain decode step, from
    CUDA graphs as the engine runs it), at batch 1, 8 and 64, context 512. Ratio = verify / decode time.
@@ -12,8 +8,9 @@
 3. concurrency 64 (64 prompts of 128 random tokens, 256 out, greedy, ignore_eos): output tok/s with speculation
    off, n-gram on with disable_by_batch_size=8 (the recommended form), and n-gram on without it; interleaved
    off/on/on-always, twice. The same engine runs all three (its proposer swapped), so nothing else differs.
-4. the draft-model proposer on the device (own paged KV, CUDA graphs): a 2-layer truncation drafting for the
-   model at batch 1 (dummy weights: a path and timing check, not an acceptance figure).
+
+Parts 0 (the engine path on repetitive prompts: no drafts on random-weight outputs) and 4 (a 2-layer draft model
+on the device: a path check) were retired; they run at `git checkout be1a1ae`.
 
 Writes bench/results/spec_gpu_<device>.json. `--smoke` runs the same code on CPU at tiny shapes (tiny-llama).
 
@@ -24,7 +21,6 @@ Writes bench/results/spec_gpu_<device>.json. `--smoke` runs the same code on CPU
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -35,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.harness.records import RESULTS, device_slug, write_json
-from bench.harness.runs import first_divergence, output_tokens, timed_generate
+from bench.harness.runs import output_tokens, spec_counters, timed_generate
 from engine.llm_engine import LLMEngine
 from engine.outputs import NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -98,49 +94,17 @@ def time_steps(engine: LLMEngine, batch: int, num_drafts: int, iters: int, tag: 
     return statistics.median(times)
 
 
-def spec_counters(engine: LLMEngine) -> tuple[int, int, int]:
-    s = engine.stats
-    return s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
-
-
 def throughput(llm: LLM, proposer: NgramProposer | None, prompts: list[list[int]], output_len: int
-               ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Greedy tok/s of `prompts` with `proposer` in the engine, the drafts it made, and the outputs."""
+               ) -> dict[str, Any]:
+    """Greedy tok/s of `prompts` with `proposer` in the engine, and the drafts it made."""
     engine = llm.llm_engine
     engine.proposer = proposer
-    before = spec_counters(engine)
+    before = spec_counters(engine.stats)
     outs, elapsed = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=output_len,
                                                                 ignore_eos=True))
-    drafts, drafted, accepted = (now - then for now, then in zip(spec_counters(engine), before, strict=True))
-    return ({"output_tok_s": round(output_tokens(outs) / elapsed, 1), "elapsed_s": round(elapsed, 3),
-             "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted},
-            [list(o.outputs[0].token_ids) for o in outs])
-
-
-def engine_path(llm: LLM, smoke: bool) -> dict[str, Any]:
-    """Part 0: speculation off vs n-gram on repetitive prompts, at batch 1 and 4, alternating twice."""
-    engine = llm.llm_engine
-    gen = torch.Generator().manual_seed(1)
-    motifs = [torch.randint(3, engine.config.model.arch.vocab_size, (24,), generator=gen).tolist() for _ in range(4)]
-    prompts = [motif * 5 for motif in motifs]
-    out_len = 32 if smoke else 128
-    ngram = NgramProposer(SpecConfig.build("ngram", None, 4, 4, 2, None), engine.config.model.max_model_len)
-    exact: dict[str, Any] = {"prompts": len(prompts), "prompt_len": len(prompts[0]), "output_len": out_len}
-    for label, batch_prompts in (("batch_1", prompts[:1]), ("batch_4", prompts)):
-        throughput(llm, None, batch_prompts, 4)  # warm-up
-        runs: dict[str, Any] = {}
-        ids: dict[str, list[list[int]]] = {}
-        for mode, proposer in (("off", None), ("ngram", ngram), ("off_again", None), ("ngram_again", ngram)):
-            run, ids[mode] = throughput(llm, proposer, batch_prompts, out_len)
-            runs[mode] = {k: run[k] for k in ("output_tok_s", "draft_tokens", "accepted_tokens")}
-        diverge = [first_divergence(x, y) for x, y in zip(ids["off"], ids["ngram"], strict=True)]
-        best_on = max(runs["ngram"]["output_tok_s"], runs["ngram_again"]["output_tok_s"])
-        best_off = max(runs["off"]["output_tok_s"], runs["off_again"]["output_tok_s"])
-        exact[label] = {"runs": runs, "greedy_identical": ids["off"] == ids["ngram"], "first_divergence": diverge,
-                        "speedup": round(best_on / best_off, 3)}
-        print(f"exactness {label}: {exact[label]}", flush=True)
-    engine.proposer = None
-    return exact
+    drafts, drafted, accepted = (now - then for now, then in zip(spec_counters(engine.stats), before, strict=True))
+    return {"output_tok_s": round(output_tokens(outs) / elapsed, 1), "elapsed_s": round(elapsed, 3),
+            "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted}
 
 
 def verify_vs_decode(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
@@ -172,7 +136,7 @@ def projection(k4_ratio: float | None) -> dict[str, Any] | None:
     return out
 
 
-def concurrency(llm: LLM, sizes: Sizes) -> tuple[dict[str, Any], list[list[int]]]:
+def concurrency(llm: LLM, sizes: Sizes) -> dict[str, Any]:
     """Part 3: off vs n-gram (disable_by_batch_size=8) vs n-gram always, interleaved, twice."""
     gen = torch.Generator().manual_seed(0)
     vocab = llm.llm_engine.config.model.arch.vocab_size
@@ -185,29 +149,14 @@ def concurrency(llm: LLM, sizes: Sizes) -> tuple[dict[str, Any], list[list[int]]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for _ in range(2):
         for mode, proposer in modes.items():
-            runs[mode].append(throughput(llm, proposer, prompts, sizes.output_len)[0])
+            runs[mode].append(throughput(llm, proposer, prompts, sizes.output_len))
             print(f"concurrency {sizes.num_prompts} {mode}: {runs[mode][-1]}", flush=True)
     best = {m: max(r["output_tok_s"] for r in rs) for m, rs in runs.items()}
     print(json.dumps(best), flush=True)
     return {"num_prompts": sizes.num_prompts, "input_len": sizes.input_len, "output_len": sizes.output_len,
             "runs": runs, "best_output_tok_s": best,
             "slowdown_disable_by_batch_size_8": round(1 - best["ngram_disable_by_batch_size_8"] / best["off"], 4),
-            "slowdown_always": round(1 - best["ngram_always"] / best["off"], 4)}, prompts
-
-
-def draft_model(sizes: Sizes, prompt: list[int]) -> dict[str, Any]:
-    """Part 4: a 2-layer truncation of the same preset drafting for it at batch 1, on this device."""
-    draft = {"model": sizes.model, "num_speculative_tokens": 4, "draft_num_layers": 2}
-    try:
-        spec_llm = LLM(sizes.model, speculative_config=draft, **sizes.engine_args)
-        spec_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        outs, elapsed = timed_generate(spec_llm, [prompt], SamplingParams(temperature=0.0,
-                                                                          max_tokens=sizes.output_len, ignore_eos=True))
-        s = spec_llm.stats
-        return {"config": draft, "output_tok_s": round(output_tokens(outs) / elapsed, 1),
-                "acceptance_length": s.spec_decode_mean_acceptance_length, "drafts": s.spec_decode_num_drafts}
-    except Exception as exc:  # recorded, so the earlier parts' record stands
-        return {"config": draft, "error": repr(exc)}
+            "slowdown_always": round(1 - best["ngram_always"] / best["off"], 4)}
 
 
 def main() -> None:
@@ -222,21 +171,13 @@ def main() -> None:
     record: dict[str, Any] = {"device": name, "model": f"{sizes.model} (dummy weights, {engine.config.model.dtype})",
                               "context": CONTEXT, "smoke": args.smoke}
     print(f"device {name}, {engine.num_gpu_blocks} KV blocks", flush=True)
-    record["engine_path_repetitive_prompts"] = engine_path(llm, args.smoke)
     record["verify_vs_decode"] = verify_vs_decode(engine, sizes)
     proj = projection(record["verify_vs_decode"][f"batch_{sizes.batches[0]}"].get("verify_k4_ratio"))
     if proj is not None:
         record["projected_batch1_speedup_ngram_k4"] = proj
-    record["concurrency"], prompts = concurrency(llm, sizes)
-    out = Path(args.out) if args.out else RESULTS / f"spec_gpu_{device_slug(name)}{'_smoke' if args.smoke else ''}.json"
-    write_json(out, record)
-    del llm, engine  # the draft-model engine gets the device to itself
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    record["draft_model_batch1"] = draft_model(sizes, prompts[0])
-    print(f"draft model: {record['draft_model_batch1']}", flush=True)
-    write_json(out, record)
+    record["concurrency"] = concurrency(llm, sizes)
+    write_json(Path(args.out) if args.out else
+               RESULTS / f"spec_gpu_{device_slug(name)}{'_smoke' if args.smoke else ''}.json", record)
 
 
 if __name__ == "__main__":

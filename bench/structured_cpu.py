@@ -22,6 +22,7 @@ import httpx
 import jsonschema
 
 from bench.harness.records import RESULTS, cpu_name, write_json
+from bench.harness.serving import metric_total
 from cluster.auth import TOKEN_ENV
 from kvflow.benchmarks.server import ServerProcess
 
@@ -34,11 +35,7 @@ PATHS = {"unified": ["--prefill-workers", "0", "--decode-workers", "1"],
          "pd": ["--prefill-workers", "1", "--decode-workers", "1", "--disagg-min-prompt-tokens", "0"]}
 
 
-def disaggregated_count(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith('kvflow:requests_total{path="disaggregated"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+DISAGGREGATED = 'kvflow:requests_total{path="disaggregated"}'
 
 
 def checked(response: httpx.Response, record: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
@@ -86,11 +83,11 @@ def run_path(path: str, log_dir: Path, max_tokens: int, concurrency: int) -> dic
                                   log_path=log_dir / f"serve_{path}.log")
     try:
         server.wait_ready(600)
-        before = disaggregated_count(server.url)
+        before = metric_total(server.url, DISAGGREGATED)
         started = time.perf_counter()
         records = asyncio.run(run_set(server.url, max_tokens, concurrency))
         wall = time.perf_counter() - started
-        disaggregated = disaggregated_count(server.url) - before
+        disaggregated = metric_total(server.url, DISAGGREGATED) - before
     finally:
         server.stop(120)
     parsed, valid = sum(r["parsed"] for r in records), sum(r["valid"] for r in records)

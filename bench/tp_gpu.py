@@ -4,8 +4,8 @@ Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as
   check       token-exact: greedy ids of a tiny fp32 model at TP=2 equal TP=1's, with CUDA graphs (NCCL all-reduce
               captured) and eager (PASS/FAIL per mode)
   allreduce   NCCL all-reduce µs per call at decode message sizes (8-32 KB, and larger for context), eager (host
-              timed, one call at a time) and inside a CUDA graph (100 calls captured, replayed); beside it torch
-              symmetric memory's one-shot all-reduce, the candidate for small messages (measured only)
+              timed, one call at a time) and inside a CUDA graph (100 calls captured, replayed); torch symmetric
+              memory's one-shot candidate (symm_mem_one_shot) was retired: it runs at `git checkout be1a1ae`
   decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs), and TP2 eager
   tput8b      N x 512/128 (default 1000) offline throughput: TP2 vs two TP1 replicas (data parallel, one per GPU,
               run side by side; aggregate = the sum of the replicas' output tok/s)
@@ -24,7 +24,6 @@ cancel). `--smoke` runs the same code paths on CPU at tiny shapes (gloo instead 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -32,13 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness.jobs import answer, run_jobs
+from bench.harness.jobs import MULTICAST_OFF, answer, run_jobs
 from bench.harness.records import RESULTS, write_json
 from bench.harness.runs import output_tokens, timed_generate
 
 PARTS = ("check", "allreduce", "decode8b", "tput8b", "llama70b")
-# Multicast off in every process this scenario starts (the lent machines' NVLink multicast is not usable).
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 H200_BF16_DENSE_TFLOPS = 989.0  # per GPU (H100/H200 SXM spec sheet, dense)
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
 MODULE = "bench.tp_gpu"
@@ -49,11 +46,6 @@ def one(job: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration in this process: an all-reduce rank, or work on an engine built from `engine`."""
     if job["kind"] == "allreduce":
         return allreduce_rank(job)
-    if job["kind"] == "symm":
-        try:
-            return symm_allreduce_rank(job)
-        except Exception as exc:  # noqa: BLE001 - an unavailable candidate is a result, not a crash
-            return {"rank": job["rank"], "error": f"{type(exc).__name__}: {exc}"}
     return engine_job(job)
 
 
@@ -162,45 +154,6 @@ def allreduce_rank(job: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rank, "rows": rows}
 
 
-def symm_allreduce_rank(job: dict[str, Any]) -> dict[str, Any]:
-    """The candidate small-message all-reduce: torch symmetric memory's one-shot all-reduce over peer memory
-    (CUDA IPC; multicast disabled by TORCH_SYMM_MEM_DISABLE_MULTICAST=1), timed like NCCL."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
-    from torch._C._distributed_c10d import _SymmetricMemory
-
-    from engine.parallel.group import TPGroup
-
-    rank, size = job["rank"], job["size"]
-    device = torch.device(f"cuda:{rank}")
-    torch.cuda.set_device(device)
-    group = TPGroup("127.0.0.1", job["port"], rank, size, device, 60.0)
-    name = "kvflow-tp-symm"
-    store = dist.PrefixStore("symm", group.store)
-    # torch 2.11's symmetric-memory ops resolve the group by name in c10d's registry (set_group_info alone gave
-    # "Could not resolve the process group registered under the name"): register a ProcessGroup over gloo too.
-    pg = dist.ProcessGroup(store, rank, size)
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    torch._C._distributed_c10d._register_process_group(name, pg)
-    with contextlib.suppress(Exception):  # older torch: the store-based group info is what it reads
-        _SymmetricMemory.set_group_info(name, rank, size, store)
-
-    rows: list[dict[str, Any]] = []
-    for nbytes in job["sizes"]:
-        buf = symm_mem.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-        symm_mem.rendezvous(buf, name)
-        buf.fill_(1.0)
-        out = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
-        torch.cuda.synchronize()
-        rows.append({"bytes": nbytes, "result_ok": bool(torch.all(out == float(size)).item()),
-                     **call_us(lambda buf=buf: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name),
-                               job["iters"], True)})
-    group.close()
-    return {"rank": rank, "rows": rows}
-
-
 # ---- parts ----------------------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -223,7 +176,7 @@ class Bench:
         return {**base, **extra}
 
     def jobs(self, jobs: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
-        return run_jobs(MODULE, jobs, timeout_s, ENV)
+        return run_jobs(MODULE, jobs, timeout_s, MULTICAST_OFF)
 
     def write(self, part: str, record: dict[str, Any]) -> None:
         record = {"part": part, "device": self.device, "smoke": self.smoke, **record}
@@ -261,11 +214,7 @@ class Bench:
             "workload": "NCCL all-reduce, 2 ranks, bf16" if self.cuda else "gloo all-reduce, 2 ranks, fp32 (smoke)",
             "backend": "nccl" if self.cuda else "gloo", "rows": results[0].get("rows", results[0]),
             "rank1": results[1].get("rows", results[1])}
-        if self.cuda:  # the one-shot peer-memory candidate, in its own processes (a failure cannot hang NCCL's)
-            port = free_port()
-            symm = self.jobs([{**job, "kind": "symm", "port": port} for job in jobs], 180)
-            record["symm_mem_one_shot"] = symm[0].get("rows", symm[0])
-            record["symm_mem_one_shot_rank1"] = symm[1].get("rows", symm[1])
+        if self.cuda:
             record["engine_uses"] = "nccl"
         self.write("allreduce", record)
 

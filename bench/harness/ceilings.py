@@ -1,5 +1,5 @@
-"""The device ceilings a benchmark sets its figures against: copy and read bandwidth, matmul peak. Each takes the
-timer of the scenario that asks (CUDA events, a graph replay, triton's do_bench), so a ceiling is measured the way
+"""The device ceilings a benchmark sets its figures against: copy bandwidth, matmul peak. Each takes the
+timer of the scenario that asks (CUDA events, a graph replay), so a ceiling is measured the way
 the figures beside it are.
 
 Invariants: bandwidths count the bytes the operation must move (a copy reads and writes each byte: 2x its size),
@@ -11,8 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from bench.harness.timing import graph_seconds
 
 Timer = Callable[[Callable[[], Any]], float]  # fn -> seconds per call
 
@@ -29,9 +27,3 @@ def matmul_flops_per_s(n: int, timer: Timer, dtype: torch.dtype = torch.bfloat16
     b = torch.randn(n, n, device="cuda", dtype=dtype)
     return 2 * n**3 / timer(lambda: a @ b)
 
-
-def read_bytes_per_s(nbytes: int) -> float:
-    """A pure streaming read (torch.sum over bf16, fp32 accumulation) of nbytes, from a CUDA graph: the ceiling of
-    a kernel that streams that many bytes of weights once."""
-    buf = torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16)
-    return nbytes / graph_seconds(lambda: buf.sum(dtype=torch.float32))

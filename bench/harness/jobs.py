@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 RESULT_TAG = "BENCH_JOB_RESULT "
+# NVLink multicast off in every process a GPU scenario starts (the lent machines' multicast is not usable).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def answer(result: dict[str, Any]) -> None:

@@ -39,6 +39,11 @@ def output_tokens(outputs: list[Any]) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def spec_counters(stats: Any) -> tuple[int, int, int]:
+    """Speculative decoding's (drafts, draft tokens, accepted tokens) so far, from an engine's or LLM's stats."""
+    return stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+
+
 def first_divergence(ours: Sequence[int], theirs: Sequence[int]) -> int | None:
     """The first position where two token sequences differ (over their common length), or None."""
     return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)

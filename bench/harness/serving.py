@@ -1,5 +1,5 @@
 """`kvflow serve` under test, logging into a folder of its own: serve.log (the router and launcher) and workers/
-(one log per worker), so a scenario can start several clusters in one working folder and read each one's logs.
+(one log per worker), so a scenario can start several clusters in one working folder; and its /metrics totals.
 
 Invariant: every cluster gets a fresh folder under the scenario's; nothing is written outside it."""
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 import signal
 import tempfile
 from pathlib import Path
+
+import httpx
 
 from kvflow.benchmarks.server import ServerProcess
 
@@ -19,6 +21,8 @@ def kvflow_serve(work: Path, *flags: str, env: dict[str, str] | None = None,
                                 env=env, log_path=own / "serve.log", stop_signal=stop_signal)
 
 
-def worker_logs(server: ServerProcess) -> list[Path]:
-    assert server.log_path is not None
-    return sorted((server.log_path.parent / "workers").glob("*.log"))
+def metric_total(url: str, prefix: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of a server's /metrics samples whose line starts with `prefix` (a name, or a name and labels)."""
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
