@@ -5,18 +5,21 @@ Invariants:
 - A body is read whole before anything parses it: at most --max-request-body-bytes (413, refused at once when its
   declared length is larger) and within --request-body-timeout (408).
 - Every error response is OpenAI error JSON with the error's HTTP status, and carries the request's
-  `x-request-id` when the request has one.
+  `x-request-id` when the request has one; so is the HTTP server's own 400 for a request it cannot parse (a
+  malformed `Content-Length`, say), which never reaches the app (`JsonErrorsH11Protocol`).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import h11
 from fastapi import Request
 from fastapi.responses import Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.config import RouterConfig
-from router.errors import PayloadTooLarge, RequestTimeout, RouterError
+from router.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError
 
 # An SSE comment: clients skip it, while proxies' idle timeouts see bytes on a silent stream.
 SSE_KEEPALIVE = ": keep-alive\n\n"
@@ -52,6 +55,19 @@ async def _receive(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's h11 server, whose 400 for an unparseable request (bad request line, headers or Content-Length) is
+    OpenAI error JSON instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = BadRequest(f"malformed HTTP request: {msg}").to_json().encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

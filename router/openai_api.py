@@ -3,7 +3,9 @@
 (`openai_extras`). Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
 Streams follow vLLM's chunk sequence (`chunk_stream`).
 
-`/metrics` needs the API key too with `metrics_require_api_key`. Requests are owned by their caller
+With --api-key every path needs the key except /health and /version (and /metrics, unless
+--metrics-require-api-key): /tokenize and /detokenize cost work too. Worker addresses and ids appear in /v1/models
+and /metrics labels only with --expose-worker-addresses (router.metrics.worker_namer). Requests are owned by their caller
 (`router.core.caller_identity`: the key, or the connection), so the gRPC front's `Abort` cannot reach them by
 their `x-request-id` from another caller.
 
@@ -62,6 +64,7 @@ from router.tool_calls import chat_message
 
 logger = logging.getLogger(__name__)
 PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
+OPEN_PATHS = frozenset({"/health", "/version"})  # probes: answered without the API key (and /metrics by default)
 
 
 def build_app(router: Router) -> FastAPI:
@@ -84,10 +87,11 @@ def build_app(router: Router) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(RouterError(f"internal error: {type(exc).__name__}"))
 
+    open_paths = OPEN_PATHS if metrics_need_key else OPEN_PATHS | {"/metrics"}
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        if api_key and (path.startswith("/v1") or (metrics_need_key and path == "/metrics")):
+        if api_key and request.url.path not in open_paths:  # every path that costs work (or may exist later)
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(Unauthorized("invalid or missing API key"))
@@ -108,7 +112,8 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         info = router.pool.model_info
-        layout = router.pool.parallel_layout()  # kvflow's extra field: each worker's parallel layout
+        # kvflow's extra field: each worker's parallel layout (addresses only when the operator asks for them)
+        layout = router.pool.parallel_layout(None if router.config.expose_worker_addresses else router.worker_name)
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvflow", "root": info.model if info
                  else name, "max_model_len": info.max_model_len if info else None, "parallel": layout}
                 for name in router.served_model_names]
