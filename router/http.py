@@ -12,6 +12,9 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+from collections.abc import Sequence
 
 import h11
 from fastapi import Request
@@ -21,8 +24,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from router.config import RouterConfig
 from router.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError
 
+logger = logging.getLogger(__name__)
 # An SSE comment: clients skip it, while proxies' idle timeouts see bytes on a silent stream.
 SSE_KEEPALIVE = ": keep-alive\n\n"
+PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
+IGNORED_FIELDS_HEADER = "x-kvflow-ignored-fields"
+_MAX_LISTED_FIELDS = 32  # a header lists at most this many names, each cut to _MAX_FIELD_CHARS
+_MAX_FIELD_CHARS = 64
+_MAX_LOGGED_FIELDS = 1024  # names remembered for "log once": clients can invent names without end
 # A declared length with more digits than this is larger than any limit a router can be given.
 _MAX_LENGTH_DIGITS = 20
 
@@ -55,6 +64,30 @@ async def _receive(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class IgnoredFields:
+    """Request fields no parser read: logged once per name (vLLM logs them on every request) and listed in the
+    response's `x-kvflow-ignored-fields` header, so a client sees them. One per app: the names seen are its state."""
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+
+    def headers(self, names: Sequence[str]) -> dict[str, str]:
+        if not names:
+            return {}
+        shown = [_header_safe(name) for name in names[:_MAX_LISTED_FIELDS]]
+        new = [name for name in shown if name not in self._logged]
+        if new and len(self._logged) < _MAX_LOGGED_FIELDS:
+            self._logged.update(new)
+            logger.warning("The following fields were present in the request but ignored: %s (each name is logged "
+                           "once)", ", ".join(new))
+        return {IGNORED_FIELDS_HEADER: ", ".join(shown) + (", ..." if len(names) > _MAX_LISTED_FIELDS else "")}
+
+
+def _header_safe(name: str) -> str:
+    """A field name as printable ASCII without commas (it is a header value, in a comma-separated list)."""
+    return json.dumps(name, ensure_ascii=True)[1:-1].replace(",", "\\u002c")[:_MAX_FIELD_CHARS]
 
 
 class JsonErrorsH11Protocol(H11Protocol):
