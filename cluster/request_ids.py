@@ -2,7 +2,8 @@
 
 Contracts kept here:
 - A caller's own id is used as given (the HTTP `x-request-id` header, `GenerateRequest.request_id`, the SDK's
-  `request_id=`); only a missing one is minted: 32 lowercase hex digits, a random UUID's.
+  `request_id=`) when it has at most MAX_REQUEST_ID_CHARS characters; a missing or longer one is replaced by a
+  minted one: 32 lowercase hex digits, a random UUID's (a 64 KB id would be echoed in every header and log line).
 - A worker sees the router's id for each attempt, `<caller's id>@<8 hex digits>`: callers' ids may repeat (two
   callers, or one reusing an id), the router's do not, so an abort or a retry reaches exactly one worker request.
 The ids built from these elsewhere are contracts too and stay where they are shaped: OpenAI's `cmpl-` / `chatcmpl-`
@@ -14,6 +15,7 @@ from __future__ import annotations
 import uuid
 
 WORKER_SUFFIX_DIGITS = 8
+MAX_REQUEST_ID_CHARS = 128
 
 
 def new_request_id() -> str:
@@ -21,8 +23,8 @@ def new_request_id() -> str:
 
 
 def request_id_or_new(given: str | None) -> str:
-    """The caller's id when it gave one (an empty string is none), else a new one."""
-    return given or new_request_id()
+    """The caller's id when it gave one of at most MAX_REQUEST_ID_CHARS (an empty string is none), else a new one."""
+    return given if given and len(given) <= MAX_REQUEST_ID_CHARS else new_request_id()
 
 
 def attempt_request_id(request_id: str) -> str:

@@ -6,8 +6,14 @@ from `cluster.auth.ClusterAuth` instead).
     with Client("127.0.0.1:50051") as client:
         result = client.generate("The capital of France is", max_tokens=8, temperature=0)
         print(result.text)
-        for chunk in client.generate_stream([1, 2, 3], max_tokens=8):
-            print(chunk.text, end="")
+        for item in client.generate_stream([1, 2, 3], max_tokens=8):
+            if item.final:  # the last item: the whole result (its text is the chunks' text again)
+                print(f" [{item.choices[0].finish_reason}, {item.completion_tokens} tokens]")
+            else:
+                print(item.text, end="")
+
+A stream yields `Chunk`s (`final` false), then one `GenerateResult` (`final` true) with the full text, usage and
+finish reasons.
 
 Sampling keyword arguments are `SamplingParams` fields (structured_outputs included): only those given travel,
 converted by `cluster.wire` as the router does, and values the server would refuse are refused before the call.
@@ -21,7 +27,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
@@ -119,6 +125,7 @@ class GenerateResult:
     cached_tokens: int
     prefill_path: str  # "disaggregated" | "local" | "unspecified"
     ttft_s: float
+    final: ClassVar[bool] = True  # a stream's last item (its text repeats the chunks')
 
     @property
     def text(self) -> str:
@@ -128,8 +135,9 @@ class GenerateResult:
 @dataclass
 class Chunk:
     index: int
-    text: str
+    text: str  # new text since the previous chunk
     token_ids: list[int]
+    final: ClassVar[bool] = False
 
 
 def build_request(prompt: str | Sequence[int], request_id: str | None, sampling: dict[str, Any],
@@ -219,7 +227,7 @@ class Client(_Base, Closing):
     def generate_stream(self, prompt: str | Sequence[int], *, request_id: str | None = None,
                         timeout: float | None = None, cache_salt: str | None = None,
                         **sampling: Any) -> Iterator[Chunk | GenerateResult]:
-        """Chunks as they come, then the final `GenerateResult`."""
+        """Chunks as they come, then the final `GenerateResult` (tell them apart by `.final`)."""
         request = build_request(prompt, request_id, sampling, stream=True, cache_salt=cache_salt)
         for response in self._responses(request, timeout):
             item = stream_item(request.request_id, response)

@@ -25,6 +25,7 @@ class RouterConfig:
     grpc_port: int = 50051  # 0: no gRPC front
     api_key: str | None = field(default=None, repr=False)
     metrics_require_api_key: bool = False  # /metrics needs the API key too (else it is open, like /health)
+    expose_worker_addresses: bool = False  # worker addresses and ids in /v1/models and /metrics labels (else opaque)
     cluster: ClusterAuth = ClusterAuth()  # the credential the router presents to workers
     routing: str = "prefix"
     disagg_policy: str = "adaptive"  # cluster/routing/disagg.py; "static": the pools and the split stay fixed

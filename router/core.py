@@ -36,7 +36,7 @@ from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
 from router.errors import BadRequest, RouterError, Unavailable, from_code_name
 from router.lifecycle import Lifecycle
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, worker_namer
 from router.pools import PoolManager
 from router.tokenizer_pool import TokenizerPool, tokenizer_path_for
 from router.workers import ModelInfo, Worker, WorkerPool
@@ -77,7 +77,9 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         config.validate()
         self.config = config
-        self.metrics = RouterMetrics()
+        token = config.cluster.token
+        self.worker_name = worker_namer(config.expose_worker_addresses, token.encode() if token else b"")
+        self.metrics = RouterMetrics(self.worker_name)
         self.lifecycle = Lifecycle()
         self.index = make_index(config.index)
         self.policy = make_policy(config.routing)

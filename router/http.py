@@ -5,21 +5,33 @@ Invariants:
 - A body is read whole before anything parses it: at most --max-request-body-bytes (413, refused at once when its
   declared length is larger) and within --request-body-timeout (408).
 - Every error response is OpenAI error JSON with the error's HTTP status, and carries the request's
-  `x-request-id` when the request has one.
+  `x-request-id` when the request has one; so is the HTTP server's own 400 for a request it cannot parse (a
+  malformed `Content-Length`, say), which never reaches the app (`JsonErrorsH11Protocol`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+from collections.abc import Sequence
 
+import h11
 from fastapi import Request
 from fastapi.responses import Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.config import RouterConfig
-from router.errors import PayloadTooLarge, RequestTimeout, RouterError
+from router.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError
 
+logger = logging.getLogger(__name__)
 # An SSE comment: clients skip it, while proxies' idle timeouts see bytes on a silent stream.
 SSE_KEEPALIVE = ": keep-alive\n\n"
+PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
+IGNORED_FIELDS_HEADER = "x-kvflow-ignored-fields"
+_MAX_LISTED_FIELDS = 32  # a header lists at most this many names, each cut to _MAX_FIELD_CHARS
+_MAX_FIELD_CHARS = 64
+_MAX_LOGGED_FIELDS = 1024  # names remembered for "log once": clients can invent names without end
 # A declared length with more digits than this is larger than any limit a router can be given.
 _MAX_LENGTH_DIGITS = 20
 
@@ -52,6 +64,43 @@ async def _receive(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class IgnoredFields:
+    """Request fields no parser read: logged once per name (vLLM logs them on every request) and listed in the
+    response's `x-kvflow-ignored-fields` header, so a client sees them. One per app: the names seen are its state."""
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+
+    def headers(self, names: Sequence[str]) -> dict[str, str]:
+        if not names:
+            return {}
+        shown = [_header_safe(name) for name in names[:_MAX_LISTED_FIELDS]]
+        new = [name for name in shown if name not in self._logged]
+        if new and len(self._logged) < _MAX_LOGGED_FIELDS:
+            self._logged.update(new)
+            logger.warning("The following fields were present in the request but ignored: %s (each name is logged "
+                           "once)", ", ".join(new))
+        return {IGNORED_FIELDS_HEADER: ", ".join(shown) + (", ..." if len(names) > _MAX_LISTED_FIELDS else "")}
+
+
+def _header_safe(name: str) -> str:
+    """A field name as printable ASCII without commas (it is a header value, in a comma-separated list)."""
+    return json.dumps(name, ensure_ascii=True)[1:-1].replace(",", "\\u002c")[:_MAX_FIELD_CHARS]
+
+
+class JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's h11 server, whose 400 for an unparseable request (bad request line, headers or Content-Length) is
+    OpenAI error JSON instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = BadRequest(f"malformed HTTP request: {msg}").to_json().encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

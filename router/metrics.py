@@ -2,11 +2,16 @@
 
 One `CollectorRegistry` per router instance (no module-global state). Worker gauges carry a `worker` label and
 come from the workers' heartbeats; latency histograms are measured at the router, i.e. as clients see them.
+The `worker` label is the worker's id only with --expose-worker-addresses: ids default to `<role>-<host>-<port>`,
+and /metrics is often open, so by default it is an opaque stable name (`opaque_worker_name`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,8 +25,23 @@ from engine.metrics.buckets import (
 )
 
 
+def opaque_worker_name(worker_id: str, key: bytes = b"") -> str:
+    """A stable name that does not show the worker's id: its HMAC, keyed by the cluster token when there is one, so a
+    worker has the same name on every router of its cluster and the name cannot be reversed by guessing hosts and
+    ports."""
+    return "worker-" + hmac.new(key, worker_id.encode(), hashlib.sha256).hexdigest()[:12]
+
+
+def worker_namer(expose: bool, key: bytes = b"") -> Callable[[str], str]:
+    """How a worker id is shown in metric labels and /v1/models: as it is (`expose`), or opaque."""
+    if expose:
+        return str
+    return lambda worker_id: opaque_worker_name(worker_id, key)
+
+
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, worker_name: Callable[[str], str] = str) -> None:
+        self.worker_name = worker_name  # a worker id -> its `worker` label value
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests in flight through this router.",
@@ -89,7 +109,7 @@ class RouterMetrics:
         self._preemptions_seen: dict[str, int] = {}
 
     def observe_load(self, worker: str, role: str, load: WorkerLoad) -> None:
-        labels = (worker, role)
+        labels = (self.worker_name(worker), role)
         self.kv_usage.labels(*labels).set(load.kv_cache_usage)
         self.gpu_cache_usage.labels(*labels).set(load.kv_cache_usage)
         self.worker_running.labels(*labels).set(load.num_running)
@@ -100,13 +120,14 @@ class RouterMetrics:
         self._preemptions_seen[worker] = load.num_preemptions
 
     def set_pool(self, worker: str, pool: str) -> None:
+        label = self.worker_name(worker)
         for name in ("prefill", "decode"):
-            self.worker_pool.labels(worker, name).set(1.0 if name == pool else 0.0)
+            self.worker_pool.labels(label, name).set(1.0 if name == pool else 0.0)
 
     def forget_worker(self, worker: str, role: str) -> None:
         for gauge in (self.kv_usage, self.gpu_cache_usage, self.worker_running, self.worker_waiting):
             with contextlib.suppress(KeyError):
-                gauge.remove(worker, role)
+                gauge.remove(self.worker_name(worker), role)
         self._preemptions_seen.pop(worker, None)
 
     def render(self) -> bytes:

@@ -3,7 +3,9 @@
 (`openai_extras`). Transport glue only: parsing is in `openai_protocol`, routing and forwarding in `core`.
 Streams follow vLLM's chunk sequence (`chunk_stream`).
 
-`/metrics` needs the API key too with `metrics_require_api_key`. Requests are owned by their caller
+With --api-key every path needs the key except /health and /version (and /metrics, unless
+--metrics-require-api-key): /tokenize and /detokenize cost work too. Worker addresses and ids appear in /v1/models
+and /metrics labels only with --expose-worker-addresses (router.metrics.worker_namer). Requests are owned by their caller
 (`router.core.caller_identity`: the key, or the connection), so the gRPC front's `Abort` cannot reach them by
 their `x-request-id` from another caller.
 
@@ -41,12 +43,13 @@ from router.chunk_stream import ChunkStream
 from router.config import RouterConfig
 from router.core import Router, caller_identity, error_from
 from router.errors import BadRequest, HTTPError, RouterError, ShuttingDown, Unauthorized
-from router.http import error_response, read_body
+from router.http import PARSE_INLINE_BYTES, IgnoredFields, error_response, read_body
 from router.lifecycle import ClientGone, Idle, Relay, Ticket
 from router.openai_extras import add_extra_routes
 from router.openai_protocol import (
     FINISH,
     ParsedRequest,
+    ReadFields,
     chat_logprobs,
     completion_id,
     completion_logprobs,
@@ -61,11 +64,12 @@ from router.prepared import PreparedRequest, Prompt, prepare
 from router.tool_calls import chat_message
 
 logger = logging.getLogger(__name__)
-PARSE_INLINE_BYTES = 1 << 20  # larger bodies are parsed in a thread, so the event loop keeps serving meanwhile
+OPEN_PATHS = frozenset({"/health", "/version"})  # probes: answered without the API key (and /metrics by default)
 
 
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvflow router", docs_url=None, redoc_url=None)
+    app.state.ignored_fields = ignored = IgnoredFields()
     api_key = router.config.api_key
     metrics_need_key = router.config.metrics_require_api_key
 
@@ -84,10 +88,11 @@ def build_app(router: Router) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(RouterError(f"internal error: {type(exc).__name__}"))
 
+    open_paths = OPEN_PATHS if metrics_need_key else OPEN_PATHS | {"/metrics"}
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        if api_key and (path.startswith("/v1") or (metrics_need_key and path == "/metrics")):
+        if api_key and request.url.path not in open_paths:  # every path that costs work (or may exist later)
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(Unauthorized("invalid or missing API key"))
@@ -108,7 +113,8 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         info = router.pool.model_info
-        layout = router.pool.parallel_layout()  # kvflow's extra field: each worker's parallel layout
+        # kvflow's extra field: each worker's parallel layout (addresses only when the operator asks for them)
+        layout = router.pool.parallel_layout(None if router.config.expose_worker_addresses else router.worker_name)
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvflow", "root": info.model if info
                  else name, "max_model_len": info.max_model_len if info else None, "parallel": layout}
                 for name in router.served_model_names]
@@ -129,7 +135,7 @@ def build_app(router: Router) -> FastAPI:
     async def responses(request: Request) -> Response:
         return await _handle(router, request, chat=True, api=responses_api)
 
-    add_extra_routes(app, router)  # /tokenize, /detokenize, /version
+    add_extra_routes(app, router, ignored)  # /tokenize, /detokenize, /version
     return app
 
 
@@ -157,6 +163,7 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
     try:
         raw = await read_body(request, router.config)
         body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
+        body = ReadFields(body) if isinstance(body, dict) else body
         parsed = api.parse(body, router.config) if api else parse_request(body, chat, router.config)
         peer = f"http:{request.client.host}:{request.client.port}" if request.client else "http"
         prepared = await prepare(router, parsed, request_id, caller_identity(router.config.api_key, peer))
@@ -166,7 +173,7 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
         logger.info("request %s: %s, %d prompt(s), %s tokens, stream=%s", request_id,
                     "chat" if chat else "completion", len(prepared.prompts),
                     [len(p.token_ids) for p in prepared.prompts], parsed.stream)
-    headers = {"x-request-id": request_id}
+    headers = {"x-request-id": request_id, **request.app.state.ignored_fields.headers(body.ignored())}
     relay = ticket.relay(_merged(router, prepared))
     watcher = asyncio.create_task(_interrupt_on_disconnect(request, relay))
     try:

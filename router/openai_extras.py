@@ -7,10 +7,13 @@ Shapes as vLLM's (`vllm bench serve` uses them to align its token counts with th
 - POST /detokenize: `{"tokens": [int, ...]}` -> `{"prompt": str}`.
 - GET /version: `{"version": "<kvflow version>"}`.
 Tokenizing runs in the router's tokenizer pool, with the same chat-template rules (and time limit) as chat requests.
+Unlike vLLM's, a prompt whose length bound (router.tokenizer_pool) already passes max_model_len is refused (400)
+without tokenizing it: an exact count past max_model_len is still answered, a 20 MB prompt is not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from typing import Any
 
@@ -20,8 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import InvalidRequest
 from router.core import Router, error_from
 from router.errors import BadRequest, ModelNotFound
-from router.http import error_response, read_body
-from router.openai_protocol import _field, _messages, load_body
+from router.http import PARSE_INLINE_BYTES, IgnoredFields, error_response, read_body
+from router.openai_protocol import ReadFields, _chat_template_kwargs, _field, _messages, load_body
 
 
 def kvflow_version() -> str:
@@ -44,6 +47,7 @@ async def _tokenize(router: Router, body: Any) -> dict[str, Any]:
     tokenizers = await router.ensure_tokenizers()
     if tokenizers.tokenizer is None:
         raise BadRequest("this model has no tokenizer on the router", "prompt")
+    limit = router.model_info.max_model_len
     if "messages" in body:
         messages = _messages(body)
         add_generation_prompt = _field(body, "add_generation_prompt", bool, True)
@@ -57,19 +61,20 @@ async def _tokenize(router: Router, body: Any) -> dict[str, Any]:
                              "chat-template", "chat_template")
         add_special = _field(body, "add_special_tokens", bool, False)
         try:
-            text, _ = await tokenizers.run(tokenizers.chat_prompt, messages, add_generation_prompt, chat_template,
-                                           router.config.chat_template_timeout_s, None, continue_final)
+            _, tokens = await tokenizers.run(tokenizers.chat_prompt, messages, add_generation_prompt, chat_template,
+                                             router.config.chat_template_timeout_s, None, continue_final,
+                                             _chat_template_kwargs(body), limit, add_special)
         except InvalidRequest as exc:
             raise BadRequest(str(exc), exc.param or "messages") from exc
-        tokens = await tokenizers.run(tokenizers.encode, text, add_special)
     else:
         prompt = _field(body, "prompt", str)
         if prompt is None:
             raise BadRequest("/tokenize needs 'prompt' (a string) or 'messages'", "prompt")
+        tokenizers.check_length(prompt, limit, "prompt")  # O(1), before any work
         tokens = await tokenizers.run(tokenizers.encode, prompt, _field(body, "add_special_tokens", bool, True))
     token_strs = None
     if _field(body, "return_token_strs", bool, False):
-        token_strs = tokenizers.tokenizer.convert_ids_to_tokens(tokens)
+        token_strs = await tokenizers.run(tokenizers.tokenizer.convert_ids_to_tokens, tokens)
     return {"count": len(tokens), "max_model_len": router.model_info.max_model_len, "tokens": tokens,
             "token_strs": token_strs}
 
@@ -89,13 +94,16 @@ async def _detokenize(router: Router, body: Any) -> dict[str, Any]:
         raise BadRequest(str(exc), "tokens") from exc
 
 
-def add_extra_routes(app: FastAPI, router: Router) -> None:
+def add_extra_routes(app: FastAPI, router: Router, ignored: IgnoredFields) -> None:
     async def answer(request: Request, handler: Any) -> Response:
         try:
-            body = load_body(await read_body(request, router.config))  # the chat endpoints' size and time limits
-            return JSONResponse(await handler(router, body))
+            raw = await read_body(request, router.config)  # the chat endpoints' size and time limits
+            body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
+            body = ReadFields(body) if isinstance(body, dict) else body
+            payload = await handler(router, body)
         except Exception as exc:  # every input problem is a 4xx naming its field
             return error_response(error_from(exc))
+        return JSONResponse(payload, headers=ignored.headers(body.ignored()))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -8,8 +8,10 @@ Invariants of a request that parsed:
   ranges with vLLM's rules. What needs the model (prompt length, token ids against the vocabulary) is checked
   when the request is prepared, before any worker sees it.
 - Each refusal is a `BadRequest` naming its field in `param` (`messages[2].role` below the top level).
-Unknown fields are ignored, except the ones in `UNSUPPORTED`: fields whose meaning the router does not implement
-yet are refused rather than silently dropped.
+Unknown fields are accepted (OpenAI clients send extras) but not silently: `ReadFields` records which top-level
+fields the parser read, and the rest are logged once per name and listed in the response's
+`x-kvflow-ignored-fields` header (router.openai_api). Fields vLLM honours that the router does not implement yet
+are refused (`UNSUPPORTED`) rather than dropped.
 """
 
 from __future__ import annotations
@@ -61,7 +63,46 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": _accepted(None, "auto", "xgrammar"),  # kvflow's one backend is xgrammar
     "guided_whitespace_pattern": _accepted(None),
     "structural_tag": _accepted(None),
+    "allowed_token_ids": _accepted(None),
+    "bad_words": _accepted(None, []),
+    "priority": _accepted(None, 0),
 }
+# Why, where there is more to say than "not supported yet".
+_UNSUPPORTED_WHY = {
+    "allowed_token_ids": "the workers have no allowed-token mask yet (logit_bias can favour or ban single tokens)",
+    "bad_words": "the workers cannot ban multi-token words yet (logit_bias can ban single tokens)",
+    "priority": "requests are scheduled first come, first served (as vLLM without --scheduling-policy priority)",
+}
+# Keys `chat_template_kwargs` may not set: the arguments of the template call itself, which the request's own fields
+# decide (transformers' apply_chat_template would take them as its own).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class ReadFields(dict):  # type: ignore[type-arg]
+    """A request body that records which of its top-level fields were read (by `get`, `[]` or `in`), so the
+    fields no parser looked at can be reported as ignored."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def ignored(self) -> list[str]:
+        return sorted(key for key in self if key not in self.read)
 
 
 @dataclass(frozen=True)
@@ -84,6 +125,8 @@ class ParsedRequest:
     max_tokens_param: str  # the field max_tokens came from (chat: max_completion_tokens or max_tokens)
     tools: ToolRequest | None = None  # chat: tools and tool_choice
     prompt_logprobs: int | None = None  # top alternatives per prompt position; None: none (non-streaming only)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len); None: all
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (vLLM's)
 
 
 # ---- the body ----------------------------------------------------------------------------------------------
@@ -239,7 +282,26 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name, accepted in UNSUPPORTED.items():
         if name in body and not accepted(body[name]):
-            raise BadRequest(f"'{name}' is not supported yet", name)
+            why = _UNSUPPORTED_WHY.get(name)
+            raise BadRequest(f"'{name}' is not supported yet" + (f": {why}" if why else ""), name)
+
+
+def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
+    value = _int(body, "truncate_prompt_tokens", -1, UINT32_MAX)
+    if value == 0:
+        raise BadRequest("'truncate_prompt_tokens' must be -1 (max_model_len) or a positive integer, got 0",
+                         "truncate_prompt_tokens")
+    return value
+
+
+def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    kwargs = _field(body, "chat_template_kwargs", dict)
+    for key in kwargs or ():
+        if not key.isidentifier() or key.startswith("_") or key in _RESERVED_TEMPLATE_KWARGS:
+            shown = json.dumps(key, ensure_ascii=True)
+            raise BadRequest(f"'chat_template_kwargs' keys must be template variable names other than the "
+                             f"template call's own arguments; got {shown}", "chat_template_kwargs")
+    return kwargs or None
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
@@ -385,7 +447,8 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
         logprobs=logprobs, echo=_field(body, "echo", bool, False) if not chat else False,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
         chat_template=chat_template, cache_salt=(salt,) if salt else (), max_tokens_param=max_tokens_param,
-        prompt_logprobs=prompt_logprobs, tools=tools)
+        prompt_logprobs=prompt_logprobs, tools=tools, truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        chat_template_kwargs=_chat_template_kwargs(body) if chat else None)
 
 
 def _tools(body: dict[str, Any], chat: bool, config: RouterConfig, kwargs: dict[str, Any]) -> ToolRequest | None:

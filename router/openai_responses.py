@@ -9,8 +9,10 @@ response.output_item.done, response.completed (its response carries the usage; s
 incomplete_details when max_output_tokens ended it).
 
 Refused with a 400 naming the field, never dropped: tools / non-text input parts / previous_response_id /
-non-text `text.format` / reasoning / background. Responses are not stored (`store` has nothing to keep them in),
-so there is no GET /v1/responses/{id}.
+non-text `text.format` / reasoning / background / `store: true` / `n` other than 1. Responses are not stored
+(`store` has nothing to keep them in), so there is no GET /v1/responses/{id}. vLLM's extras pass to the chat request
+as they are (`chat_template`, `chat_template_kwargs`, `truncate_prompt_tokens`, ...), which honours or refuses
+each.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from router.prepared import PreparedRequest
 
 # Sampling fields passed through to the chat request as they are (vLLM's ResponsesRequest takes these extras too).
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-           "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "cache_salt", "model")
+           "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "cache_salt", "model", "logit_bias",
+           "chat_template", "chat_template_kwargs", "truncate_prompt_tokens", "priority", "allowed_token_ids",
+           "bad_words", "skip_special_tokens", "include_stop_str_in_output")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -45,6 +49,10 @@ def _unsupported(body: dict[str, Any]) -> None:
         raise BadRequest("'reasoning' is not supported: this is not a reasoning model", "reasoning")
     if body.get("background"):
         raise BadRequest("'background' is not supported", "background")
+    if body.get("store"):  # OpenAI's default is true; kvflow keeps nothing, so a client must not expect it to
+        raise BadRequest("'store' must be false: kvflow does not store responses", "store")
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
+        raise BadRequest("'n' must be 1 on /v1/responses (one output per response)", "n")
     text = body.get("text")
     if text is not None:
         fmt = text.get("format") if isinstance(text, dict) else None

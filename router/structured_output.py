@@ -10,6 +10,8 @@ any worker sees the request; the workers compile it against the model's vocabula
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
 # Imported with the router, not lazily: importing xgrammar (and so transformers) in the event loop while the
@@ -71,8 +73,39 @@ def structured_outputs_from_body(body: dict[str, Any]) -> tuple[StructuredOutput
     return params, name
 
 
+def _refs(schema: Any) -> Iterator[str]:
+    """Every `$ref` value in a JSON schema (iterative: schemas may be deep)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref is not None:
+                yield ref if isinstance(ref, str) else json.dumps(ref)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _check_local_refs(params: StructuredOutputsParams, param: str) -> None:
+    """A `$ref` outside the schema itself (a URL, another file) would have to be fetched: refused, never fetched."""
+    schema = params.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return  # not JSON: the syntax check words the refusal
+    for ref in _refs(schema):
+        if not ref.startswith("#"):
+            raise BadRequest(f"'{param}': only local $ref (\"#/...\") are supported, got "
+                             f"{json.dumps(ref[:200], ensure_ascii=True)}; remote schemas are never fetched", param)
+
+
 def check(params: StructuredOutputsParams, param: str) -> None:
-    """xgrammar's syntax check (no tokenizer needed): a bad schema / regex / grammar is a 400 naming `param`."""
+    """xgrammar's syntax check (no tokenizer needed): a bad schema / regex / grammar is a 400 naming `param`; so is
+    a schema referring outside itself."""
+    if params.json is not None:
+        _check_local_refs(params, param)
     try:
         check_grammar_syntax(params)
     except InvalidRequest as exc:

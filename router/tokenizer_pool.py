@@ -2,11 +2,16 @@
 
 Threads, not processes: a process pool would pickle tokenizers and prompts across processes. A chat template render
 is time-bounded (`render_with_deadline`), so no request can hold a pool thread longer than that.
+
+Length before work: a text of N characters has at least N / L tokens, L being the longest vocabulary entry in
+characters (`max_token_chars`, computed once), so a text whose bound already passes max_model_len is refused
+without tokenizing it (`check_length`): tokenizing 20 MB took seconds and gigabytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -53,6 +58,48 @@ def render_with_deadline(render: Callable[[], str], timeout_s: float) -> str:
         sys.settrace(previous)
 
 
+# Parts of a fast tokenizer's pipeline after which every token still covers at most its own vocabulary entry's
+# characters (ByteLevel: one character per byte; Metaspace: "▁" per space). Others may drop or merge text: a
+# whitespace-splitting pre-tokenizer, a stripping or composing normalizer, fused unknown tokens.
+_KEEPING_NORMALIZERS = frozenset({"Sequence", "Prepend", "NFD", "NFKD", "Lowercase"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"Sequence", "ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
+                                     "UnicodeScripts"})
+
+
+def _parts(node: Any) -> list[dict[str, Any]]:
+    """A pipeline stage's components (a Sequence's members included)."""
+    if not isinstance(node, dict):
+        return []
+    members = node.get("normalizers") or node.get("pretokenizers") or []
+    return [node, *(part for member in members for part in _parts(member))]
+
+
+def _keeps_text(spec: dict[str, Any]) -> bool:
+    for part in _parts(spec.get("normalizer")):
+        pattern = part.get("pattern") if part.get("type") == "Replace" else None
+        shrinks = pattern is not None and not (isinstance(pattern, dict) and "String" in pattern and
+                                               len(part.get("content", "")) >= len(pattern["String"]))
+        if shrinks or (part.get("type") not in _KEEPING_NORMALIZERS and part.get("type") != "Replace"):
+            return False
+    for part in _parts(spec.get("pre_tokenizer")):
+        if part.get("type") not in _KEEPING_PRE_TOKENIZERS or part.get("behavior") == "Removed":
+            return False
+    model = spec.get("model") or {}
+    return model.get("type") == "BPE" and (not model.get("fuse_unk") or bool(model.get("byte_fallback")))
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can cover (its longest vocabulary entry), or None when the tokenizer
+    may drop or merge text (then no such bound holds, and prompts are tokenized to be measured)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    if not _keeps_text(json.loads(backend.to_str())):
+        logger.warning("this tokenizer may drop or merge text: prompt lengths are measured by tokenizing them")
+        return None
+    return max(map(len, tokenizer.get_vocab()), default=0) or None
+
+
 def tokenizer_path_for(model: str, override: str | None) -> str | None:
     """The tokenizer directory for the workers' `model` (None: token ids only)."""
     if override:
@@ -71,11 +118,24 @@ class TokenizerPool:
         if size < 1:
             raise ValueError(f"--tokenizer-pool-size must be >= 1, got {size}")
         self.tokenizer: Any = load_tokenizer(tokenizer_path)
+        self.max_token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else None
         self.hasher = hasher
         self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tokenize")
 
     async def run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `text`'s token count, without tokenizing it (0: none known)."""
+        return -(-len(text) // self.max_token_chars) if self.max_token_chars else 0
+
+    def check_length(self, text: str, max_model_len: int, param: str, note: str = "") -> None:
+        """Refuse `text` (InvalidRequest naming `param`) when it surely has max_model_len tokens or more. O(1)."""
+        bound = self.min_tokens(text)
+        if bound >= max_model_len:
+            raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                                 f"prompt has at least {bound} tokens ({len(text)} characters); shorten it.{note}",
+                                 param)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -84,12 +144,16 @@ class TokenizerPool:
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     chat_template: str | None, timeout_s: float,
-                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False
-                    ) -> tuple[str, list[int]]:
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None, max_model_len: int | None = None,
+                    add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """The rendered prompt and its tokens; refused by its length bound before tokenizing (`max_model_len`)."""
         text = render_with_deadline(
             lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template, tools,
-                                        continue_final_message), timeout_s)
-        return text, self.encode(text, add_special_tokens=False)  # the template already has them
+                                        continue_final_message, template_kwargs), timeout_s)
+        if max_model_len is not None:
+            self.check_length(text, max_model_len, "messages")
+        return text, self.encode(text, add_special_tokens)  # default off: the template already has them
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:

@@ -138,16 +138,18 @@ class WorkerPool:
         with self._lock:
             return list(self._workers.values())
 
-    def parallel_layout(self) -> dict[str, object]:
+    def parallel_layout(self, worker_name: Callable[[str], str] | None = None) -> dict[str, object]:
         """Each worker's parallel layout as its `Info` reported it, and the data-parallel degree (serving decode
-        workers, each a replica): shown in the router's /v1/models."""
+        workers, each a replica): shown in the router's /v1/models. With `worker_name` (router.metrics.worker_namer)
+        workers are listed by that name, without their addresses."""
         workers = sorted(self.all_workers(), key=lambda w: (w.role, w.address))
         listing = []
         for w in workers:
             info = w.info
+            where = {"address": w.address, "worker_id": w.worker_id} if worker_name is None else \
+                {"worker_id": worker_name(w.worker_id or w.address)}
             listing.append({
-                "address": w.address, "role": w.role, "pool": w.pool, "role_free": w.role_free,
-                "worker_id": w.worker_id, "healthy": w.healthy,
+                **where, "role": w.role, "pool": w.pool, "role_free": w.role_free, "healthy": w.healthy,
                 "tensor_parallel_size": (info.tensor_parallel_size or 1) if info is not None else None,
                 "pipeline_parallel_size": (info.pipeline_parallel_size or 1) if info is not None else None,
                 "devices": list(info.rank_devices) if info is not None and info.rank_devices else

@@ -28,7 +28,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port (0: off)")
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (env KVFLOW_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health, /version (and /metrics, unless "
+                        "--metrics-require-api-key) (env KVFLOW_API_KEY)")
     add_metrics_key_arg(g)
     g.add_argument("--routing", choices=POLICY_NAMES, default="prefix")
     g.add_argument("--discovery", choices=DISCOVERY_KINDS, default="static")
@@ -108,6 +109,9 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="allow tool_choice \"auto\" (needs --tool-call-parser), as in vLLM")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool calls are found in a model's free text for tool_choice auto")
+    g.add_argument("--expose-worker-addresses", action="store_true",
+                   help="show worker addresses and ids in /v1/models and in /metrics worker labels (default: "
+                        "opaque stable names; /metrics is open unless --metrics-require-api-key)")
     g.add_argument("--max-migrations", type=int, default=d.max_migrations,
                    help="times one request may move mid-stream to another decode worker when its worker fails "
                         "(0: the caller gets the error)")
@@ -121,7 +125,8 @@ def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "request_body_timeout_s": args.request_body_timeout,
             "trust_request_chat_template": args.trust_request_chat_template,
             "chat_template_timeout_s": args.chat_template_timeout, "max_migrations": args.max_migrations,
-            "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser}
+            "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
+            "expose_worker_addresses": args.expose_worker_addresses}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -20,6 +20,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
+def _extra(server: Server, path: str, body: Any, timeout: float = 30) -> httpx.Response:
+    """vLLM's /tokenize and /detokenize: behind the API key, as every endpoint that costs work."""
+    return httpx.post(f"{server.url}{path}", json=body, headers=HEADERS, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
@@ -97,12 +102,12 @@ def test_continuous_usage_on_chat_and_only_with_include_usage(server: Server) ->
 
 def test_stop_token_ids_text_is_removed_unless_asked(client: openai.OpenAI, server: Server) -> None:
     full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": full.choices[0].text, "add_special_tokens": False},
-                     timeout=30).json()["tokens"]
+    ids = _extra(server, "/tokenize", {"prompt": full.choices[0].text, "add_special_tokens": False}).json()[
+        "tokens"]
     stop = ids[2]
     assert stop not in ids[:2]
-    expected = httpx.post(f"{server.url}/detokenize", json={"tokens": ids[:2]}, timeout=30).json()["prompt"]
-    with_stop = httpx.post(f"{server.url}/detokenize", json={"tokens": ids[:3]}, timeout=30).json()["prompt"]
+    expected = _extra(server, "/detokenize", {"tokens": ids[:2]}).json()["prompt"]
+    with_stop = _extra(server, "/detokenize", {"tokens": ids[:3]}).json()["prompt"]
     for stream in (False, True):
         result = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0,
                                            stream=stream, extra_body={"stop_token_ids": [stop]})
@@ -115,7 +120,7 @@ def test_stop_token_ids_text_is_removed_unless_asked(client: openai.OpenAI, serv
 
 
 def test_prompt_logprobs_in_vllm_shape(server: Server, client: openai.OpenAI) -> None:
-    count = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, timeout=30).json()["count"]
+    count = _extra(server, "/tokenize", {"prompt": PROMPT}).json()["count"]
     result = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=1, temperature=0,
                                        extra_body={"prompt_logprobs": 2})
     entries = result.choices[0].prompt_logprobs  # type: ignore[attr-defined]
@@ -137,8 +142,8 @@ def test_prompt_logprobs_in_vllm_shape(server: Server, client: openai.OpenAI) ->
 def test_continue_final_message(server: Server, client: openai.OpenAI) -> None:
     messages = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
     body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
-    tokenized = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()
-    prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": tokenized["tokens"]}, timeout=30).json()["prompt"]
+    tokenized = _extra(server, "/tokenize", body).json()
+    prompt = _extra(server, "/detokenize", {"tokens": tokenized["tokens"]}).json()["prompt"]
     assert prompt.endswith("The capital of France is")  # left open: no end-of-turn after it
     result = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0,
                                             extra_body={"add_generation_prompt": False,
@@ -151,21 +156,21 @@ def test_continue_final_message(server: Server, client: openai.OpenAI) -> None:
 
 
 def test_tokenize_detokenize_version(server: Server, client: openai.OpenAI) -> None:
-    out = httpx.post(f"{server.url}/tokenize", json={"model": "smollm2", "prompt": PROMPT}, timeout=30).json()
+    out = _extra(server, "/tokenize", {"model": "smollm2", "prompt": PROMPT}).json()
     assert set(out) == {"count", "max_model_len", "tokens", "token_strs"}
     assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 1024 and out["token_strs"] is None
-    assert httpx.post(f"{server.url}/detokenize", json={"tokens": out["tokens"]}, timeout=30).json() == {
+    assert _extra(server, "/detokenize", {"tokens": out["tokens"]}).json() == {
         "prompt": PROMPT}
-    chat = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}, timeout=30).json()
+    chat = _extra(server, "/tokenize", {"messages": QUESTION}).json()
     usage = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens
-    strs = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}, timeout=30)
+    strs = _extra(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
     assert len(strs.json()["token_strs"]) == out["count"]
     version = httpx.get(f"{server.url}/version", timeout=10).json()
     assert set(version) == {"version"} and version["version"]
-    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": ["a"]}, timeout=10)
+    bad = _extra(server, "/detokenize", {"tokens": ["a"]}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    bad = httpx.post(f"{server.url}/tokenize", json={"promt": "x"}, timeout=10)
+    bad = _extra(server, "/tokenize", {"promt": "x"}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
 
 

@@ -413,10 +413,12 @@ def test_grpc_output_constraints_are_checked(router: RouterHarness) -> None:
 # ---- flags -----------------------------------------------------------------------------------------------------
 FLAGS = ["--max-n", "8", "--max-logprobs", "5", "--max-prompts-per-request", "16", "--max-request-body-bytes",
          "1000", "--request-body-timeout", "2.5", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
-         "--max-migrations", "1", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+         "--max-migrations", "1", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+         "--expose-worker-addresses"]
 EXPECTED = {"max_n": 8, "max_logprobs": 5, "max_prompts_per_request": 16, "max_request_body_bytes": 1000,
             "request_body_timeout_s": 2.5, "trust_request_chat_template": True, "chat_template_timeout_s": 0.5,
-            "max_migrations": 1, "enable_auto_tool_choice": True, "tool_call_parser": "llama3_json"}
+            "max_migrations": 1, "enable_auto_tool_choice": True, "tool_call_parser": "llama3_json",
+            "expose_worker_addresses": True}
 
 
 @pytest.mark.parametrize("command", ["router", "serve"])
