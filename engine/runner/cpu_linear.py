@@ -60,6 +60,8 @@ def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> bool:
                 setattr(parent, name, PackedLinear(child, batch_hint))
     if getattr(model, "cpu_logits_head", None) is not None:  # a quantized head (engine/quant) keeps its own
         return True
-    # the model names its own logits module (lm_head, or the tied embedding): no architecture's names here
-    model.cpu_logits_head = PackedHead(model.head_module().weight, batch_hint)  # type: ignore[assignment,operator]
+    # the model names its own logits module (lm_head, or the tied embedding): no architecture's names here; an
+    # lm_head packed above is its own logits head (its plain weight is gone)
+    head = model.head_module()  # type: ignore[operator]
+    model.cpu_logits_head = head if isinstance(head, PackedLinear) else PackedHead(head.weight, batch_hint)
     return True
