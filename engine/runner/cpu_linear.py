@@ -3,9 +3,9 @@
 On the project's CPUs (AMD EPYC with AVX-512) PyTorch's default BLAS path for fp32 `F.linear` runs 1.4-2.3x slower
 than oneDNN with the weight reordered once into its blocked layout (measured A/B in one process, decode and prefill
 shapes of SmolLM2). oneDNN's results also do not depend on how many rows share the call, so a sequence computes the
-same logits alone or in a batch. Weights are packed once after loading, and a packed linear drops its plain weight:
-nothing reads it on this path, and keeping both held every linear twice (SmolLM2 fp32: ~430 MB more per CPU worker).
-The logits head keeps its plain weight when it is the tied embedding (the embedding lookup reads it).
+same logits alone or in a batch. Weights are packed once after loading, and a packed linear drops its plain weight
+(keeping both held every linear twice: SmolLM2 fp32, ~430 MB more per CPU worker); its `weight` unpacks a copy on
+demand. The logits head keeps its plain weight when it is the tied embedding (the embedding lookup reads it).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain weight, unpacked on demand (exact): a copy for introspection and weight copies, never the
+        forward path; writing to it does not change the layer."""
+        return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _packed_matmul(x, self.packed, self.bias)
