@@ -23,13 +23,36 @@ COMMAND_MODULES = [
 ]
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help names it already or there is none to show (None,
+    False, an empty list). A default taken from the environment (a key, a URL with a password) must be named in
+    the help text, so that --help never prints it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower() or action.default is None
+                or action.default is False or action.default == [] or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _use_formatter(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: disaggregated LLM serving")
-    parser.add_argument("--log-level", default=os.environ.get("KVFLOW_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get("KVFLOW_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (default: $KVFLOW_LOG_LEVEL, else INFO)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     make_vllm_style(parser)
+    _use_formatter(parser)
     return parser
 
 

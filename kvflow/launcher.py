@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +42,8 @@ from tqdm.auto import tqdm
 
 from cluster.auth import TOKEN_ENV, ClusterAuth
 from engine.arg_utils import EngineArgs
+from engine.config import GiB
+from engine.memory_budget import WorkerMemory
 from engine.process.cpu_memory import tcmalloc_preload
 from engine.process.lifeline import lifeline_env
 from engine.process.openmp import openmp_env
@@ -110,6 +113,10 @@ class WorkerProcess:
 
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's; split between the workers sharing a GPU
+
+
+class WorkerExited(RuntimeError):
+    """A worker died while the cluster started; the message names its log and ends with the log's tail."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +225,43 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
     return placements
 
 
+PREFLIGHT_TIMEOUT_S = 600.0  # a first run may convert a GGUF model
+
+
+def preflight(spec: ClusterSpec, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> ClusterSpec:
+    """Check the workers' engine config before any starts (engine/preflight.py, in a child process), so that a bad
+    one is refused in one line (ValueError), and size CPU workers' KV caches from the host's memory
+    (engine/memory_budget.py) unless --kv-cache-memory-bytes / --num-gpu-blocks-override is set. Returns the spec
+    the workers start with."""
+    args = spec.engine_args
+    processes = (spec.prefill_workers + spec.decode_workers) * args.tensor_parallel_size
+    argv = [sys.executable, "-m", "engine.preflight", "--processes", str(processes), *engine_argv(args),
+            "--model", args.model, "--device", args.device]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **lifeline_env()})
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"the engine config check exited with code {done.returncode}:\n{tail}")
+    result = json.loads(lines[-1])
+    if "error" in result:
+        raise ValueError(result["error"])
+    if "worker" not in result:
+        return spec  # GPU workers: each sizes its KV cache from its share of the GPU
+    worker = WorkerMemory(**result["worker"])
+    log_cpu_budget(worker, processes, result["available"])
+    if args.kv_cache_memory_bytes is not None or args.num_gpu_blocks_override is not None:
+        return spec
+    return dataclasses.replace(spec, engine_args=dataclasses.replace(args, kv_cache_memory_bytes=worker.kv_cache))
+
+
+def log_cpu_budget(worker: WorkerMemory, processes: int, available: int | None) -> None:
+    where = "unknown available memory" if available is None else f"{available / GiB:.1f} GiB available"
+    logger.info("memory budget of each CPU worker process: %s", worker.describe())
+    logger.info("memory budget of the %d CPU worker process(es): %.2f GiB of %s (MemAvailable); "
+                "--kv-cache-memory-bytes sets the KV cache", processes, processes * worker.total / GiB, where)
+
+
 class WorkerCluster:
     """The worker subprocesses of a `kvflow serve`; use as a context manager."""
 
@@ -226,6 +270,7 @@ class WorkerCluster:
             raise ValueError("need --decode-workers >= 1 and --prefill-workers >= 0")
         self.spec = spec
         self.log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="kvflow-serve-"))
+        self.owns_log_dir = spec.log_dir is None  # a temporary directory: removed by `remove_logs`
         self.workers: list[WorkerProcess] = []
         self._pending: list[tuple[int, Placement]] = []
         self._gpu_ids: list[str] = []
@@ -338,8 +383,8 @@ class WorkerCluster:
                     return
                 for worker in pending:
                     if worker.process.poll() is not None:
-                        raise RuntimeError(f"{worker.role} worker on {worker.address} exited with code "
-                                           f"{worker.process.returncode} during startup; its log "
+                        raise WorkerExited(f"{worker.role} worker {worker.index} on {worker.address} exited with "
+                                           f"code {worker.process.returncode} during startup; its log "
                                            f"({worker.log_path}) ends with:\n{worker.log_tail()}")
                     if _answers_info(worker, self.spec.auth):
                         worker.ready = True
@@ -411,6 +456,17 @@ class WorkerCluster:
                                worker.address, grace_s)
                 worker.process.kill()
                 worker.process.wait()
+
+    def remove_logs(self) -> bool:
+        """Remove the temporary log directory (never a --log-dir), unless a worker died: its log is then kept for
+        reading, and where it is said once more. True if removed."""
+        if not self.owns_log_dir:
+            return False
+        if any(w.restarts or w.died_at is not None or (w.process.returncode or 0) > 0 for w in self.workers):
+            logger.warning("worker logs kept in %s (a worker died while serving)", self.log_dir)
+            return False
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        return True
 
     def __enter__(self) -> WorkerCluster:
         self.start()

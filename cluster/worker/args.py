@@ -17,13 +17,15 @@ DRAIN_TIMEOUT_S = 30.0  # --drain-timeout default
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="address the worker's gRPC server listens on")
+    parser.add_argument("--port", type=int, required=True, help="the worker's gRPC port")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this HTTP port (default: none)")
     parser.add_argument("--index", default="memory",
                         help="prefix index the router reads ('memory' or redis://...); workers always serve "
                              "StreamKVEvents, which the router consumes")
-    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--worker-id", default=None,
+                        help="the worker's name in KV events, metrics and the registry (default: ROLE-HOSTNAME-PORT)")
     parser.add_argument("--advertise-address", default=None,
                         help="host:port routers should dial (default --host:--port); registered in Redis when "
                              "--index is redis://; its host is also where decode workers reach this worker's KV-link "

@@ -40,7 +40,7 @@ from engine.outputs import (
 from engine.parallel.group import TPGroup
 from engine.parallel.layout import RankShard, shard_for
 from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
-from engine.process.cpu_memory import keep_freed_memory_for_reuse
+from engine.process.cpu_memory import keep_freed_memory_for_reuse, release_freed_memory
 from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.runner.cpu_linear import pack_linears_for_cpu
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
@@ -132,6 +132,7 @@ def load_model(config: EngineConfig, device: torch.device, attn_backend: Attenti
         model = model.to(dtype).eval()
         if dtype == torch.float32:
             pack_linears_for_cpu(model, batch_hint=min(config.scheduler.max_num_seqs, 128))
+        release_freed_memory()  # the loaded state dict (engine/process/cpu_memory.py)
         keep_freed_memory_for_reuse()
         model.rotary.to(torch.float32)  # cos/sin cache stays fp32, cast per use
     logger.info("loaded %s (%.1fM params, %s) in %.1fs", config.model.model, arch.num_params / 1e6,

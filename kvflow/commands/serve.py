@@ -58,14 +58,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="N unified replicas (decode workers that prefill locally, no prefill workers), each on "
                         "its own GPU(s), behind the router")
     g.add_argument("--index", default="memory", help="'memory' or redis://host:port/db")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address the router's HTTP and gRPC fronts listen on "
+                                                       "(workers always listen on 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port (0: off)")
-    g.add_argument("--routing", choices=POLICY_NAMES, default="prefix")
-    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"))
+    g.add_argument("--routing", choices=POLICY_NAMES, default="prefix",
+                   help="how the router picks a worker: prefix (the one holding the longest cached prefix of the prompt, load-aware), round-robin, least-load or random")
+    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVFLOW_API_KEY, else no key)")
     add_metrics_key_arg(g)
-    g.add_argument("--served-model-name", nargs="+", default=[])
-    g.add_argument("--tokenizer-pool-size", type=int, default=2)
+    g.add_argument("--served-model-name", nargs="+", default=[],
+                   help="model name(s) the API answers to (default: --model)")
+    g.add_argument("--tokenizer-pool-size", type=int, default=2,
+                   help="router threads that tokenize prompts and render chat templates")
     g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
                    help="decode workers prefill locally below this many uncached prompt tokens")
     g.add_argument("--prefill-gpus", type=int, nargs="+", default=None,
@@ -77,8 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "'auto' (NCCL between GPU workers, gRPC otherwise)")
     g.add_argument("--kv-transfer-fault-rate", type=float, default=0.0,
                    help="fault testing only: the workers fail this share of KV transfers at a random point")
-    g.add_argument("--disable-log-requests", action="store_true")
-    g.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary directory)")
+    g.add_argument("--disable-log-requests", action="store_true", help="no router log line per request")
+    g.add_argument("--log-dir", type=Path, default=None,
+                   help="where the workers' logs go (default: a temporary directory, removed at a clean exit "
+                        "unless a worker died)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the workers' models")
     add_request_limit_args(parser)
     add_cluster_auth_args(parser)
@@ -91,7 +98,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.worker.args import server_engine_args
-    from kvflow.launcher import DEFAULT_GPU_MEMORY_UTILIZATION, ClusterSpec, WorkerCluster
+    from kvflow.launcher import (
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        ClusterSpec,
+        WorkerCluster,
+        WorkerExited,
+        preflight,
+    )
     from router.config import RouterConfig
 
     share = args.gpu_memory_utilization
@@ -111,6 +124,15 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any worker starts
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     auth = ClusterAuth.from_args(args).with_token()
+    # The router's flags are checked before any worker starts; the addresses are known once the workers are up.
+    config = RouterConfig(prefill=(), decode=(), index=args.index, host=args.host, port=args.port,
+                          grpc_port=args.grpc_port, api_key=args.api_key or None, routing=args.routing, cluster=auth,
+                          metrics_require_api_key=args.metrics_require_api_key,
+                          served_model_name=tuple(args.served_model_name),
+                          tokenizer_pool_size=args.tokenizer_pool_size,
+                          disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
+                          **request_limit_kwargs(args), **lifecycle_kwargs(args), **disagg_kwargs(args))
+    dataclasses.replace(config, decode=("127.0.0.1:1",)).validate()
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
@@ -121,28 +143,29 @@ def run(args: argparse.Namespace) -> int:
                        role_free=args.disagg_policy == "adaptive" and engine_args.tensor_parallel_size == 1,
                        worker_extra_args=("--kv-transfer-fault-rate", str(args.kv_transfer_fault_rate))
                        if args.kv_transfer_fault_rate else ())
+    spec = preflight(spec)  # the engine config, and CPU workers' memory: refused here, in one line
     cluster = WorkerCluster(spec)
     # Before the router runs (and after it stopped), SIGTERM acts like Ctrl-C; while it runs, it starts its drain.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    clean = False
     try:
         cluster.start()
         logger.info("worker logs in %s", cluster.log_dir)
         cluster.wait_ready(args.ready_timeout)
-        config = RouterConfig(prefill=tuple(cluster.addresses("prefill")), decode=tuple(cluster.addresses("decode")),
-                              index=args.index, host=args.host, port=args.port, grpc_port=args.grpc_port,
-                              api_key=args.api_key or None, routing=args.routing, cluster=auth,
-                              metrics_require_api_key=args.metrics_require_api_key,
-                              served_model_name=tuple(args.served_model_name),
-                              tokenizer_pool_size=args.tokenizer_pool_size,
-                              disable_log_requests=args.disable_log_requests,
-                              disable_log_stats=args.disable_log_stats,
-                              **request_limit_kwargs(args), **lifecycle_kwargs(args), **disagg_kwargs(args))
+        config = dataclasses.replace(config, prefill=tuple(cluster.addresses("prefill")),
+                                     decode=tuple(cluster.addresses("decode")))
         asyncio.run(_serve(config, cluster))
+        clean = True
     except KeyboardInterrupt:
-        pass
+        clean = True
+    except (WorkerExited, TimeoutError) as exc:  # the message names the worker's log (kept): no traceback
+        print(f"kvflow: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         cluster.stop(args.drain_timeout + WORKER_STOP_MARGIN_S)
+        if clean:
+            cluster.remove_logs()
     return 0
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from kvflow.cli import build_parser
 
 
 def kvflow(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -52,3 +55,42 @@ def test_bad_arguments_give_a_message_not_a_traceback() -> None:
 def test_serve_refuses_bad_disaggregation_flags_before_any_worker_starts(flags: list[str], needle: str) -> None:
     result = kvflow("serve", "--model", "tiny", "--load-format", "dummy", *flags)
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--model", "/nonexistent"], "/nonexistent"),
+    (["--model", "tiny", "--load-format", "dummy", "--quantization", "fp8", "--device", "cpu"], "needs a CUDA GPU"),
+    (["--model", "tiny", "--load-format", "dummy", "--max-model-len", "999999"], "max_position_embeddings"),
+    (["--model", "tiny", "--load-format", "dummy", "--device", "cpu", "--max-model-len", "512",
+      "--kv-cache-memory-bytes", "4096"], "fewer than max_model_len"),
+])
+def test_serve_refuses_a_bad_engine_config_in_one_line_before_any_worker_starts(flags: list[str],
+                                                                                 needle: str) -> None:
+    result = kvflow("serve", *flags, "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("kvflow: error: ") and needle in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # no traceback, no worker's log
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", ["serve", "router", "worker", "prefill", "decode", "generate"])
+def test_every_flag_has_help_text(command: str) -> None:
+    parser = _subparsers(build_parser())[command]
+    bare = [action.option_strings[0] if action.option_strings else action.dest for action in parser._actions
+            if not action.help and not isinstance(action, argparse._HelpAction)]
+    assert not bare, f"kvflow {command}: flags without help text: {bare}"
+
+
+def test_help_shows_defaults_but_never_one_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFLOW_API_KEY", "secret-key-123")
+    monkeypatch.setenv("KVFLOW_INDEX_URL", "redis://:secret-pw@host:6379/0")
+    commands = _subparsers(build_parser())
+    serve_help = commands["serve"].format_help()
+    assert "(default: 8000)" in serve_help and "(default: prefix)" in serve_help and "(default: 50051)" in serve_help
+    for command in ("serve", "router"):
+        text = commands[command].format_help()
+        assert "secret" not in text and "$KVFLOW_API_KEY" in text
