@@ -77,14 +77,14 @@ class Redis:
 
 
 class Cluster:
-    """`kvflow serve` (1 prefill + 2 decode workers on the Redis index) and what the cases read from it."""
+    """`kvflow serve` (1 prefill + 2 decode workers, pinned, on the Redis index) and what the cases read from it."""
 
     def __init__(self, workdir: Path, redis: Redis, token: str, *extra: str) -> None:
         self.token = token
         self.server = kvflow_serve(
             workdir, "--model", MODEL, "--prefill-workers", "1", "--decode-workers", "2", "--index", redis.url,
             "--max-model-len", "2048", "--kv-cache-memory-bytes", str(512 << 20), "--drain-timeout", "20",
-            "--sse-keepalive-s", "2", *extra, env={**os.environ, "KVFLOW_CLUSTER_TOKEN": token})
+            "--sse-keepalive-s", "2", "--disagg-policy", "static", *extra, env={**os.environ, "KVFLOW_CLUSTER_TOKEN": token})
         self.url = self.server.url
         self.process = self.server.process
 

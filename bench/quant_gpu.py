@@ -6,7 +6,7 @@ random weights (`--load-format dummy`):
          count of each engine; and the Fp8Linear layer against its float32 reference at a real shape.
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
          torch reference; and the block count of each KV dtype in one budget.
-- int4:  the decode step's weight GEMMs, int4 vs bf16, and the nibble-pair sweep (bench/quant_int4.py).
+- int4:  the decode step's weight GEMMs, int4 vs bf16 (bench/quant_int4.py).
 
 The w8a8_layers part (each decoder linear, Fp8Linear vs bf16; the activation quantization, Triton vs torch) was
 retired: it runs at `git checkout be1a1ae`. Writes bench/results/quant_gpu_<device>.json (fields: workload, device,
@@ -145,7 +145,7 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
     if part == "w8a8":
         return part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts, args.w8a8_configs)
     if part == "int4":
-        return part_int4(args.smoke, tuple(args.int4_sweeps))
+        return part_int4(args.smoke)
     return part_kv(args.smoke)
 
 
@@ -153,8 +153,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--int4-sweeps", nargs="*", default=[], choices=["pairs"],
-                        help="int4: the nibble-pair sweep after the cases (the tile sweeps were retired)")
     parser.add_argument("--w8a8-configs", nargs="+", default=None,
                         help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
     parser.add_argument("--smoke", action="store_true")

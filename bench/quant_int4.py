@@ -2,10 +2,9 @@
 distinct weights, one CUDA graph) at batch 1, 8, 16, 64 and 256: Q4_1-style int4 (group 32) vs bf16 (cuBLAS).
 `int4` is the engine's CUDA path (the kn layout's GEMV / GEMM, kernels/quant_gemm_kn.py), `int4_canonical` the
 canonical layout's (kernels/quant_gemm.py); tok/s = batch / step time (weights only: no attention, no head).
-On request (`sweeps`: `pairs`), the kn GEMV's nibble-pair form beside the single-nibble one over a few tiles, each
-entry checked against the torch reference first (over 2e-2 relative error: recorded, not timed; a config that does
-not compile: recorded as an error). The tile sweeps that chose the shipped tiles (gemv, gemm, kngemv, kngemm) and
-the int4_tiled_gemm case were retired; they run at `git checkout be1a1ae`."""
+The tile sweeps that chose the shipped tiles (gemv, gemm, kngemv, kngemm), the int4_tiled_gemm case and the
+nibble-pair GEMV sweep (`--int4-sweeps pairs`, never timed; `quant_gemm_kn(pairs=True)` stays) were retired; they run
+at `git checkout be1a1ae`."""
 
 from __future__ import annotations
 
@@ -22,18 +21,6 @@ from engine.quant.kn_layout import KNWeight, from_kn, to_kn
 from engine.quant.quant_layers import quant_matmul
 
 HIDDEN, INTER, LAYERS = 4096, 14336, 32  # Llama-3.1-8B
-# The nibble-pair GEMV (`quant_gemm_kn(pairs=True)`) beside the single-nibble one at the same tiles. Offline sm_90
-# SASS (int4_gemv_sass_offline.json, Triton 3.6 / 3.9) counts its loop at 6.5 / 4.8 instructions per code against
-# 7.6 / 7.2 at the default tiles, with more registers; narrower tiles are in too, and 24 programs per SM where the
-# narrower tiles leave registers for them.
-KN_PAIRS_SWEEP: list[dict[str, Any]] = [
-    {"gemv_tiles": t, "pipeline": True, "sum_here": True, "pairs": pairs}
-    for t in ((32, 4, 16, 1), (32, 4, 12, 1), (32, 2, 16, 1), (32, 2, 24, 1), (16, 4, 16, 1), (16, 8, 16, 1),
-              (64, 2, 16, 1), (64, 2, 24, 1))
-    for pairs in (False, True)
-]
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
@@ -168,54 +155,8 @@ class Int4Run:
         return row
 
 
-# ---- the pairs sweep ------------------------------------------------------------------------------------------
-def as_json(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
-
-
-def sweep_entry(rec: dict[str, Any], error: Callable[[], float], step_ms: Callable[[], float], bf16_ms: float,
-                extra: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
-    """One sweep config: checked against the reference, then timed beside bf16."""
-    try:
-        err = error()
-        rec["rel_err"] = float(f"{err:.3g}")
-        if err > 2e-2:
-            rec["error"] = "wrong result"
-        else:
-            ms = step_ms()
-            rec.update(step_ms=round(ms, 3), bf16_step_ms=round(bf16_ms, 3), vs_bf16=round(bf16_ms / ms, 3))
-            rec.update(extra(ms))
-    except Exception as exc:  # a config that does not compile is recorded, not fatal
-        rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    print("kn_gemv_sweep", rec, flush=True)
-    return rec
-
-
-def kn_gemv_sweep(run: Int4Run, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    xs = run.inputs(1)
-    bf16_ms = graph_ms(functools.partial(step_bf16, run.bf16, xs))
-    w = run.kn[0][3]
-    ref = quant_matmul_ref(xs[w.in_features].float(), from_kn(w))
-    nbytes = sum(t.numel() * t.element_size() for ws in run.kn for w_ in ws
-                 for t in (w_.qweight, w_.scales, w_.mins, w_.zeros) if t is not None)
-    fresh_arrivals = arrivals_for(run.kn)
-    out = []
-    for cfg in configs:
-        overrides = {k: v for k, v in cfg.items() if k != "sum_here"}
-        arrivals = fresh_arrivals if cfg["sum_here"] else None
-        out.append(sweep_entry(
-            as_json(cfg),
-            lambda o=overrides, a=arrivals: rel_err(kn_out(w, xs[w.in_features], arrivals=None if a is None
-                                                           else a[0][3], **o).float(), ref),
-            lambda o=overrides, a=arrivals: graph_ms(functools.partial(step_kn, run.kn, xs, a, **o)), bf16_ms,
-            lambda ms: {"tb_s": round(nbytes / ms / 1e9, 3)}))
-    return out
-
-
-def part_int4(smoke: bool, sweeps: tuple[str, ...] = ()) -> dict[str, Any]:
+def part_int4(smoke: bool) -> dict[str, Any]:
     run = Int4Run(smoke)
     out = run.header()
     out["cases"] = [run.case(batch) for batch in (1, 8, 16, 64, 256)]
-    if "pairs" in sweeps and not smoke:
-        out["kn_pairs_sweep"] = kn_gemv_sweep(run, KN_PAIRS_SWEEP)
     return out
