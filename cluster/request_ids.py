@@ -6,6 +6,8 @@ Contracts kept here:
   minted one: 32 lowercase hex digits, a random UUID's (a 64 KB id would be echoed in every header and log line).
 - A worker sees the router's id for each attempt, `<caller's id>@<8 hex digits>`: callers' ids may repeat (two
   callers, or one reusing an id), the router's do not, so an abort or a retry reaches exactly one worker request.
+- A gRPC caller's owner token (OWNER_TOKEN_METADATA) travels with its `Generate` and `Abort` calls; the router
+  answers each `Generate` with the token it bound the request to.
 The ids built from these elsewhere are contracts too and stay where they are shaped: OpenAI's `cmpl-` / `chatcmpl-`
 and `resp_` / `msg_` response ids (router/), and the offline `LLM`'s "0", "1", ... (vLLM's counter).
 """
@@ -16,6 +18,8 @@ import uuid
 
 WORKER_SUFFIX_DIGITS = 8
 MAX_REQUEST_ID_CHARS = 128
+# gRPC metadata binding a request to its creator: only a caller presenting it may abort (router/ownership.py).
+OWNER_TOKEN_METADATA = "x-kvflow-owner-token"
 
 
 def new_request_id() -> str:

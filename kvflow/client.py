@@ -24,6 +24,7 @@ Errors are typed (`InvalidArgumentError`, `UnavailableError`, ... all `KvflowErr
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Any, ClassVar
 import grpc
 
 from cluster.auth import TOKEN_METADATA
-from cluster.request_ids import request_id_or_new
+from cluster.request_ids import OWNER_TOKEN_METADATA, request_id_or_new
 from cluster.wire import FINISH_REASON_FROM_PROTO, sampling_params_to_proto
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
@@ -184,17 +185,22 @@ def stream_item(request_id: str, response: pb.GenerateResponse) -> Chunk | Gener
 
 class _Base:
     def __init__(self, target: str, timeout: float = 60.0, max_retries: int = 3, retry_backoff_s: float = 0.2,
-                 api_key: str | None = None, cluster_token: str | None = None) -> None:
+                 api_key: str | None = None, cluster_token: str | None = None, owner_token: str | None = None) -> None:
         if timeout <= 0 or max_retries < 0:
             raise ValueError("timeout must be > 0 and max_retries >= 0")
         self.target = target
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
-        metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        # This client's requests are abortable by this client only (router/ownership.py), whoever shares its key or
+        # connection; pass `owner_token` to abort from another client object.
+        self.owner_token = owner_token or secrets.token_urlsafe(16)
+        metadata = [(OWNER_TOKEN_METADATA, self.owner_token)]
+        if api_key:
+            metadata.append(("authorization", f"Bearer {api_key}"))
         if cluster_token:
             metadata.append((TOKEN_METADATA, cluster_token))
-        self.metadata = tuple(metadata) or None
+        self.metadata = tuple(metadata)
 
     def _backoff(self, attempt: int) -> float:
         return self.retry_backoff_s * (2 ** attempt)

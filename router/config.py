@@ -10,6 +10,7 @@ from cluster.routing.index import validate_index_url
 from cluster.routing.planner import PlannerConfig
 from cluster.routing.policy import POLICY_NAMES
 from engine.sampling_params import MAX_LOGPROBS
+from router.ownership import api_keys
 from router.tool_calls import TOOL_CALL_PARSERS
 
 DISCOVERY_KINDS = ("static", "redis", "kubernetes")
@@ -23,7 +24,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051  # 0: no gRPC front
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)  # one key, or several separated by commas
     metrics_require_api_key: bool = False  # /metrics needs the API key too (else it is open, like /health)
     expose_worker_addresses: bool = False  # worker addresses and ids in /v1/models and /metrics labels (else opaque)
     cluster: ClusterAuth = ClusterAuth()  # the credential the router presents to workers
@@ -58,6 +59,11 @@ class RouterConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag); needs tool_call_parser
     tool_call_parser: str | None = None  # router.tool_calls.TOOL_CALL_PARSERS
 
+    @property
+    def accepted_keys(self) -> tuple[str, ...]:
+        """The API keys a caller may present (none: no key needed)."""
+        return api_keys(self.api_key)
+
     def planner_config(self) -> PlannerConfig:
         return PlannerConfig(slo_ttft_s=self.slo_ttft_ms / 1000, slo_itl_s=self.slo_itl_ms / 1000)
 
@@ -78,6 +84,8 @@ class RouterConfig:
                                                                                               "rediss://")):
             raise ValueError("--discovery redis needs --index redis://... (the registry lives there)")
         validate_index_url(self.index)
+        if self.api_key is not None and not api_keys(self.api_key):
+            raise ValueError("--api-key must name at least one non-empty key (several: KEY1,KEY2)")
         if self.metrics_require_api_key and not self.api_key:
             raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
         if self.tokenizer_pool_size < 1:

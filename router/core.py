@@ -7,15 +7,14 @@ worker falls back to local prefill by itself if that prefill fails. A decode fai
 retried on another decode worker; one after it migrates the request to another decode worker (the prompt plus
 the tokens already streamed), up to `--max-migrations` times.
 
-Request ids are the caller's and belong to the caller: a request is known under (owner, id), the owner being
-`caller_identity` (the API key presented, hashed; without one, the caller's connection), so `abort` reaches only
-the owner's own requests. Workers see ids of the router's own making (`<id>@<random>`, cluster.request_ids).
+Request ids are the caller's and belong to the caller: a request is known under (owner, id), the owner being the
+caller's identity (router/ownership.py: the API key presented, hashed, or the connection; on gRPC with an owner
+token), so `abort` reaches only the owner's own requests. Workers see ids of the router's own making (`<id>@<random>`, cluster.request_ids).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
@@ -240,7 +239,7 @@ class Router:
 
     async def generate(self, request_id: str, token_ids: list[int], params: pb.SamplingParams,
                        cache_salt: Sequence[str] = (), owner: str = "") -> AsyncIterator[pb.GenerateResponse]:
-        """Stream a request's responses from a decode worker; `owner` (`caller_identity`) is who may `abort` it.
+        """Stream a request's responses from a decode worker; `owner` (router/ownership.py) is who may `abort` it.
 
         A decode failure before the first token is retried on another decode worker. One after it (the worker
         died, failed or drained mid-stream) migrates the request: another decode worker gets the prompt plus the
@@ -450,14 +449,6 @@ def _uncached(num_prompt_tokens: int, matched_blocks: int, block_size: int) -> i
     return max(num_prompt_tokens - matched_blocks * block_size, 0)
 
 
-def caller_identity(api_key: str | None, peer: str) -> str:
-    """Who owns a request id: the API key (hashed: no key is kept in the request table) when the router has one,
-    else the caller's connection (`peer`, e.g. "grpc:ipv4:10.0.0.7:51234"), so a caller can abort only its own."""
-    if api_key:
-        return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
-    return "peer:" + peer
-
-
 def error_from(exc: BaseException) -> RouterError:
     if isinstance(exc, RouterError):
         return exc
@@ -466,4 +457,4 @@ def error_from(exc: BaseException) -> RouterError:
     return RouterError(f"internal error: {type(exc).__name__}: {exc}")
 
 
-__all__ = ["Route", "Router", "caller_identity", "error_from", "make_index"]
+__all__ = ["Route", "Router", "error_from", "make_index"]

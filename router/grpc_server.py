@@ -8,14 +8,14 @@ Input is checked as on the HTTP front (the router's bounds, the engine's samplin
 lengths, an output constraint's syntax): a refusal ends the call with INVALID_ARGUMENT before any worker sees the
 request. So do bytes that are not a valid request message: the handlers are built here with a deserializer that
 never raises (the generated glue's would make the call end UNKNOWN). Every `SamplingParams` field the caller set
-reaches the worker, converted by `cluster.wire` as on the other fronts. Request ids are scoped per caller
-(`router.core.caller_identity`): `Abort` finds only the caller's own requests.
+reaches the worker, converted by `cluster.wire` as on the other fronts. Request ids are scoped per caller and owner
+token (router/ownership.py): `Generate` returns its owner token in the initial metadata, and `Abort` finds only
+requests whose caller presents that token.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,9 +27,10 @@ from cluster.wire import sampling_params_from_proto, sampling_params_to_proto
 from engine.errors import InvalidRequest
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
-from router.core import Router, caller_identity, error_from
+from router.core import Router, error_from
 from router.errors import BadRequest
 from router.openai_protocol import MAX_LOGIT_BIAS_ENTRIES
+from router.ownership import OWNER_TOKEN_METADATA, caller_identity, owner_token, presented_key, token_owner
 from router.structured_output import check as check_constraint
 
 logger = logging.getLogger(__name__)
@@ -39,20 +40,18 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        key = self.router.config.api_key
-        if not key:
-            return
-        given = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not secrets.compare_digest(str(given).encode(), f"Bearer {key}".encode()):
+    async def _identity(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's identity (router/ownership.py); a call without a configured key ends UNAUTHENTICATED."""
+        keys = self.router.config.accepted_keys
+        key = presented_key(keys, str(_metadata(context).get("authorization", ""))) if keys else None
+        if keys and key is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
-
-    def _owner(self, context: grpc.aio.ServicerContext) -> str:
-        """Called after `_authorize`: with an API key configured, the caller presented exactly that key."""
-        return caller_identity(self.router.config.api_key, f"grpc:{context.peer()}")
+        return caller_identity(key, f"grpc:{context.peer()}")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        await self._authorize(context)
+        identity = await self._identity(context)
+        token = owner_token(_metadata(context).get(OWNER_TOKEN_METADATA))
+        await context.send_initial_metadata(((OWNER_TOKEN_METADATA, token),))
         request_id = request_id_or_new(request.request_id)
         relay = None
         try:
@@ -61,7 +60,7 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
                 params = self.router.params_for_prompt(self._checked_params(request.sampling_params),
                                                        len(token_ids), request.WhichOneof("input") or "input")
                 relay = ticket.relay(self.router.generate(request_id, token_ids, params, list(request.cache_salt),
-                                                          owner=self._owner(context)))
+                                                          owner=token_owner(identity, token)))
                 async for response in relay:
                     if request.stream or response.WhichOneof("response") == "complete":
                         response.request_id = request_id
@@ -106,9 +105,9 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
         return sampling_params_to_proto(checked, explicit_only=True)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
-        await self._authorize(context)
+        owner = token_owner(await self._identity(context), _metadata(context).get(OWNER_TOKEN_METADATA))
         try:
-            return pb.AbortResponse(found=await self.router.abort(request.request_id, self._owner(context)))
+            return pb.AbortResponse(found=await self.router.abort(request.request_id, owner))
         except grpc.aio.AioRpcError:
             return pb.AbortResponse(found=False)
 
@@ -186,3 +185,7 @@ async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Se
     await server.start()
     logger.info("gRPC Generation service on %s:%d", host, bound)
     return server
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {key: str(value) for key, value in (context.invocation_metadata() or ())}

@@ -6,8 +6,8 @@ Streams follow vLLM's chunk sequence (`chunk_stream`).
 With --api-key every path needs the key except /health and /version (and /metrics, unless
 --metrics-require-api-key): /tokenize and /detokenize cost work too. Worker addresses and ids appear in /v1/models
 and /metrics labels only with --expose-worker-addresses (router.metrics.worker_namer). Requests are owned by their caller
-(`router.core.caller_identity`: the key, or the connection), so the gRPC front's `Abort` cannot reach them by
-their `x-request-id` from another caller.
+(router/ownership.py: the key presented, or the connection) and have no owner token, so the gRPC front's `Abort`
+cannot reach them by their `x-request-id`.
 
 Every error response, the framework's own (404, 405) included, is OpenAI error JSON. A request is validated
 completely before a worker sees it, and a streaming response starts once the first worker response is in, or after
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ from protos.kvflow.v1 import kvflow_pb2 as pb
 from router import openai_responses
 from router.chunk_stream import ChunkStream
 from router.config import RouterConfig
-from router.core import Router, caller_identity, error_from
+from router.core import Router, error_from
 from router.errors import BadRequest, HTTPError, RouterError, ShuttingDown, Unauthorized
 from router.http import PARSE_INLINE_BYTES, IgnoredFields, error_response, read_body
 from router.lifecycle import ClientGone, Idle, Relay, Ticket
@@ -60,6 +59,7 @@ from router.openai_protocol import (
     stop_reason,
     usage_json,
 )
+from router.ownership import caller_identity, presented_key
 from router.prepared import PreparedRequest, Prompt, prepare
 from router.tool_calls import chat_message
 
@@ -70,7 +70,7 @@ OPEN_PATHS = frozenset({"/health", "/version"})  # probes: answered without the 
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvflow router", docs_url=None, redoc_url=None)
     app.state.ignored_fields = ignored = IgnoredFields()
-    api_key = router.config.api_key
+    keys = router.config.accepted_keys
     metrics_need_key = router.config.metrics_require_api_key
 
     @app.exception_handler(StarletteHTTPException)
@@ -92,9 +92,10 @@ def build_app(router: Router) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path not in open_paths:  # every path that costs work (or may exist later)
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        request.state.api_key = None
+        if keys and request.url.path not in open_paths:  # every path that costs work (or may exist later)
+            request.state.api_key = presented_key(keys, request.headers.get("authorization", ""))
+            if request.state.api_key is None:
                 return error_response(Unauthorized("invalid or missing API key"))
         return await call_next(request)
 
@@ -166,7 +167,7 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
         body = ReadFields(body) if isinstance(body, dict) else body
         parsed = api.parse(body, router.config) if api else parse_request(body, chat, router.config)
         peer = f"http:{request.client.host}:{request.client.port}" if request.client else "http"
-        prepared = await prepare(router, parsed, request_id, caller_identity(router.config.api_key, peer))
+        prepared = await prepare(router, parsed, request_id, caller_identity(request.state.api_key, peer))
     except Exception as exc:  # every input problem becomes a 4xx with the reason
         return error_response(error_from(exc), request_id)
     if not router.config.disable_log_requests:

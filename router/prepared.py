@@ -37,7 +37,7 @@ class PreparedRequest:
     parsed: ParsedRequest
     model: str  # the name the response reports: the request's, or the first served name
     prompts: list[Prompt]
-    owner: str  # who may abort it: router.core.caller_identity
+    owner: str  # who may abort it (router/ownership.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 

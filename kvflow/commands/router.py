@@ -30,7 +30,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port (0: off)")
     g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every path but /health, /version (and /metrics, unless "
-                        "--metrics-require-api-key) (default: $KVFLOW_API_KEY, else no key)")
+                        "--metrics-require-api-key); several keys KEY1,KEY2: one per client or tenant, each the "
+                        "owner of its requests (default: $KVFLOW_API_KEY, else no key)")
     add_metrics_key_arg(g)
     g.add_argument("--routing", choices=POLICY_NAMES, default="prefix",
                    help="how the router picks a worker: prefix (the one holding the longest cached prefix of the prompt, load-aware), round-robin, least-load or random")

@@ -206,7 +206,7 @@ class RouterHarness:
                          grpc_port=free_port(), disable_log_requests=True, disable_log_stats=True), **overrides)
         self.url = f"http://127.0.0.1:{self.config.port}"
         self.grpc_address = f"127.0.0.1:{self.config.grpc_port}"
-        key = self.config.api_key
+        key = next(iter(self.config.accepted_keys), None)  # the first of several
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
