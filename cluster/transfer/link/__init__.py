@@ -26,8 +26,9 @@ Invariants:
 
 Trust: `KVLink` is a worker RPC like the others, served only to holders of the cluster credential
 (cluster/auth.py), and decode workers open links only to allowed prefill workers (decode_worker/allowlist.py). The
-rendezvous it hands out is NOT authenticated: the c10d TCPStore (an ephemeral port on the prefill worker, any key
-readable with `list_keys`) and the NCCL/gloo sockets behind it accept anyone who reaches them, who could then
+rendezvous it hands out is NOT authenticated: the c10d TCPStore (an ephemeral port on the prefill worker, bound to
+its advertised address only, not every interface; any key readable with `list_keys`) and the NCCL/gloo sockets
+behind it accept anyone who reaches them, who could then
 disturb a link's setup or take the decode worker's place in a new link and receive KV (prompt contents). Only the
 network keeps strangers out: the Helm chart's NetworkPolicies admit only decode pods to prefill pods' other ports;
 elsewhere, run links between hosts on a private network, or use `--kv-transfer-backend grpc` (KV inside the

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import logging
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from engine.parallel.nccl_env import set_nccl_env_defaults
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
+logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.5
 LINK_DEAD_S = 2.0  # no message on the KVLink stream for this long: the peer is dead
 SETUP_TIMEOUT_S = 60.0  # process-group rendezvous and the first message (NCCL communicator creation)
@@ -82,9 +85,33 @@ def link_prefix(link_id: str) -> str:
     return f"kvflow/link/{link_id}/"
 
 
+def listening_socket(host: str) -> socket.socket:
+    """A socket listening on an ephemeral port of `host`'s address alone."""
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(address[:1] + (0,) + address[2:])
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve_store(host: str) -> dist.TCPStore:
-    """The prefill worker's rendezvous store, on an ephemeral port of `host` (blocking: call it off the loop)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    """The prefill worker's rendezvous store, on an ephemeral port of `host` (blocking: call it off the loop).
+
+    c10d's own server would listen on every interface; it is handed a socket bound to the worker's advertised
+    address instead, so the store is reachable only where the worker's gRPC is. A host this machine cannot bind (a
+    name for another address) keeps the old behaviour, said in a warning."""
+    try:
+        sock = listening_socket(host)
+    except OSError as exc:
+        logger.warning("the KV-link rendezvous cannot listen on %s alone (%s): it listens on every interface", host,
+                       exc)
+        return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def join_group(backend: str, ready: pb.KVLinkReady) -> PairGroup:
