@@ -95,6 +95,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         pull: asyncio.Future | None = None
         try:
             try:
+                await self.engine.ready_grammar(params)  # compiled off the engine loop, within the budget
                 slot = await self.engine.call(admit)
             except InvalidRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

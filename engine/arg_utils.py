@@ -27,6 +27,7 @@ from engine.processing.generation_config import check_generation_config, parse_o
 from engine.spec.config import SpecConfig
 from engine.structured.config import BACKENDS as STRUCTURED_OUTPUT_BACKENDS
 from engine.structured.config import StructuredOutputsConfig
+from engine.structured.limits import DEFAULT_LIMITS, StructuredOutputLimits
 
 if TYPE_CHECKING:
     from engine.models.arch import ModelArch
@@ -176,6 +177,7 @@ class EngineArgs:
     # Structured output (engine/structured/config.py): vLLM's dict / JSON, or its older backend flag.
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
     guided_decoding_backend: str | None = None
+    structured_outputs_timeout_s: float = DEFAULT_LIMITS.timeout_s
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -271,6 +273,9 @@ class EngineArgs:
         g.add_argument("--guided-decoding-backend", default=None,
                        metavar="{" + ",".join(STRUCTURED_OUTPUT_BACKENDS) + "}",
                        help="(older vLLM form) the structured-output backend: xgrammar, kvflow's only one")
+        g.add_argument("--structured-outputs-timeout-s", type=float, default=DEFAULT_LIMITS.timeout_s,
+                       help="seconds one request's grammar (JSON schema, regex, grammar, tool schema) may take to "
+                            "compile, off the engine loop; a slower one is refused with a 400 naming the field")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -289,6 +294,7 @@ class EngineArgs:
         self._validate()
         speculative = self.spec_config()  # a bad speculative config fails before any model is loaded
         structured_outputs = self.structured_outputs()  # likewise
+        structured_output_limits = self.structured_output_limits()
         device = _resolve_device(self.device)
         self.validate_cpu_offload(device)
         dtype = resolve_dtype(self.dtype, device)
@@ -298,7 +304,7 @@ class EngineArgs:
         scheduler = self._scheduler_config(device, max_model_len)
         model = self._model_config(resolved, dtype, device, max_model_len)
         return EngineConfig(model, self._cache_config(), scheduler, self._device_config(device), speculative,
-                            structured_outputs)
+                            structured_outputs, structured_output_limits)
 
     def _validate_parallel_for(self, arch: ModelArch, speculative: SpecConfig | None) -> None:
         """The tensor-parallel size against this model, before any rank starts."""
@@ -396,8 +402,14 @@ class EngineArgs:
 
     def structured_outputs(self) -> StructuredOutputsConfig:
         """The structured-output config from `structured_outputs_config` and `guided_decoding_backend`; raises
-        ValueError naming the flag (cheap: `kvflow serve` checks it before starting any worker)."""
+        ValueError naming the flag (cheap: `kvflow serve` checks it before starting any worker), as it does for
+        `--structured-outputs-timeout-s`."""
+        self.structured_output_limits()
         return StructuredOutputsConfig.parse(self.structured_outputs_config, self.guided_decoding_backend)
+
+    def structured_output_limits(self) -> StructuredOutputLimits:
+        """The compile budget from `--structured-outputs-timeout-s`, with the fixed size limits."""
+        return dataclasses.replace(DEFAULT_LIMITS, timeout_s=self.structured_outputs_timeout_s)
 
     def without_speculation(self) -> EngineArgs:
         """The same arguments with speculation off (prefill workers never decode past the first token)."""

@@ -22,6 +22,7 @@ from engine.core.block_pool import KVEvent
 from engine.llm_engine import EngineLoad, LLMEngine
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,23 @@ class AsyncEngine:
         future: asyncio.Future[T] = self._loop.create_future()
         self._commands.put((fn, future))
         return await future
+
+    async def ready_grammar(self, params: SamplingParams | None) -> None:
+        """Compile a constrained request's grammar on the compile threads, awaiting it here within the budget, so
+        that admitting the request finds it ready: the engine loop never compiles, and keeps stepping the other
+        requests meanwhile. Raises InvalidRequest (over a limit, not compilable, or not in time). Call it before
+        `call`ing the engine to add the request."""
+        constraint = params.structured_outputs if params is not None else None
+        if constraint is None:
+            return
+        manager = self.engine.structured_output
+        future = manager.submit(constraint)
+        if not future.done():
+            try:  # shielded: a caller that gives up must not cancel a compile other callers share
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), manager.limits.timeout_s)
+            except asyncio.TimeoutError:
+                raise manager.timeout_error(constraint) from None
+        manager.result(future, constraint, timeout=0)  # its refusal, if it failed
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Fire-and-forget `call`: safe from `finally` blocks of cancelled tasks."""

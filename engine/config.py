@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from engine.spec.config import SpecConfig
 from engine.structured.config import StructuredOutputsConfig
+from engine.structured.limits import StructuredOutputLimits
 
 if TYPE_CHECKING:  # a type only: the router, which imports this module, loads nothing of engine/models
     from engine.models.arch import ModelArch
@@ -80,4 +81,5 @@ class EngineConfig:
     device: DeviceConfig
     speculative: SpecConfig | None = None  # engine/spec/config.py; the draft's vocabulary is checked at load
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    structured_output_limits: StructuredOutputLimits = field(default_factory=StructuredOutputLimits)
 

@@ -82,7 +82,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model.tokenizer_path)
         self.eos_token_id = eos_token_id(self.tokenizer, config.model.hf_config)
         self.structured_output = StructuredOutputManager(self.tokenizer, config.model.arch.vocab_size,
-                                                         self.eos_token_id, config=config.structured_outputs)
+                                                         self.eos_token_id, config=config.structured_outputs,
+                                                         limits=config.structured_output_limits)
         self.runner.structured_output = self.structured_output
         self.generation_defaults: dict[str, Any] = resolve_generation_defaults(
             config.model.generation_config, config.model.model_path, config.model.override_generation_config)

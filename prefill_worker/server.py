@@ -130,6 +130,7 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
 
         started = time.perf_counter()
         try:
+            await self.engine.ready_grammar(params)  # compiled off the engine loop, within the budget
             await self.engine.call(admit)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -5,7 +5,8 @@ Accepted spellings (at most one per request): `response_format` (`{"type": "json
 vLLM's extras `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and their current form
 `structured_outputs` (`{"json": ...}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ...}`,
 `{"json_object": true}`). A schema, regex or grammar that xgrammar cannot compile is a 400 naming its field, before
-any worker sees the request; the workers compile it against the model's vocabulary (once per distinct constraint).
+any worker sees the request, and so is one over the workers' size limits (engine/structured/limits.py, the same
+functions the workers apply); the workers compile it against the model's vocabulary (once per distinct constraint).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import xgrammar  # noqa: F401
 
 from engine.errors import InvalidRequest
 from engine.structured.grammar import StructuredOutputsParams, check_grammar_syntax
+from engine.structured.limits import check_constraint
 from router.errors import BadRequest
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -102,8 +104,13 @@ def _check_local_refs(params: StructuredOutputsParams, param: str) -> None:
 
 
 def check(params: StructuredOutputsParams, param: str) -> None:
-    """xgrammar's syntax check (no tokenizer needed): a bad schema / regex / grammar is a 400 naming `param`; so is
-    a schema referring outside itself."""
+    """The workers' size limits (engine/structured/limits.py), then xgrammar's syntax check (no tokenizer needed):
+    an oversized or bad schema / regex / grammar is a 400 naming `param`; so is a schema referring outside
+    itself."""
+    try:
+        check_constraint(params, param)
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc), param) from exc
     if params.json is not None:
         _check_local_refs(params, param)
     try:

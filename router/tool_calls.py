@@ -19,10 +19,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.errors import InvalidRequest
 from engine.structured.grammar import StructuredOutputsParams
+from engine.structured.limits import check_schema, check_tool_count, check_tool_name
 from router.errors import BadRequest
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -73,19 +76,8 @@ def parse_tools(body: dict[str, Any], enable_auto_tool_choice: bool, parser: str
         return None
     if not isinstance(tools, list):
         raise BadRequest("'tools' must be a list of function tools", "tools")
-    names = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise BadRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
-        function = tool.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise BadRequest(f"{where}.function must be an object with a non-empty 'name'", f"{where}.function.name")
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise BadRequest(f"{where}.function.parameters must be a JSON schema object",
-                             f"{where}.function.parameters")
-        names.append(function["name"])
+    _check_limit(check_tool_count, len(tools), "tools")
+    names = [_tool_name(i, tool) for i, tool in enumerate(tools)]
     choice = "auto" if choice is None else choice
     if isinstance(choice, dict):
         function = choice.get("function")
@@ -106,6 +98,31 @@ def parse_tools(body: dict[str, Any], enable_auto_tool_choice: bool, parser: str
         return ToolRequest(tools, "auto", parser=parser)
     raise BadRequest(f"'tool_choice' must be none, auto, required or a named function, got {choice!r}",
                      "tool_choice")
+
+
+def _tool_name(i: int, tool: Any) -> str:
+    """One tool's checked name: a function with an OpenAI-style name and parameters within the schema limits
+    (engine/structured/limits.py: the tools become the workers' grammar, and reach the chat template)."""
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise BadRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise BadRequest(f"{where}.function must be an object with a non-empty 'name'", f"{where}.function.name")
+    _check_limit(check_tool_name, function["name"], f"{where}.function.name")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise BadRequest(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters")
+    if parameters is not None:
+        _check_limit(check_schema, parameters, f"{where}.function.parameters")
+    return function["name"]
+
+
+def _check_limit(check: Callable[[Any, str], None], value: Any, field: str) -> None:
+    try:
+        check(value, field)
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc), field) from exc
 
 
 # ---- turning text into calls --------------------------------------------------------------------------------

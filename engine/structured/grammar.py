@@ -3,9 +3,10 @@
 `StructuredOutputsParams` is vLLM's request-side form (also importable as `GuidedDecodingParams`, its older name):
 exactly one of `json` (a JSON schema), `regex`, `choice`, `grammar` (EBNF) or `json_object` (any JSON object).
 
-`StructuredOutputManager` belongs to one engine: it compiles each distinct constraint once (xgrammar's compiler
-cache, keyed by the constraint's canonical text) under the engine's `StructuredOutputsConfig`
-(engine/structured/config.py; its `disable_any_whitespace` applies to every request), hands the runner one
+`StructuredOutputManager` belongs to one engine: it compiles each distinct constraint once (its own bounded cache,
+keyed by the constraint's canonical text), on its compile threads, within the size limits and the time budget of
+engine/structured/limits.py, under the engine's `StructuredOutputsConfig` (engine/structured/config.py; its
+`disable_any_whitespace` applies to every request), hands the runner one
 `GrammarMatcher` per constrained request, and fills one bitmask tensor per batch in which only constrained rows are
 written (the sampler masks only those rows). A matcher advances on every accepted token; once its grammar is
 complete it allows only the end-of-sequence token, so the request stops as any other request does.
@@ -16,7 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
+import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,6 +30,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.structured.config import StructuredOutputsConfig
+from engine.structured.limits import DEFAULT_LIMITS, StructuredOutputLimits, check_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -154,47 +161,131 @@ def _short(exc: Exception) -> str:
 
 
 class StructuredOutputManager:
-    """One per engine: compiled grammars (cached per distinct constraint), matchers, and the batch bitmask."""
+    """One per engine: compiled grammars (cached per distinct constraint), matchers, and the batch bitmask.
+
+    Grammars compile on the manager's own threads (xgrammar releases the GIL while it compiles), never on the
+    engine loop: a server awaits `submit`'s future before it admits the request, so the loop keeps stepping
+    everyone else meanwhile. Each constraint passes the size limits (engine/structured/limits.py) first and has
+    `limits.timeout_s` to compile; one that waited that long for a free thread is dropped unstarted. A compile
+    that has started cannot be interrupted (xgrammar has no cancel): it runs to its end on its thread, and an
+    identical constraint sent meanwhile waits for that same compile instead of starting another.
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None, max_threads: int = 2,
-                 tokenizer_info: Any = None, config: StructuredOutputsConfig | None = None) -> None:
+                 tokenizer_info: Any = None, config: StructuredOutputsConfig | None = None,
+                 limits: StructuredOutputLimits = DEFAULT_LIMITS, compile_threads: int = 2) -> None:
         """`tokenizer_info`: an xgrammar TokenizerInfo to use instead of one read from `tokenizer` (a benchmark
-        on a random-weight model without a tokenizer). `config`: the engine's (default: vLLM's defaults)."""
+        on a random-weight model without a tokenizer). `config`: the engine's (default: vLLM's defaults).
+        `max_threads`: xgrammar's own threads per compile; `compile_threads`: compiles running at once."""
         self.tokenizer = tokenizer
         self.config = config if config is not None else StructuredOutputsConfig()
+        self.limits = limits
         self.tokenizer_info = tokenizer_info
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.max_threads = max_threads
         self._compiler: Any = None  # built on first use: TokenizerInfo reads the whole vocabulary (~0.5 s)
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._compiler_lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the threads: servers submit from their event loop
+        self._compiled: OrderedDict[str, Future] = OrderedDict()  # done (grammar or refusal) or in flight
+        self._jobs: queue.SimpleQueue[tuple[str, StructuredOutputsParams, Future, float]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._num_threads = compile_threads
         self._bitmask: torch.Tensor | None = None
         self.num_compiled = 0  # compilations done (cache misses)
 
     def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._new_compiler()
+            return self._compiler
 
-            info = self.tokenizer_info
-            if info is None:
-                if self.tokenizer is None:
-                    raise InvalidRequest("structured output needs the model's tokenizer, and this model has none",
-                                         PARAM)
-                stop = [self.eos_token_id] if self.eos_token_id is not None else None
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=stop)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
-        return self._compiler
+    def _new_compiler(self) -> Any:
+        import xgrammar as xgr
+
+        info = self.tokenizer_info
+        if info is None:
+            if self.tokenizer is None:
+                raise InvalidRequest("structured output needs the model's tokenizer, and this model has none", PARAM)
+            stop = [self.eos_token_id] if self.eos_token_id is not None else None
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=stop)
+        return xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
+
+    def _normalized(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        if self.config.disable_any_whitespace and not params.disable_any_whitespace:  # the engine-wide setting
+            return dataclasses.replace(params, disable_any_whitespace=True)
+        return params
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The future of the constraint's compiled grammar (done at once on a cache hit); thread-safe. Raises
+        InvalidRequest, naming the field, for a constraint over the size limits; the future holds the
+        InvalidRequest of one that does not compile (or not in time)."""
+        params = self._normalized(params)
+        check_constraint(params, PARAM, self.limits)
+        key = params.cache_key()
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is not None:
+                self._compiled.move_to_end(key)
+                return future
+            future = Future()
+            self._compiled[key] = future
+            self._evict()
+            self._jobs.put((key, params, future, time.monotonic() + self.limits.timeout_s))
+            self._start_threads()
+        return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished entries past MAX_CACHED_GRAMMARS (in-flight ones stay)."""
+        excess = len(self._compiled) - MAX_CACHED_GRAMMARS
+        for key in [k for k, f in self._compiled.items() if f.done()][:max(excess, 0)]:
+            del self._compiled[key]
+
+    def _start_threads(self) -> None:
+        while len(self._threads) < self._num_threads:  # daemon threads: a long compile never holds up exit
+            thread = threading.Thread(target=self._work, name=f"grammar-compile-{len(self._threads)}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _work(self) -> None:
+        while True:
+            key, params, future, deadline = self._jobs.get()
+            if time.monotonic() > deadline:  # its callers have given up: don't spend a thread on it
+                self._forget(key, future)  # not a verdict on the constraint: a later request compiles it
+                future.set_exception(self.timeout_error(params))
+                continue
+            try:
+                future.set_result(self._compile_now(params))
+            except InvalidRequest as exc:
+                future.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001 - a compiler bug fails this request, not the thread
+                logger.exception("grammar compilation failed")
+                future.set_exception(InvalidRequest(f"the {params.kind} constraint failed to compile: {exc}", PARAM))
+
+    def _forget(self, key: str, future: Future) -> None:
+        with self._lock:
+            if self._compiled.get(key) is future:
+                del self._compiled[key]
+
+    def timeout_error(self, params: StructuredOutputsParams) -> InvalidRequest:
+        return InvalidRequest(f"'{PARAM}': the {params.kind} constraint did not compile within "
+                              f"{self.limits.timeout_s:g} s (--structured-outputs-timeout-s); simplify it", PARAM)
+
+    def result(self, future: Future, params: StructuredOutputsParams, timeout: float | None = None) -> Any:
+        """The compiled grammar, waiting up to `timeout` (default: the budget); raises InvalidRequest."""
+        try:
+            return future.result(self.limits.timeout_s if timeout is None else timeout)
+        except FutureTimeout:
+            raise self.timeout_error(params) from None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar (once per distinct constraint); raises InvalidRequest for a bad one."""
-        if self.config.disable_any_whitespace and not params.disable_any_whitespace:  # the engine-wide setting
-            params = dataclasses.replace(params, disable_any_whitespace=True)
-        key = params.cache_key()
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+        """The compiled grammar (once per distinct constraint), waiting for it within the budget; raises
+        InvalidRequest for a bad one. Blocks its caller: servers await `submit`'s future first, so that the
+        engine loop only ever finds it ready."""
+        return self.result(self.submit(params), params)
+
+    def _compile_now(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
         kind = params.kind
         try:
@@ -213,10 +304,8 @@ class StructuredOutputManager:
                 compiled = compiler.compile_grammar(params.grammar)
         except RuntimeError as exc:
             raise InvalidRequest(f"invalid {kind}: {_short(exc)}", PARAM) from None
-        self.num_compiled += 1
-        self._compiled[key] = compiled
-        if len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self.num_compiled += 1
         return compiled
 
     def new_matcher(self, params: StructuredOutputsParams, output_token_ids: list[int]) -> Any:
