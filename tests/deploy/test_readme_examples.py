@@ -53,7 +53,4 @@ def test_a_readme_request_example_answers(server: Server, index: int) -> None:
                                    f'Client("127.0.0.1:{server.grpc_port}", api_key="{API_KEY}")')])
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    if index < 2:  # the chat examples, greedy: SmolLM2's known answer
-        assert "Paris" in done.stdout, done.stdout
-    else:
-        assert done.stdout.strip(), done.stderr
+    assert "Paris" in done.stdout, done.stdout  # greedy: SmolLM2's known answer
