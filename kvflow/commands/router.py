@@ -109,6 +109,10 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="larger request bodies are refused with 413")
     g.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout_s,
                    help="seconds to receive a request body (then 408)")
+    g.add_argument("--request-header-timeout", type=float, default=d.request_header_timeout_s,
+                   help="seconds to receive a request's headers, from its first byte (or from the connection, for "
+                        "its first request); then 408 and the connection is closed (a client that trickles headers "
+                        "or sends nothing cannot hold a connection)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a `chat_template` sent with a chat request (it runs on the router)")
     g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout_s,
@@ -131,6 +135,7 @@ def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "max_prompts_per_request": args.max_prompts_per_request,
             "max_request_body_bytes": args.max_request_body_bytes,
             "request_body_timeout_s": args.request_body_timeout,
+            "request_header_timeout_s": args.request_header_timeout,
             "trust_request_chat_template": args.trust_request_chat_template,
             "chat_template_timeout_s": args.chat_template_timeout, "max_migrations": args.max_migrations,
             "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
