@@ -119,7 +119,8 @@ class Router:
                     hasher = BlockHasher.for_model(info.model_id, info.block_size)
                     path = await asyncio.to_thread(tokenizer_path_for, info.model, self.config.tokenizer)
                     self.tokenizers = await asyncio.to_thread(TokenizerPool, path, hasher,
-                                                              self.config.tokenizer_pool_size)
+                                                              self.config.tokenizer_pool_size,
+                                                              self.config.chat_template_workers)
         return self.tokenizers
 
     # ---- index callbacks (event threads) -------------------------------------------------------------

@@ -114,9 +114,13 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
                         "its first request); then 408 and the connection is closed (a client that trickles headers "
                         "or sends nothing cannot hold a connection)")
     g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a `chat_template` sent with a chat request (it runs on the router)")
+                   help="accept a `chat_template` sent with a chat request (it renders in a child process of the "
+                        "router, killed at --chat-template-timeout)")
     g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout_s,
                    help="seconds a chat template may take to render (then 400)")
+    g.add_argument("--chat-template-workers", type=int, default=d.chat_template_workers,
+                   help="child processes that render requests' own chat templates (with "
+                        "--trust-request-chat-template; each holds a tokenizer, ~0.4 GB, and starts at the first one)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice \"auto\" (needs --tool-call-parser), as in vLLM")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
@@ -137,7 +141,8 @@ def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "request_body_timeout_s": args.request_body_timeout,
             "request_header_timeout_s": args.request_header_timeout,
             "trust_request_chat_template": args.trust_request_chat_template,
-            "chat_template_timeout_s": args.chat_template_timeout, "max_migrations": args.max_migrations,
+            "chat_template_timeout_s": args.chat_template_timeout,
+            "chat_template_workers": args.chat_template_workers, "max_migrations": args.max_migrations,
             "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
             "expose_worker_addresses": args.expose_worker_addresses}
 

@@ -5,6 +5,7 @@ and never an error inside a 200 stream."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -339,6 +340,35 @@ def test_chat_template_render_is_time_bounded(tight: RouterHarness) -> None:
     assert tight.post(CHAT, {"messages": USER, "max_tokens": 2}).status_code == 200
 
 
+HOSTILE_TEMPLATE = "{{ (7 ** 14000000) % 7 }}"  # C-level work: 12.5 s, holding the GIL, in a router thread
+
+
+def test_c_level_template_is_killed_while_health_answers(tight: RouterHarness) -> None:
+    """A request's own template runs in a child process: the event loop answers /health meanwhile, and C-level work
+    (which no in-thread deadline can stop) is killed at the deadline with a 400 naming `chat_template`."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        hostile = pool.submit(tight.post, CHAT, {"messages": USER, "chat_template": HOSTILE_TEMPLATE})
+        gaps = []
+        while not hostile.done():
+            asked = time.monotonic()
+            assert tight.http.get("/health", timeout=5).status_code == 200
+            gaps.append(time.monotonic() - asked)
+            time.sleep(0.05)
+        response = hostile.result()
+    assert time.monotonic() - start < 4  # the 1 s deadline, the kill's grace, and (first use) the child's start
+    assert "took longer than 1 s" in refused(response, "chat_template")
+    assert len(gaps) > 5 and max(gaps) < 1.0, gaps
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the child was replaced: renders go on
+    assert tight.post(CHAT, {"messages": USER, "chat_template": template, "max_tokens": 2}).status_code == 200
+
+
+def test_template_memory_bomb_is_400(tight: RouterHarness) -> None:
+    message = refused(tight.post(CHAT, {"messages": USER, "chat_template": "{{ 'x' * 10000000000 }}"}),
+                      "chat_template")
+    assert "MemoryError" in message
+
+
 def test_render_deadline_unit() -> None:
     from engine.errors import InvalidRequest
     from router.tokenizer_pool import render_with_deadline
@@ -464,10 +494,11 @@ def test_grpc_output_constraints_are_checked(router: RouterHarness) -> None:
 # ---- flags -----------------------------------------------------------------------------------------------------
 FLAGS = ["--max-n", "8", "--max-logprobs", "5", "--max-prompts-per-request", "16", "--max-request-body-bytes",
          "1000", "--request-body-timeout", "2.5", "--request-header-timeout", "4", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
+         "--chat-template-workers", "2",
          "--max-migrations", "1", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
          "--expose-worker-addresses"]
 EXPECTED = {"max_n": 8, "max_logprobs": 5, "max_prompts_per_request": 16, "max_request_body_bytes": 1000,
-            "request_body_timeout_s": 2.5, "request_header_timeout_s": 4.0, "trust_request_chat_template": True, "chat_template_timeout_s": 0.5,
+            "request_body_timeout_s": 2.5, "request_header_timeout_s": 4.0, "trust_request_chat_template": True, "chat_template_timeout_s": 0.5, "chat_template_workers": 2,
             "max_migrations": 1, "enable_auto_tool_choice": True, "tool_call_parser": "llama3_json",
             "expose_worker_addresses": True}
 
@@ -495,7 +526,7 @@ def test_limit_flags_on_router_and_serve(command: str) -> None:
 @pytest.mark.parametrize(("field", "value"), [("max_n", 0), ("max_logprobs", 21), ("max_prompts_per_request", 0),
                                               ("max_request_body_bytes", 0), ("request_body_timeout_s", 0.0),
                                               ("request_header_timeout_s", 0.0),
-                                              ("chat_template_timeout_s", -1.0)])
+                                              ("chat_template_timeout_s", -1.0), ("chat_template_workers", 0)])
 def test_bad_limit_values_are_refused_at_startup(field: str, value: Any) -> None:
     from router.config import RouterConfig
 
