@@ -69,7 +69,7 @@ async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None,
             asyncio.get_running_loop().call_later(0.5, ready.set)
         await asyncio.wait((serving, stop), return_when=asyncio.FIRST_COMPLETED)
         if not serving.done():
-            await router.lifecycle.drain(config.drain_timeout_s)
+            await router.lifecycle.drain(config.drain_timeout_s, router.drain_forecast)
             uv.should_exit = True
         await serving
     finally:
