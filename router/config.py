@@ -54,8 +54,10 @@ class RouterConfig:
     max_prompts_per_request: int = 1024  # /v1/completions with a list of prompts
     max_request_body_bytes: int = 32 << 20  # larger bodies: 413
     request_body_timeout_s: float = 30.0  # a body still arriving after this: 408
+    request_header_timeout_s: float = 10.0  # a request head still arriving after this: 408 and the connection closed
     trust_request_chat_template: bool = False  # accept a request's own `chat_template` (it runs on the router)
     chat_template_timeout_s: float = 5.0  # a chat template render running longer fails the request (400)
+    chat_template_workers: int = 1  # child processes rendering requests' own templates (router/template_sandbox.py)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag); needs tool_call_parser
     tool_call_parser: str | None = None  # router.tool_calls.TOOL_CALL_PARSERS
 
@@ -110,8 +112,12 @@ class RouterConfig:
             raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if not self.request_body_timeout_s > 0:
             raise ValueError(f"--request-body-timeout must be > 0, got {self.request_body_timeout_s}")
+        if not self.request_header_timeout_s > 0:
+            raise ValueError(f"--request-header-timeout must be > 0, got {self.request_header_timeout_s}")
         if not self.chat_template_timeout_s > 0:
             raise ValueError(f"--chat-template-timeout must be > 0, got {self.chat_template_timeout_s}")
+        if self.chat_template_workers < 1:
+            raise ValueError(f"--chat-template-workers must be >= 1, got {self.chat_template_workers}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.sse_keepalive_s >= 0:

@@ -33,6 +33,7 @@ from engine.core.block_hash import BlockHasher
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
+from router.drain_forecast import DrainForecast, GenerationTracker
 from router.errors import BadRequest, RouterError, Unavailable, from_code_name
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, worker_namer
@@ -92,6 +93,7 @@ class Router:
         # (owner, client id) -> {worker request id: decode worker} of the requests in flight, for Abort
         self._decode_of: dict[tuple[str, str], dict[str, Worker]] = {}
         self._index_down = False
+        self.generations = GenerationTracker()  # for the drain's forecast of what it will cut
 
     # ---- state ---------------------------------------------------------------------------------------
     @property
@@ -118,7 +120,8 @@ class Router:
                     hasher = BlockHasher.for_model(info.model_id, info.block_size)
                     path = await asyncio.to_thread(tokenizer_path_for, info.model, self.config.tokenizer)
                     self.tokenizers = await asyncio.to_thread(TokenizerPool, path, hasher,
-                                                              self.config.tokenizer_pool_size)
+                                                              self.config.tokenizer_pool_size,
+                                                              self.config.chat_template_workers)
         return self.tokenizers
 
     # ---- index callbacks (event threads) -------------------------------------------------------------
@@ -256,6 +259,8 @@ class Router:
         migrations = 0
         attempts = 0
         single_sample = (params.n or 1) == 1
+        budget = params.max_tokens if params.HasField("max_tokens") else self.model_info.max_model_len - len(token_ids)
+        generation = self.generations.start(budget, params.n or 1)
         self.metrics.running.inc()
         first_token_at: float | None = None
         last_chunk_at = arrival
@@ -299,6 +304,7 @@ class Router:
                             released = True
                         if kind == "chunk":
                             delivered.add(response.chunk)
+                            generation.add(len(response.chunk.token_ids), now)
                         elif kind == "complete":
                             delivered.complete(response.complete)
                             self._record_complete(response.complete, arrival, first_token_at)
@@ -331,6 +337,10 @@ class Router:
                                route.decode.address, len(delivered.token_ids), failure.detail)
         finally:
             self.metrics.running.dec()
+            self.generations.end(generation)
+
+    def drain_forecast(self, timeout_s: float) -> DrainForecast:
+        return self.generations.forecast(timeout_s)
 
     async def abort(self, request_id: str, owner: str = "") -> bool:
         """Abort `owner`'s requests in flight under `request_id` (another caller's are not found)."""
@@ -361,6 +371,7 @@ class Router:
         per_token = seconds / num_tokens
         self.metrics.itl.observe(per_token)
         self.pools.planner.observe_itl(time.monotonic(), per_token)
+        self.generations.observe_itl(per_token)
 
     def _reserve(self, route: Route, sign: int, prefill_only: bool = False, skip_prefill: bool = False) -> None:
         """Count this router's own in-flight work so back-to-back routes see it before the next heartbeat."""

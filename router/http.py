@@ -7,6 +7,9 @@ Invariants:
 - Every error response is OpenAI error JSON with the error's HTTP status, and carries the request's
   `x-request-id` when the request has one; so is the HTTP server's own 400 for a request it cannot parse (a
   malformed `Content-Length`, say), which never reaches the app (`JsonErrorsH11Protocol`).
+- A request's headers arrive within --request-header-timeout of its first byte (or of the connection, for its first
+  request): a client that trickles header lines, or connects and sends nothing, is answered 408 (or, having sent
+  nothing, closed) instead of holding a connection forever. uvicorn bounds only the idle gap between requests.
 """
 
 from __future__ import annotations
@@ -92,7 +95,50 @@ def _header_safe(name: str) -> str:
 
 class JsonErrorsH11Protocol(H11Protocol):
     """uvicorn's h11 server, whose 400 for an unparseable request (bad request line, headers or Content-Length) is
-    OpenAI error JSON instead of plain text."""
+    OpenAI error JSON instead of plain text, and whose request headers must arrive within `header_timeout_s`
+    (`with_header_timeout` sets it)."""
+
+    header_timeout_s: float = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+    _header_bytes = False  # some of the awaited request's head arrived (then the timeout answers 408)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        awaiting_head = self.conn.their_state is h11.IDLE
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # still no complete head: the clock runs from its first byte
+            self._header_bytes = self._header_bytes or (awaiting_head and bool(data))
+            self._arm_header_timer()
+        else:
+            self._disarm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        self._header_bytes = False
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self._header_bytes:  # h11 cannot answer a request it has not parsed: the response is written as is
+            body = RequestTimeout(f"the request headers did not arrive within {self.header_timeout_s:g} s "
+                                  "(--request-header-timeout)").to_json().encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         body = BadRequest(f"malformed HTTP request: {msg}").to_json().encode()
@@ -101,6 +147,11 @@ class JsonErrorsH11Protocol(H11Protocol):
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+def with_header_timeout(seconds: float) -> type[JsonErrorsH11Protocol]:
+    """The router's h11 protocol class with request headers bounded to `seconds` (uvicorn takes a class)."""
+    return type("RouterH11Protocol", (JsonErrorsH11Protocol,), {"header_timeout_s": seconds})
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

@@ -22,6 +22,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Generic, TypeVar
 
+from router.drain_forecast import DrainForecast
 from router.errors import ShuttingDown
 
 logger = logging.getLogger(__name__)
@@ -190,14 +191,17 @@ class Lifecycle:
         self._relays.discard(relay)
         self.in_flight -= 1
 
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new requests, wait up to `timeout_s` for those in flight, then end the rest."""
+    async def drain(self, timeout_s: float, forecast: Callable[[float], DrainForecast] | None = None) -> None:
+        """Refuse new requests, wait up to `timeout_s` for those in flight, then end the rest. `forecast` says at
+        the start how many generations the deadline is expected to cut (a warning then names a timeout that fits)."""
         self.draining = True
         self._stop.set()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        logger.info("draining: %d request(s) in flight, waiting up to %.0f s (--drain-timeout)", self.in_flight,
-                    timeout_s)
+        expected = forecast(timeout_s) if forecast is not None else None
+        logger.log(logging.WARNING if expected is not None and expected.cut else logging.INFO,
+                   "draining: %d request(s) in flight, waiting up to %g s (--drain-timeout)%s", self.in_flight,
+                   timeout_s, f"; {expected.describe(timeout_s)}" if expected is not None else "")
         if await self._wait_idle(started + timeout_s):
             logger.info("drained in %.1f s", loop.time() - started)
             return

@@ -61,9 +61,9 @@ async def _tokenize(router: Router, body: Any) -> dict[str, Any]:
                              "chat-template", "chat_template")
         add_special = _field(body, "add_special_tokens", bool, False)
         try:
-            _, tokens = await tokenizers.run(tokenizers.chat_prompt, messages, add_generation_prompt, chat_template,
-                                             router.config.chat_template_timeout_s, None, continue_final,
-                                             _chat_template_kwargs(body), limit, add_special)
+            _, tokens = await tokenizers.chat(messages, add_generation_prompt, chat_template,
+                                              router.config.chat_template_timeout_s, None, continue_final,
+                                              _chat_template_kwargs(body), limit, add_special)
         except InvalidRequest as exc:
             raise BadRequest(str(exc), exc.param or "messages") from exc
     else:

@@ -92,11 +92,11 @@ async def _truncated(tokenizers: TokenizerPool, text: str | None, ids: list[int]
 async def _chat_prompt(router: Router, tokenizers: TokenizerPool,
                        parsed: ParsedRequest) -> tuple[str | None, list[int], str]:
     try:
-        text, ids = await tokenizers.run(tokenizers.chat_prompt, parsed.messages, parsed.add_generation_prompt,
-                                         parsed.chat_template, router.config.chat_template_timeout_s,
-                                         parsed.tools.tools if parsed.tools is not None else None,
-                                         parsed.continue_final_message, parsed.chat_template_kwargs,
-                                         router.model_info.max_model_len)
+        text, ids = await tokenizers.chat(parsed.messages, parsed.add_generation_prompt, parsed.chat_template,
+                                          router.config.chat_template_timeout_s,
+                                          parsed.tools.tools if parsed.tools is not None else None,
+                                          parsed.continue_final_message, parsed.chat_template_kwargs,
+                                          router.model_info.max_model_len)
     except InvalidRequest as exc:  # the template failed on these messages (or is the request's own)
         raise BadRequest(str(exc), exc.param or ("chat_template" if parsed.chat_template else "messages")) from exc
     return text, ids, "messages"

@@ -21,7 +21,7 @@ from router.config import RouterConfig
 from router.core import Router
 from router.discovery import make_discovery
 from router.grpc_server import start_grpc_server
-from router.http import JsonErrorsH11Protocol
+from router.http import with_header_timeout
 from router.openai_api import build_app
 from router.stat_logger import RouterStatLogger, WorkerSummary
 
@@ -53,7 +53,7 @@ async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None,
     grpc_server = await start_grpc_server(router, config.host, config.grpc_port) if config.grpc_port else None
     app = build_app(router)
     uv = _DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                        http=JsonErrorsH11Protocol,
+                                        http=with_header_timeout(config.request_header_timeout_s),
                                         access_log=not config.disable_log_requests,
                                         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)),
                          router.lifecycle.request_stop)
@@ -69,7 +69,7 @@ async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None,
             asyncio.get_running_loop().call_later(0.5, ready.set)
         await asyncio.wait((serving, stop), return_when=asyncio.FIRST_COMPLETED)
         if not serving.done():
-            await router.lifecycle.drain(config.drain_timeout_s)
+            await router.lifecycle.drain(config.drain_timeout_s, router.drain_forecast)
             uv.should_exit = True
         await serving
     finally:

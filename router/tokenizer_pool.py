@@ -1,7 +1,9 @@
 """Tokenization and block hashing off the event loop, in a pool of threads (HF fast tokenizers release the GIL).
 
-Threads, not processes: a process pool would pickle tokenizers and prompts across processes. A chat template render
-is time-bounded (`render_with_deadline`), so no request can hold a pool thread longer than that.
+Threads, not processes: a process pool would pickle tokenizers and prompts across processes. The model's chat
+template renders here, time-bounded between Python lines (`render_with_deadline`); a request's own template
+(`--trust-request-chat-template`) renders in a child process killed at the deadline (router/template_sandbox.py),
+since C-level work inside it would hold the GIL, and so the event loop, however the thread checks its clock.
 
 Length before work: a text of N characters has at least N / L tokens, L being the longest vocabulary entry in
 characters (`max_token_chars`, computed once), so a text whose bound already passes max_model_len is refused
@@ -22,6 +24,7 @@ from typing import Any
 from engine.core.block_hash import BlockHasher
 from engine.errors import InvalidRequest
 from engine.processing.tokenizer import apply_chat_template, load_tokenizer
+from router.template_sandbox import TemplateSandbox
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +117,16 @@ def tokenizer_path_for(model: str, override: str | None) -> str | None:
 
 
 class TokenizerPool:
-    def __init__(self, tokenizer_path: str | None, hasher: BlockHasher, size: int = 2) -> None:
+    def __init__(self, tokenizer_path: str | None, hasher: BlockHasher, size: int = 2,
+                 template_workers: int = 1) -> None:
         if size < 1:
             raise ValueError(f"--tokenizer-pool-size must be >= 1, got {size}")
         self.tokenizer: Any = load_tokenizer(tokenizer_path)
         self.max_token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else None
         self.hasher = hasher
         self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tokenize")
+        # Request templates only; its children start at the first one.
+        self._sandbox = TemplateSandbox(tokenizer_path, template_workers) if tokenizer_path is not None else None
 
     async def run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -155,6 +161,25 @@ class TokenizerPool:
             self.check_length(text, max_model_len, "messages")
         return text, self.encode(text, add_special_tokens)  # default off: the template already has them
 
+    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None,
+                   timeout_s: float, tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                   template_kwargs: dict[str, Any] | None = None, max_model_len: int | None = None,
+                   add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """`chat_prompt`, with a request's own `chat_template` rendered in the sandbox (never on this process)."""
+        if chat_template is None:  # the model's template
+            return await self.run(self.chat_prompt, messages, add_generation_prompt, None, timeout_s, tools,
+                                  continue_final_message, template_kwargs, max_model_len, add_special_tokens)
+        if self._sandbox is None:
+            raise InvalidRequest("this model has no tokenizer, so chat is unavailable; send token ids")
+        bound = max_model_len * self.max_token_chars if max_model_len and self.max_token_chars else None
+        text = await self._sandbox.render({
+            "messages": messages, "add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
+            "tools": tools, "continue_final_message": continue_final_message, "template_kwargs": template_kwargs,
+            "max_chars": bound}, timeout_s)
+        if max_model_len is not None:
+            self.check_length(text, max_model_len, "messages")
+        return text, await self.run(self.encode, text, add_special_tokens)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer on the router")
@@ -167,3 +192,5 @@ class TokenizerPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.close()

@@ -36,4 +36,4 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_gene
                                              continue_final_message=continue_final_message,
                                              **(template_kwargs or {}))
     except Exception as exc:  # template errors are the caller's input problem
-        raise InvalidRequest(f"chat template failed: {exc}") from exc
+        raise InvalidRequest(f"chat template failed: {str(exc) or type(exc).__name__}") from exc

@@ -67,7 +67,11 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("shutdown and streaming")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="seconds in-flight requests may still run after SIGTERM (new ones get 503); the rest are "
-                        "then ended with finish_reason 'abort'")
+                        "then ended with finish_reason 'abort'. A drain that lets every request finish needs about "
+                        "the longest remaining max_tokens times the inter-token latency: 400 tokens at 75 ms (a busy "
+                        "2-core CPU host) is 30 s, at 20 ms (a GPU) 8 s. The drain's first log line says how many "
+                        "generations it expects to cut and what timeout would fit. Keep it within the orchestrator's "
+                        "grace period (Kubernetes: terminationGracePeriodSeconds, default 30)")
     g.add_argument("--sse-keepalive-s", type=float, default=d.sse_keepalive_s,
                    help="send an SSE comment on a stream silent for this many seconds (0: never)")
 
@@ -110,10 +114,18 @@ def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="larger request bodies are refused with 413")
     g.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout_s,
                    help="seconds to receive a request body (then 408)")
+    g.add_argument("--request-header-timeout", type=float, default=d.request_header_timeout_s,
+                   help="seconds to receive a request's headers, from its first byte (or from the connection, for "
+                        "its first request); then 408 and the connection is closed (a client that trickles headers "
+                        "or sends nothing cannot hold a connection)")
     g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a `chat_template` sent with a chat request (it runs on the router)")
+                   help="accept a `chat_template` sent with a chat request (it renders in a child process of the "
+                        "router, killed at --chat-template-timeout)")
     g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout_s,
                    help="seconds a chat template may take to render (then 400)")
+    g.add_argument("--chat-template-workers", type=int, default=d.chat_template_workers,
+                   help="child processes that render requests' own chat templates (with "
+                        "--trust-request-chat-template; each holds a tokenizer, ~0.4 GB, and starts at the first one)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice \"auto\" (needs --tool-call-parser), as in vLLM")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
@@ -132,8 +144,10 @@ def request_limit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "max_prompts_per_request": args.max_prompts_per_request,
             "max_request_body_bytes": args.max_request_body_bytes,
             "request_body_timeout_s": args.request_body_timeout,
+            "request_header_timeout_s": args.request_header_timeout,
             "trust_request_chat_template": args.trust_request_chat_template,
-            "chat_template_timeout_s": args.chat_template_timeout, "max_migrations": args.max_migrations,
+            "chat_template_timeout_s": args.chat_template_timeout,
+            "chat_template_workers": args.chat_template_workers, "max_migrations": args.max_migrations,
             "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
             "expose_worker_addresses": args.expose_worker_addresses}
 

@@ -5,6 +5,8 @@ and never an error inside a 200 stream."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import socket
@@ -33,7 +35,7 @@ SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endf
 def tight(workers: FakeWorkers) -> Iterator[RouterHarness]:
     """Small limits, and request chat templates trusted."""
     harness = RouterHarness(workers, max_n=4, max_logprobs=2, max_prompts_per_request=3,
-                            max_request_body_bytes=4096, request_body_timeout_s=0.5,
+                            max_request_body_bytes=4096, request_body_timeout_s=0.5, request_header_timeout_s=1.0,
                             trust_request_chat_template=True, chat_template_timeout_s=1.0)
     yield harness
     harness.close()
@@ -120,6 +122,56 @@ def test_slow_body_is_408(tight: RouterHarness) -> None:
     assert head.startswith(b"HTTP/1.1 408"), response
     error = json.loads(body)["error"]
     assert error["code"] == 408 and "--request-body-timeout" in error["message"]
+
+
+def _read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """What the server sent until it closed the connection, and when it closed (seconds from now)."""
+    start, response = time.monotonic(), b""
+    sock.settimeout(limit_s)
+    while data := sock.recv(65536):
+        response += data
+    return response, time.monotonic() - start
+
+
+def test_slowloris_headers_are_408_and_closed(tight: RouterHarness) -> None:
+    """A client sending one header line at a time, each well within any idle timeout, is cut once the head took
+    --request-header-timeout (1 s here; the issue's client was held past 300 s)."""
+    with socket.create_connection(("127.0.0.1", tight.config.port), timeout=10) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        with contextlib.suppress(OSError):  # the server may close while lines are still being sent
+            for index in range(40):
+                time.sleep(0.1)
+                sock.sendall(b"X-Slow-%d: 1\r\n" % index)
+        response, _ = _read_until_closed(sock, 5)
+    assert time.monotonic() - start < 3
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), response
+    error = json.loads(body)["error"]
+    assert error["code"] == 408 and "--request-header-timeout" in error["message"]
+
+
+def test_silent_connections_are_closed(tight: RouterHarness) -> None:
+    with socket.create_connection(("127.0.0.1", tight.config.port), timeout=10) as sock:
+        response, waited = _read_until_closed(sock, 5)
+    assert response == b"" and waited < 3
+
+
+def test_header_timeout_spares_prompt_clients(tight: RouterHarness) -> None:
+    """Headers sent in pieces within the timeout, then a second request on the same kept-alive connection after a
+    pause longer than nothing but under uvicorn's keep-alive: both answered."""
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with httpx.Client(base_url=tight.url, timeout=10) as client:
+        assert client.post(COMPLETIONS, content=body).status_code == 200
+        time.sleep(1.5)  # idle past the header timeout between requests: uvicorn's keep-alive decides that gap
+        assert client.post(COMPLETIONS, content=body).status_code == 200
+    with socket.create_connection(("127.0.0.1", tight.config.port), timeout=10) as sock:
+        for piece in (request[:20], request[20:60], request[60:]):
+            sock.sendall(piece)
+            time.sleep(0.2)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
 
 
 def test_framework_errors_are_openai_json(router: RouterHarness) -> None:
@@ -288,6 +340,37 @@ def test_chat_template_render_is_time_bounded(tight: RouterHarness) -> None:
     assert tight.post(CHAT, {"messages": USER, "max_tokens": 2}).status_code == 200
 
 
+HOSTILE_TEMPLATE = "{{ (7 ** 14000000) % 7 }}"  # C-level work: 12.5 s, holding the GIL, in a router thread
+
+
+def test_c_level_template_is_killed_while_health_answers(tight: RouterHarness) -> None:
+    """A request's own template runs in a child process: the event loop answers /health meanwhile, and C-level work
+    (which no in-thread deadline can stop) is killed at the deadline with a 400 naming `chat_template`."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert tight.post(CHAT, {"messages": USER, "chat_template": template, "max_tokens": 2}).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the renderer is up: what follows times the render
+        start = time.monotonic()
+        hostile = pool.submit(tight.post, CHAT, {"messages": USER, "chat_template": HOSTILE_TEMPLATE})
+        gaps = []
+        while not hostile.done():
+            asked = time.monotonic()
+            assert tight.http.get("/health", timeout=5).status_code == 200
+            gaps.append(time.monotonic() - asked)
+            time.sleep(0.05)
+        response = hostile.result()
+    assert time.monotonic() - start < 3  # the 1 s deadline and the kill's grace (the C-level work alone: 12.5 s)
+    assert "took longer than 1 s" in refused(response, "chat_template")
+    assert len(gaps) > 5 and max(gaps) < 1.0, gaps
+    # the child was replaced: renders go on
+    assert tight.post(CHAT, {"messages": USER, "chat_template": template, "max_tokens": 2}).status_code == 200
+
+
+def test_template_memory_bomb_is_400(tight: RouterHarness) -> None:
+    message = refused(tight.post(CHAT, {"messages": USER, "chat_template": "{{ 'x' * 10000000000 }}"}),
+                      "chat_template")
+    assert "MemoryError" in message
+
+
 def test_render_deadline_unit() -> None:
     from engine.errors import InvalidRequest
     from router.tokenizer_pool import render_with_deadline
@@ -412,11 +495,12 @@ def test_grpc_output_constraints_are_checked(router: RouterHarness) -> None:
 
 # ---- flags -----------------------------------------------------------------------------------------------------
 FLAGS = ["--max-n", "8", "--max-logprobs", "5", "--max-prompts-per-request", "16", "--max-request-body-bytes",
-         "1000", "--request-body-timeout", "2.5", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
+         "1000", "--request-body-timeout", "2.5", "--request-header-timeout", "4", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
+         "--chat-template-workers", "2",
          "--max-migrations", "1", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
          "--expose-worker-addresses"]
 EXPECTED = {"max_n": 8, "max_logprobs": 5, "max_prompts_per_request": 16, "max_request_body_bytes": 1000,
-            "request_body_timeout_s": 2.5, "trust_request_chat_template": True, "chat_template_timeout_s": 0.5,
+            "request_body_timeout_s": 2.5, "request_header_timeout_s": 4.0, "trust_request_chat_template": True, "chat_template_timeout_s": 0.5, "chat_template_workers": 2,
             "max_migrations": 1, "enable_auto_tool_choice": True, "tool_call_parser": "llama3_json",
             "expose_worker_addresses": True}
 
@@ -443,7 +527,8 @@ def test_limit_flags_on_router_and_serve(command: str) -> None:
 
 @pytest.mark.parametrize(("field", "value"), [("max_n", 0), ("max_logprobs", 21), ("max_prompts_per_request", 0),
                                               ("max_request_body_bytes", 0), ("request_body_timeout_s", 0.0),
-                                              ("chat_template_timeout_s", -1.0)])
+                                              ("request_header_timeout_s", 0.0),
+                                              ("chat_template_timeout_s", -1.0), ("chat_template_workers", 0)])
 def test_bad_limit_values_are_refused_at_startup(field: str, value: Any) -> None:
     from router.config import RouterConfig
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
+from router.drain_forecast import GenerationTracker
 from router.lifecycle import IDLE, Lifecycle
 from tests.helpers.router_fakes import FakeWorkers, PacedDecode, RouterHarness
 
@@ -205,6 +207,50 @@ def test_drain_timeout_ends_requests_properly(paced: tuple[FakeWorkers, PacedDec
     until(lambda: decode.running == 0, 3, "the worker calls to be cancelled")
     assert decode.cancelled == 4
     harness.close()
+
+
+def test_drain_start_says_how_many_generations_it_will_cut(paced: tuple[FakeWorkers, PacedDecode],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """At the drain's start one line counts the requests in flight and, from each one's remaining max_tokens and
+    the measured inter-token latency, how many the deadline will cut and what --drain-timeout would fit."""
+    workers, decode = paced
+    harness = RouterHarness(workers, drain_timeout_s=3)
+    decode.interval_s = 0.05
+    long = _background(sse_lines, harness, {"max_tokens": 400})  # ~20 s: cut
+    short = _background(sse_lines, harness, {"max_tokens": 30})  # ~1.5 s: finishes
+    until(lambda: decode.running == 2, 5, "2 requests in flight")
+    time.sleep(0.3)  # a few tokens each: the inter-token latency is measured
+    caplog.set_level(logging.INFO, logger="router.lifecycle")
+    harness.request_stop()
+    assert harness.stopped(10)
+    line = next(r for r in caplog.records if r.getMessage().startswith("draining:"))
+    message = line.getMessage()
+    assert line.levelno == logging.WARNING, message
+    assert "2 request(s) in flight, waiting up to 3 s" in message and "2 generation(s) in flight" in message
+    assert "1 expected to be cut at the 3 s deadline" in message, message
+    needed = float(message.split("--drain-timeout ")[-1].split()[0])
+    assert 15 < needed < 40, message  # ~390 tokens left at ~50 ms, plus 20 %
+    assert data_events(short.result(5))[-1]["choices"][0]["finish_reason"] == "length"
+    assert data_events(long.result(5))[-1]["choices"][0]["finish_reason"] == "abort"
+    harness.close()
+
+
+def test_drain_forecast_unit() -> None:
+    tracker = GenerationTracker()
+    assert tracker.forecast(30).describe(30) == "no generation in flight"
+    measured, done = tracker.start(400, 1), tracker.start(5, 1)
+    tracker.start(100, 2)  # nothing streamed yet
+    for step in range(11):  # 10 gaps of 0.1 s: 0.1 s per token; 389 tokens left
+        measured.add(1, step * 0.1)
+    tracker.end(done)
+    forecast = tracker.forecast(30)
+    assert (forecast.generations, forecast.unknown, forecast.cut) == (2, 1, 1)  # no ITL known yet for the 100-token one
+    assert abs(forecast.needed_s - 38.9) < 1e-6 and forecast.most_tokens_left == 389
+    tracker.observe_itl(0.5)  # the router's recent latency now covers the other: 100 tokens (2 samples) at 0.5 s
+    forecast = tracker.forecast(60)
+    assert (forecast.unknown, forecast.cut, forecast.needed_s) == (0, 0, 50.0)
+    text = tracker.forecast(30).describe(30)
+    assert "2 expected to be cut at the 30 s deadline" in text and "--drain-timeout 60 " in text
 
 
 # ---- units -----------------------------------------------------------------------------------------------------
