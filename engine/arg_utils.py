@@ -200,7 +200,7 @@ class EngineArgs:
                        help="KV cache size in bytes, per worker (per rank). Default: on CUDA, what is left of the "
                             "--gpu-memory-utilization share after profiling; on CPU, 4 GiB, except under `kvflow "
                             "serve`, which sizes it from the model and the host's available memory "
-                            "(engine/memory_budget.py)")
+                            "(engine/process/memory_budget.py)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="KV cache blocks, overriding the size from memory (CPU too)")
         g.add_argument("--max-model-len", type=int, default=None,

@@ -43,9 +43,9 @@ from tqdm.auto import tqdm
 from cluster.auth import TOKEN_ENV, ClusterAuth
 from engine.arg_utils import EngineArgs
 from engine.config import GiB
-from engine.memory_budget import WorkerMemory
 from engine.process.cpu_memory import tcmalloc_preload
 from engine.process.lifeline import lifeline_env
+from engine.process.memory_budget import WorkerMemory
 from engine.process.openmp import openmp_env
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
@@ -229,13 +229,13 @@ PREFLIGHT_TIMEOUT_S = 600.0  # a first run may convert a GGUF model
 
 
 def preflight(spec: ClusterSpec, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> ClusterSpec:
-    """Check the workers' engine config before any starts (engine/preflight.py, in a child process), so that a bad
+    """Check the workers' engine config before any starts (engine/process/preflight.py, in a child process), so that a bad
     one is refused in one line (ValueError), and size CPU workers' KV caches from the host's memory
-    (engine/memory_budget.py) unless --kv-cache-memory-bytes / --num-gpu-blocks-override is set. Returns the spec
+    (engine/process/memory_budget.py) unless --kv-cache-memory-bytes / --num-gpu-blocks-override is set. Returns the spec
     the workers start with."""
     args = spec.engine_args
     processes = (spec.prefill_workers + spec.decode_workers) * args.tensor_parallel_size
-    argv = [sys.executable, "-m", "engine.preflight", "--processes", str(processes), *engine_argv(args),
+    argv = [sys.executable, "-m", "engine.process.preflight", "--processes", str(processes), *engine_argv(args),
             "--model", args.model, "--device", args.device]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
                           env={**os.environ, **lifeline_env()})

@@ -24,14 +24,16 @@ from router.core import Router, error_from
 from router.errors import ShuttingDown
 from router.http import SSE_KEEPALIVE
 from router.lifecycle import Idle
-from router.openai_protocol import (
-    FINISH,
+from router.openai_output import (
     chat_logprobs,
     completion_id,
     completion_logprobs,
     envelope,
     stop_reason,
     usage_json,
+)
+from router.openai_protocol import (
+    FINISH,
 )
 from router.prepared import PreparedRequest
 from router.tool_calls import ToolStream

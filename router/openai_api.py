@@ -45,19 +45,21 @@ from router.errors import BadRequest, HTTPError, RouterError, ShuttingDown, Unau
 from router.http import PARSE_INLINE_BYTES, IgnoredFields, error_response, read_body
 from router.lifecycle import ClientGone, Idle, Relay, Ticket
 from router.openai_extras import add_extra_routes
-from router.openai_protocol import (
-    FINISH,
-    ParsedRequest,
-    ReadFields,
+from router.openai_output import (
     chat_logprobs,
     completion_id,
     completion_logprobs,
     envelope,
-    load_body,
-    parse_request,
     prompt_logprobs_json,
     stop_reason,
     usage_json,
+)
+from router.openai_protocol import (
+    FINISH,
+    ParsedRequest,
+    ReadFields,
+    load_body,
+    parse_request,
 )
 from router.ownership import caller_identity, presented_key
 from router.prepared import PreparedRequest, Prompt, prepare

@@ -207,7 +207,7 @@ def _limit_memory(headroom: int) -> None:
 
 def _render(tokenizer: Any, job: dict[str, Any]) -> dict[str, Any]:
     from engine.processing.tokenizer import apply_chat_template
-    from router.tokenizer_pool import render_with_deadline
+    from router.template_deadline import render_with_deadline
 
     try:
         text = render_with_deadline(

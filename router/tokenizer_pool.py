@@ -15,50 +15,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.core.block_hash import BlockHasher
 from engine.errors import InvalidRequest
 from engine.processing.tokenizer import apply_chat_template, load_tokenizer
+from router.template_deadline import render_with_deadline
 from router.template_sandbox import TemplateSandbox
 
 logger = logging.getLogger(__name__)
-
-
-JINJA_FILENAME = "<template>"  # the code filename of a template compiled from a string (transformers does)
-
-
-class _RenderTimeout(BaseException):
-    """A BaseException, so no `except Exception` inside Jinja or transformers can swallow it mid-render."""
-
-
-def render_with_deadline(render: Callable[[], str], timeout_s: float) -> str:
-    """`render()` (a Jinja chat template), failed with InvalidRequest once it runs past `timeout_s`.
-
-    A thread cannot be interrupted from outside, so the render checks the deadline itself: a trace function on
-    this thread sees each function call and each line of the compiled template (plain Python) and raises once time
-    is up.
-    """
-    deadline = time.monotonic() + timeout_s
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if time.monotonic() > deadline:
-            raise _RenderTimeout
-        # Line events only inside template code (a loop there may call nothing); every other call is seen on entry.
-        return trace if frame.f_code.co_filename == JINJA_FILENAME else None
-
-    previous = sys.gettrace()  # a debugger's or coverage's, restored below
-    sys.settrace(trace)
-    try:
-        return render()
-    except _RenderTimeout:
-        raise InvalidRequest(f"the chat template took longer than {timeout_s:g} s to render") from None
-    finally:
-        sys.settrace(previous)
 
 
 # Parts of a fast tokenizer's pipeline after which every token still covers at most its own vocabulary entry's

@@ -1,4 +1,4 @@
-"""CPU workers' memory (engine/memory_budget.py): KV bytes per token from the model, the default KV size from the
+"""CPU workers' memory (engine/process/memory_budget.py): KV bytes per token from the model, the default KV size from the
 host's available memory shared among the workers, the explicit override, and the one-line refusals."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig
-from engine.memory_budget import (
+from engine.models.arch import ModelArch
+from engine.process.memory_budget import (
     KV_SHARE_OF_AVAILABLE,
     cpu_worker_memory,
     default_kv_bytes,
@@ -19,7 +20,6 @@ from engine.memory_budget import (
     mem_available_bytes,
     weight_bytes,
 )
-from engine.models.arch import ModelArch
 
 SMOLLM2 = ModelArch("LlamaForCausalLM", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
                     num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,

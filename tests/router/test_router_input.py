@@ -373,7 +373,7 @@ def test_template_memory_bomb_is_400(tight: RouterHarness) -> None:
 
 def test_render_deadline_unit() -> None:
     from engine.errors import InvalidRequest
-    from router.tokenizer_pool import render_with_deadline
+    from router.template_deadline import render_with_deadline
 
     assert render_with_deadline(lambda: "fine", 1.0) == "fine"
     jinja2 = pytest.importorskip("jinja2")

@@ -1,5 +1,5 @@
-"""`python -m engine.preflight --processes N [engine flags]`: the engine config a worker would build, checked, and
-a CPU worker's memory (engine/memory_budget.py), as one JSON line on stdout.
+"""`python -m engine.process.preflight --processes N [engine flags]`: the engine config a worker would build, checked, and
+a CPU worker's memory (engine/process/memory_budget.py), as one JSON line on stdout.
 
 `kvflow serve` runs it before starting any worker, so a bad model path, a quantization the device cannot run, a
 max_model_len beyond the model's, or workers the host cannot hold end in one line instead of in every worker's
@@ -20,8 +20,8 @@ from typing import Any
 
 from engine.arg_utils import EngineArgs
 from engine.errors import ModelNotAvailable
-from engine.memory_budget import cpu_worker_memory, mem_available_bytes
 from engine.process.lifeline import die_with_parent_if_asked
+from engine.process.memory_budget import cpu_worker_memory, mem_available_bytes
 
 
 def check(args: EngineArgs, processes: int, available: int | None) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def check(args: EngineArgs, processes: int, available: int | None) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
-    parser = argparse.ArgumentParser(prog="python -m engine.preflight")
+    parser = argparse.ArgumentParser(prog="python -m engine.process.preflight")
     parser.add_argument("--processes", type=int, required=True,
                         help="worker processes sharing this host's memory (workers x tensor-parallel ranks)")
     EngineArgs.add_cli_args(parser)
