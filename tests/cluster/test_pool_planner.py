@@ -116,6 +116,24 @@ def test_gaps_over_the_slo_from_decode_load_grow_the_decode_pool() -> None:
     assert move is not None and (move.worker_id, move.target) == ("p", "decode")
 
 
+def test_a_busy_last_prefill_worker_stays_whatever_the_gaps_say() -> None:
+    """Its remote prefills would land on the decode pool, break the gaps there and move it back (mixed chat + 8k
+    documents on 2 x H200: a move each way within 13 s, TTFT p99 30 s)."""
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill", busy_fraction=0.5, queued_prefill_tokens=100),
+               member("d", "decode", num_running=200, busy_fraction=1.0)]
+    feed(planner, 10.0, ttft=0.3, itl=0.090, remote=8000)
+    assert settle(planner, members, 10.0) == [None, None]
+    # a second prefill worker may go: one stays to carry the remote prefills
+    members.append(member("q", "prefill", busy_fraction=0.5))
+    move = settle(planner, members, 10.1)[-1]
+    assert move is not None and move.target == "decode"
+    # and a nearly full decode KV takes even the last one
+    members = [member("p", "prefill", busy_fraction=0.5), member("d", "decode", kv_cache_usage=0.95)]
+    move = settle(PoolPlanner(CONFIG), members, 20.0)[-1]
+    assert move is not None and "KV" in move.reason
+
+
 def test_no_move_while_the_slos_hold_and_the_pools_are_used() -> None:
     planner = PoolPlanner(CONFIG)
     members = [member("p", "prefill", queued_prefill_tokens=3000), member("d", "decode", num_running=20)]
