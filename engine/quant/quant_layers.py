@@ -151,7 +151,8 @@ class QuantEmbedding(nn.Module):
 
 def module_weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's parameters and persistent-looking buffers (weights), counting shared storage once;
-    rotary cos/sin tables (derived, not weights) are excluded."""
+    rotary cos/sin tables (derived, not weights) are excluded. A oneDNN-packed CPU linear (engine/runner/cpu_linear.py)
+    holds its weight only packed, an opaque tensor outside the parameters: counted by its elements."""
     seen: set[int] = set()
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -162,4 +163,8 @@ def module_weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(key)
         total += t.untyped_storage().nbytes()
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor) and packed.layout == torch._mkldnn:
+            total += packed.numel() * packed.element_size()
     return total
