@@ -1,4 +1,5 @@
-"""`kvflow bench throughput ...` (offline engine throughput)."""
+"""`kvflow bench throughput ...` (offline engine throughput), `kvflow bench startup` (time to answer, peak memory)
+and the serving benchmarks (kvflow/commands/bench_serving.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tp.add_argument("--output-json", type=Path, default=None)
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(handler=run_throughput_command)
+    startup = kinds.add_parser("startup", help="seconds until `kvflow serve` answers, and its processes' peak memory",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    startup.add_argument("--model", default="smollm2", help="the model `kvflow serve` loads")
+    startup.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for health and each answer")
+    startup.add_argument("--log", type=Path, default=Path("kvflow-bench-startup.log"), help="the server's log")
+    startup.add_argument("--output-json", type=Path, default=None, help="also write the record here")
+    startup.add_argument("serve_flags", nargs=argparse.REMAINDER,
+                         help="more `kvflow serve` flags, after `--` (e.g. -- --index memory)")
+    startup.set_defaults(handler=run_startup_command)
     from kvflow.commands.bench_serving import register_bench_kinds
 
     register_bench_kinds(kinds)
+
+
+def run_startup_command(args: argparse.Namespace) -> int:
+    from kvflow.benchmarks.startup import format_line, run_startup, to_json
+
+    flags = [flag for flag in args.serve_flags if flag != "--"]
+    record = run_startup(args.model, flags, args.timeout, args.log)
+    print(format_line(record))
+    print(to_json(record))
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(to_json(record) + "\n")
+    return 0
 
 
 def run_throughput_command(args: argparse.Namespace) -> int:
