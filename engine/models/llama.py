@@ -334,6 +334,8 @@ class CausalLM(nn.Module):
         "down_proj": row_parallel("intermediate"),
     }
     checkpoint_prefix: ClassVar[str] = "model."
+    # Where a layer's attention weights (and a calibrated fp8 KV scale pair) sit in the checkpoint, by layer index.
+    attention_checkpoint_prefix: ClassVar[str] = "model.layers.{}.self_attn."
     top_level_modules: ClassVar[tuple[str, ...]] = ("lm_head",)
     # transformers' GGUF names for the Llama family (llama.cpp's `blk.N.*`)
     gguf_tensor_names: ClassVar[Mapping[str, str]] = {

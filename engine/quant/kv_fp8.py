@@ -22,7 +22,8 @@ from pathlib import Path
 KVScales = tuple[float, float]  # (k_scale, v_scale) of one layer
 DEFAULT_KV_SCALES: KVScales = (1.0, 1.0)
 
-# Where each checkpoint format keeps a layer's scales, under `model.layers.{i}.self_attn.`: compressed-tensors
+# Where each checkpoint format keeps a layer's scales, under the layer's attention prefix (the model class's
+# `attention_checkpoint_prefix`, `model.layers.{i}.self_attn.` for the Llama family): compressed-tensors
 # (llm-compressor) and AutoFP8 write k_scale / v_scale, ModelOpt k_proj.k_scale / v_proj.v_scale, and older
 # AutoFP8 checkpoints one kv_scale for both.
 K_SCALE_NAMES = ("k_scale", "k_proj.k_scale", "kv_scale")
@@ -30,19 +31,21 @@ V_SCALE_NAMES = ("v_scale", "v_proj.v_scale", "kv_scale")
 _SCALE_LEAVES = {name.rsplit(".", 1)[-1] for name in K_SCALE_NAMES + V_SCALE_NAMES}  # the names' last parts
 
 
-def checkpoint_kv_scales(model_path: str | None, num_layers: int) -> list[KVScales] | None:
+def checkpoint_kv_scales(model_path: str | None, num_layers: int, attention_prefix: str) -> list[KVScales] | None:
     """Each layer's calibrated (k_scale, v_scale) from the checkpoint's safetensors files, or None when it holds
-    none. Reads only those scalars. A checkpoint that scales some layers and not others, or holds a scale that
+    none; `attention_prefix` says where layer i's attention lives ("...{}..." formatted with i). Reads only those
+    scalars. A checkpoint that scales some layers and not others, or holds a scale that
     is not one positive finite number (per-head scales, say), is refused with the tensor's name."""
     if model_path is None:
         return None
     from safetensors import safe_open
 
+    layers_prefix = attention_prefix.split("{}", 1)[0]
     found: dict[str, float] = {}
     for file in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-                if key.startswith("model.layers.") and key.rsplit(".", 1)[-1] in _SCALE_LEAVES:
+                if key.startswith(layers_prefix) and key.rsplit(".", 1)[-1] in _SCALE_LEAVES:
                     tensor = f.get_tensor(key)
                     if tensor.numel() != 1:
                         raise ValueError(f"fp8 KV cache: {key} holds {tensor.numel()} scales; kvflow takes one "
@@ -55,7 +58,7 @@ def checkpoint_kv_scales(model_path: str | None, num_layers: int) -> list[KVScal
         return None
     scales: list[KVScales] = []
     for i in range(num_layers):
-        prefix = f"model.layers.{i}.self_attn."
+        prefix = attention_prefix.format(i)
         pair = [next((found[prefix + n] for n in names if prefix + n in found), None)
                 for names in (K_SCALE_NAMES, V_SCALE_NAMES)]
         if pair[0] is None or pair[1] is None:

@@ -91,7 +91,7 @@ def swap_blocks(device_caches: list[KVCache], host_caches: list[KVCache], pairs:
 def set_kv_scales(model: torch.nn.Module, model_path: str | None) -> None:
     """fp8 KV cache: each layer's calibrated (k_scale, v_scale) from the checkpoint, else 1.0 (engine/quant/kv_fp8.py)."""
     layers = model.layers
-    scales = checkpoint_kv_scales(model_path, len(layers))
+    scales = checkpoint_kv_scales(model_path, len(layers), type(model).attention_checkpoint_prefix)
     for layer, pair in zip(layers, scales or [DEFAULT_KV_SCALES] * len(layers), strict=True):
         layer.self_attn.kv_scales = pair
     if scales is None:

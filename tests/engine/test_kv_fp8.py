@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from cluster.transfer.contract import plan_slices, tensor_bytes
 from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.models.llama import CausalLM
 from engine.quant.kv_fp8 import checkpoint_kv_scales
 from engine.sampling_params import SamplingParams
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -86,22 +87,22 @@ def _scales_file(path: Path, tensors: dict[str, torch.Tensor]) -> str:
 
 def test_checkpoint_kv_scales_names_and_refusals(tmp_path: Path) -> None:
     one = torch.tensor([0.5])
-    attn = "model.layers.{}.self_attn."
+    attn = CausalLM.attention_checkpoint_prefix  # the Llama family's: "model.layers.{}.self_attn."
     # compressed-tensors / AutoFP8 names in layer 0, ModelOpt's in layer 1, the legacy shared kv_scale in layer 2
     mixed = {attn.format(0) + "k_scale": one * 2, attn.format(0) + "v_scale": one * 3,
              attn.format(1) + "k_proj.k_scale": one * 4, attn.format(1) + "v_proj.v_scale": torch.tensor(2.5),  # 0-d, as some writers store it
              attn.format(2) + "kv_scale": one * 6, attn.format(2) + "q_proj.weight": torch.ones(2, 2)}
-    assert checkpoint_kv_scales(_scales_file(tmp_path / "mixed", mixed), 3) == [(1.0, 1.5), (2.0, 2.5), (3.0, 3.0)]
-    assert checkpoint_kv_scales(_scales_file(tmp_path / "none", {"model.norm.weight": one}), 3) is None
-    assert checkpoint_kv_scales(None, 3) is None
+    assert checkpoint_kv_scales(_scales_file(tmp_path / "mixed", mixed), 3, attn) == [(1.0, 1.5), (2.0, 2.5), (3.0, 3.0)]
+    assert checkpoint_kv_scales(_scales_file(tmp_path / "none", {"model.norm.weight": one}), 3, attn) is None
+    assert checkpoint_kv_scales(None, 3, attn) is None
     with pytest.raises(ValueError, match=r"layer 1 has none of model\.layers\.1\.self_attn\.v_scale"):
         checkpoint_kv_scales(_scales_file(tmp_path / "partial", {
-            attn.format(0) + "k_scale": one, attn.format(0) + "v_scale": one, attn.format(1) + "k_scale": one}), 2)
+            attn.format(0) + "k_scale": one, attn.format(0) + "v_scale": one, attn.format(1) + "k_scale": one}), 2, attn)
     with pytest.raises(ValueError, match=r"k_scale holds 3 scales.*per-head"):
-        checkpoint_kv_scales(_scales_file(tmp_path / "heads", {attn.format(0) + "k_scale": torch.ones(3)}), 1)
+        checkpoint_kv_scales(_scales_file(tmp_path / "heads", {attn.format(0) + "k_scale": torch.ones(3)}), 1, attn)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="a scale must be a positive finite number"):
-            checkpoint_kv_scales(_scales_file(tmp_path / f"bad{bad}", {attn.format(0) + "v_scale": one * bad}), 1)
+            checkpoint_kv_scales(_scales_file(tmp_path / f"bad{bad}", {attn.format(0) + "v_scale": one * bad}), 1, attn)
 
 
 def test_calibrated_kv_scales_keep_keys_and_values_beyond_448(tmp_path: Path) -> None:
