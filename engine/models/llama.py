@@ -334,6 +334,7 @@ class CausalLM(nn.Module):
         "down_proj": row_parallel("intermediate"),
     }
     checkpoint_prefix: ClassVar[str] = "model."
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer  # one decoder layer (sized on the meta device to plan offload)
     # Where a layer's attention weights (and a calibrated fp8 KV scale pair) sit in the checkpoint, by layer index.
     attention_checkpoint_prefix: ClassVar[str] = "model.layers.{}.self_attn."
     top_level_modules: ClassVar[tuple[str, ...]] = ("lm_head",)
@@ -365,7 +366,7 @@ class CausalLM(nn.Module):
         layers = []
         for index in range(arch.num_layers):
             with torch.device("meta") if index < host_layers else contextlib.nullcontext():
-                layers.append(DecoderLayer(arch, backend, fused_ops, self.shard, self.group))
+                layers.append(self.layer_class(arch, backend, fused_ops, self.shard, self.group))
         self.layers = nn.ModuleList(layers)
         self.weight_stream: LayerWeightStream | None = None  # set when the first layers are offloaded
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_ops)

@@ -28,7 +28,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_layout import DTYPES
-from engine.models.llama import CausalLM, DecoderLayer
+from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
 from engine.models.registry import model_class
 from engine.outputs import (
@@ -151,7 +151,7 @@ def _offload_plan(config: EngineConfig, dtype: torch.dtype, attn_backend: Attent
     if not single_gpu:  # EngineArgs refuses the other cases first, naming the flag
         raise ValueError("cpu_offload_gb needs a single-GPU runner on CUDA")
     with torch.device("meta"), default_dtype(dtype):
-        probe = DecoderLayer(config.model.arch, attn_backend, fused, shard)
+        probe = model_class(config.model.arch.architecture).layer_class(config.model.arch, attn_backend, fused, shard)
     return plan_offload(budget, parameter_bytes(probe), num_layers)
 
 
