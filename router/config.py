@@ -37,6 +37,7 @@ class RouterConfig:
     k8s_namespace: str = "default"
     prefill_selector: str = ""
     decode_selector: str = ""
+    worker_selector: str = ""  # role-free workers (`kvflow worker`): they join the decode pool, as Redis registers them
     worker_grpc_port_name: str = "grpc"
     tokenizer: str | None = None
     tokenizer_pool_size: int = 2
@@ -80,8 +81,9 @@ class RouterConfig:
             raise ValueError(f"--discovery must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
         if self.discovery == "static" and not self.decode:
             raise ValueError("--discovery static needs at least one --decode address")
-        if self.discovery == "kubernetes" and not self.decode_selector:
-            raise ValueError("--discovery kubernetes needs --decode-selector (and usually --prefill-selector)")
+        if self.discovery == "kubernetes" and not (self.decode_selector or self.worker_selector):
+            raise ValueError("--discovery kubernetes needs --decode-selector (and usually --prefill-selector) or "
+                             "--worker-selector")
         if self.discovery == "redis" and not (self.discovery_redis or self.index).startswith(("redis://",
                                                                                               "rediss://")):
             raise ValueError("--discovery redis needs --index redis://... (the registry lives there)")

@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import redis
 
 from cluster.routing.redis_index import redact, redis_client
 from cluster.routing.registration import REGISTRATION_PREFIX, REGISTRATION_TTL_S, ROLES, WorkerRegistration
 from router.config import RouterConfig
+
+if TYPE_CHECKING:
+    import kubernetes
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +83,41 @@ class RedisDiscovery:
             self._stop.wait(self.poll_s)
 
 
-def make_discovery(config: RouterConfig, on_change: OnChange) -> Discovery:
+class MergedSources:
+    """Feeds several discovery sources into one role each: `on_change(role, addresses)` gets the union of the role's
+    sources. Role-free workers (the "worker" source) join the decode pool beside pinned decode workers, as Redis
+    registration lists them ("decode"); their `Info` (WORKER_ROLE_UNIFIED) then lets the planner move them."""
+
+    def __init__(self, on_change: OnChange, roles: dict[str, str]) -> None:
+        self.on_change = on_change
+        self.roles = dict(roles)  # source -> role
+        self._found: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, source: str, addresses: list[str]) -> None:
+        role = self.roles.get(source, source)
+        # Under the lock: two sources of one role must not publish their unions out of order.
+        with self._lock:
+            self._found[source] = list(addresses)
+            merged = sorted({a for s, found in self._found.items() if self.roles.get(s, s) == role for a in found})
+            self.on_change(role, merged)
+
+
+def kubernetes_selectors(config: RouterConfig) -> dict[str, str]:
+    """EndpointSlice selector per discovery source (a role, or "worker" for role-free workers)."""
+    named = {"prefill": config.prefill_selector, "decode": config.decode_selector, "worker": config.worker_selector}
+    return {source: selector for source, selector in named.items() if selector}
+
+
+def make_discovery(config: RouterConfig, on_change: OnChange, api_client: kubernetes.client.ApiClient | None = None) -> Discovery:
+    """The discovery source of `config`; `api_client` (a kubernetes ApiClient) replaces the in-cluster one."""
     if config.discovery == "static":
         return StaticDiscovery({"prefill": list(config.prefill), "decode": list(config.decode)}, on_change)
     if config.discovery == "redis":
         return RedisDiscovery(config.discovery_redis or config.index, on_change)
     from router.discovery_k8s import KubernetesDiscovery
 
-    selectors = {"decode": config.decode_selector}
-    if config.prefill_selector:
-        selectors["prefill"] = config.prefill_selector
-    k8s = KubernetesDiscovery(config.k8s_namespace, selectors=selectors, port_name=config.worker_grpc_port_name,
-                              on_change=on_change)
-    return k8s
+    merged = MergedSources(on_change, {"worker": "decode"})
+    return KubernetesDiscovery(config.k8s_namespace, selectors=kubernetes_selectors(config),
+                               port_name=config.worker_grpc_port_name, on_change=merged,
+                               api_client=api_client)

@@ -2,11 +2,13 @@
 
 The router learns its prefill and decode workers by listing, then watching,
 the EndpointSlices of the workers' headless Services.  The selectors given
-here (``--prefill-selector`` / ``--decode-selector`` on the command line) are
-*EndpointSlice* label selectors, not pod selectors: the EndpointSlice
-controller labels every slice with ``kubernetes.io/service-name``, so the Helm
-chart passes ``kubernetes.io/service-name=<fullname>-prefill`` (and
-``...-decode``), ``<fullname>`` being the chart's resource-name prefix.  The
+here (``--prefill-selector`` / ``--decode-selector`` / ``--worker-selector``
+on the command line) are *EndpointSlice* label selectors, not pod selectors:
+the EndpointSlice controller labels every slice with
+``kubernetes.io/service-name``, so the Helm chart passes
+``kubernetes.io/service-name=<fullname>-prefill`` (and ``...-decode``, or
+``...-worker`` for role-free workers, which router/discovery.py merges into
+the decode role), ``<fullname>`` being the chart's resource-name prefix.  The
 Service's pod selector decides which pods are members; the endpoint
 ``conditions.ready`` flag (readiness probe passing, pod not terminating)
 decides which of them receive traffic.

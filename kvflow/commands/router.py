@@ -37,11 +37,16 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="how the router picks a worker: prefix (the one holding the longest cached prefix of the prompt, load-aware), round-robin, least-load or random")
     g.add_argument("--discovery", choices=DISCOVERY_KINDS, default="static",
                    help="where the workers come from: static (--prefill/--decode), redis (the registry in --index) "
-                        "or kubernetes (EndpointSlices of --prefill-selector / --decode-selector)")
+                        "or kubernetes (EndpointSlices of --prefill-selector / --decode-selector / "
+                        "--worker-selector)")
     g.add_argument("--k8s-namespace", default="default", help="namespace of the EndpointSlices (--discovery "
                                                               "kubernetes)")
     g.add_argument("--prefill-selector", default="", help="EndpointSlice label selector of prefill workers")
     g.add_argument("--decode-selector", default="", help="EndpointSlice label selector of decode workers")
+    g.add_argument("--worker-selector", default="",
+                   help="EndpointSlice label selector of role-free workers (`kvflow worker`): they join the decode "
+                        "pool, as Redis discovery registers them, and the planner moves them between the pools "
+                        "(--disagg-policy adaptive)")
     g.add_argument("--worker-grpc-port-name", default="grpc",
                    help="name of the workers' gRPC port in their EndpointSlices (--discovery kubernetes)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the workers' model's)")
@@ -165,7 +170,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         grpc_port=args.grpc_port, api_key=args.api_key or None, metrics_require_api_key=args.metrics_require_api_key,
         cluster=ClusterAuth.from_args(args), routing=args.routing, discovery=args.discovery,
         k8s_namespace=args.k8s_namespace, prefill_selector=args.prefill_selector,
-        decode_selector=args.decode_selector, worker_grpc_port_name=args.worker_grpc_port_name,
+        decode_selector=args.decode_selector, worker_selector=args.worker_selector,
+        worker_grpc_port_name=args.worker_grpc_port_name,
         tokenizer=args.tokenizer, tokenizer_pool_size=args.tokenizer_pool_size,
         served_model_name=tuple(args.served_model_name), disable_log_requests=args.disable_log_requests,
         disable_log_stats=args.disable_log_stats, **request_limit_kwargs(args), **lifecycle_kwargs(args),

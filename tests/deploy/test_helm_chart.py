@@ -832,3 +832,190 @@ def test_dockerignore_keeps_context_small() -> None:
         "protos",
     } <= included
     assert not included & {".git", ".venv", "tests", "helm"}
+
+
+# --- layout adaptive: role-free workers ---------------------------------------------------------
+
+ADAPTIVE_SETS: dict[str, dict[str, Any]] = {
+    "adaptive": {"layout": "adaptive"},
+    "adaptive-cpu": VALUE_SETS["cpu-demo"] | {
+        "layout": "adaptive",
+        "router": VALUE_SETS["cpu-demo"]["router"] | {"disaggPolicy": "adaptive", "sloTtftMs": 500, "sloItlMs": 25.5},
+        "workers": {"replicaCount": 3, "disaggMinPromptTokens": 16, "engineArgs": {"max-num-seqs": 8},
+                    "tolerations": [], "nodeSelector": {"pool": "cpu"}, "priorityClassName": "serving",
+                    "podAnnotations": {"team": "llm"}, "podDisruptionBudget": {"maxUnavailable": "50%"}},
+        "serviceMonitor": {"enabled": True},
+    },
+}
+
+
+@pytest.fixture(params=sorted(ADAPTIVE_SETS))
+def adaptive_set(request: pytest.FixtureRequest, chart: Any) -> tuple[str, Rendered]:
+    name = request.param
+    if name not in _CACHE:
+        _CACHE[name] = render(chart, ADAPTIVE_SETS[name])
+    return name, _CACHE[name]
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTIVE_SETS))
+def test_adaptive_layout_lints_and_validates(chart: Any, name: str) -> None:
+    report = helm.lint(CHART, ADAPTIVE_SETS[name], strict=True, namespace=NAMESPACE, kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    r = render(chart, ADAPTIVE_SETS[name])
+    for doc in r.docs:
+        if (doc["apiVersion"], doc["kind"]) not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def test_adaptive_layout_has_role_free_workers_only(adaptive_set: tuple[str, Rendered]) -> None:
+    name, r = adaptive_set
+    workers = ADAPTIVE_SETS[name].get("workers", {})
+    for component in ("prefill", "decode"):
+        for kind in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"):
+            assert not r.has(kind, f"{FULLNAME}-{component}")
+    deployment = r.get("Deployment", f"{FULLNAME}-worker")
+    assert deployment["spec"]["replicas"] == workers.get("replicaCount", 2)
+    svc = r.get("Service", f"{FULLNAME}-worker")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"].get("publishNotReadyAddresses") is not True
+    assert matches(svc["spec"]["selector"], r.pod("worker")["metadata"]["labels"])
+    pdb = r.get("PodDisruptionBudget", f"{FULLNAME}-worker")
+    assert matches(pdb["spec"]["selector"]["matchLabels"], r.pod("worker")["metadata"]["labels"])
+    assert pdb["spec"]["maxUnavailable"] == workers.get("podDisruptionBudget", {}).get("maxUnavailable", 1)
+    pod = r.pod("worker")
+    assert pod["spec"].get("nodeSelector", {}) == workers.get("nodeSelector", {})
+    assert pod["spec"].get("priorityClassName") == workers.get("priorityClassName")
+    assert pod["metadata"]["annotations"].get("team") == workers.get("podAnnotations", {}).get("team")
+    assert pod["spec"]["serviceAccountName"] == f"{FULLNAME}-worker"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    res = r.container("worker")["resources"]
+    assert ("nvidia.com/gpu" in res["limits"]) == (name == "adaptive")
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 10 + 240 + 10
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert r.container("worker")[probe]["grpc"] == {"port": 50081}
+    assert set(r.get("ConfigMap", f"{FULLNAME}-engine-args")["data"]) == {"worker.args"}
+
+
+def test_role_free_worker_command_line(adaptive_set: tuple[str, Rendered], tmp_path: Path) -> None:
+    """`kvflow worker` with the shared engine args under its own, and a prefill allowlist naming its own headless
+    Service: any role-free worker may be moved to the prefill pool, so each may pull KV from any other."""
+    name, r = adaptive_set
+    workers = ADAPTIVE_SETS[name].get("workers", {})
+    argv = worker_argv(r, "worker", tmp_path)
+    assert argv[0] == "worker"
+    assert flag_value(argv, "--port") == "50081" and flag_value(argv, "--metrics-port") == "9100"
+    assert flag_value(argv, "--advertise-address") == "10.1.2.3:50081"
+    assert flag_value(argv, "--drain-timeout") == "240"
+    assert flag_value(argv, "--max-num-seqs") == str(workers.get("engineArgs", {}).get("max-num-seqs", 256))
+    assert flag_value(argv, "--max-model-len") == ("2048" if name == "adaptive-cpu" else "4096")
+    assert flag_value(argv, "--index").startswith("redis://")
+    min_tokens = workers.get("disaggMinPromptTokens")
+    assert (flag_value(argv, "--disagg-min-prompt-tokens") == str(min_tokens)) if min_tokens else \
+        "--disagg-min-prompt-tokens" not in argv
+    host, port = flag_value(argv, "--prefill-allowlist").rsplit(":", 1)
+    svc = r.get("Service", host)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"].get("publishNotReadyAddresses") is not True
+    assert matches(svc["spec"]["selector"], r.pod("worker")["metadata"]["labels"])
+    assert int(port) == next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc") == 50081
+    token = resolve_env(r, r.container("worker"))["KVFLOW_CLUSTER_TOKEN"]
+    assert len(token) >= 32 and not any(token in a for a in argv)  # env only
+
+
+def test_router_discovers_role_free_workers(adaptive_set: tuple[str, Rendered]) -> None:
+    name, r = adaptive_set
+    router = ADAPTIVE_SETS[name].get("router", {})
+    args = r.container("router")["args"]
+    assert flag_value(args, "--discovery") == "kubernetes"
+    assert "--prefill-selector" not in args and "--decode-selector" not in args
+    key, _, service_name = flag_value(args, "--worker-selector").partition("=")
+    assert key == "kubernetes.io/service-name"
+    svc = r.get("Service", service_name)
+    assert matches(svc["spec"]["selector"], r.pod("worker")["metadata"]["labels"])
+    port_name = flag_value(args, "--worker-grpc-port-name")
+    assert next(p for p in svc["spec"]["ports"] if p["name"] == port_name)["targetPort"] == port_name
+    assert flag_value(args, "--disagg-policy") == "adaptive"
+    for flag, key in (("--slo-ttft-ms", "sloTtftMs"), ("--slo-itl-ms", "sloItlMs")):
+        if key in router:
+            assert float(flag_value(args, flag)) == router[key]
+        else:
+            assert flag not in args  # the router's default
+    # The router really accepts this command line (and resolves it to a kubernetes cluster of role-free workers).
+    from kvflow.cli import build_parser
+    from kvflow.commands.router import config_from_args
+    from router.discovery import kubernetes_selectors
+
+    env = {"KVFLOW_INDEX_URL": "redis://:pw@kv-kvflow-redis:6379/0", "KVFLOW_API_KEY": "k"}
+    config = config_from_args(build_parser().parse_args([expand_k8s_vars(a, env) for a in args]))
+    assert kubernetes_selectors(config) == {"worker": f"kubernetes.io/service-name={FULLNAME}-worker"}
+    if "sloTtftMs" in router:
+        assert (config.slo_ttft_ms, config.slo_itl_ms) == (500.0, 25.5)
+
+
+def test_adaptive_network_policies_admit_worker_to_worker(chart: Any, adaptive_set: tuple[str, Rendered]) -> None:
+    _, r = adaptive_set
+    labels = {c: r.pod(c)["metadata"]["labels"] for c in ("router", "worker", "redis")}
+
+    def peers(rule: Manifest) -> set[str]:
+        return {c for peer in rule["from"] for c, lab in labels.items()
+                if matches(peer["podSelector"]["matchLabels"], lab)}
+
+    (policy,) = [p for p in r.all("NetworkPolicy") if matches(p["spec"]["podSelector"]["matchLabels"], labels["worker"])]
+    rules = policy["spec"]["ingress"]
+    (grpc_rule,) = [rule for rule in rules if {"port": "grpc", "protocol": "TCP"} in rule["ports"]]
+    assert peers(grpc_rule) == {"router", "worker"}  # any worker pulls KV from any other (Prefill, KVLink)
+    (link_rule,) = [rule for rule in rules if rule["ports"] == [{"protocol": "TCP"}]]
+    assert peers(link_rule) == {"worker"}  # NCCL links between workers
+    (metrics_rule,) = [rule for rule in rules if {"port": "metrics", "protocol": "TCP"} in rule["ports"]]
+    assert "podSelector" not in metrics_rule["from"][0]
+    redis = next(p for p in r.all("NetworkPolicy") if p["metadata"]["name"] == f"{FULLNAME}-redis")
+    assert peers(redis["spec"]["ingress"][0]) == {"router", "worker"}
+    grpc_only = render(chart, {"layout": "adaptive", "kvTransfer": {"backend": "grpc"}})
+    policy = grpc_only.get("NetworkPolicy", f"{FULLNAME}-worker")
+    assert all("port" in p for rule in policy["spec"]["ingress"] for p in rule["ports"])
+
+
+def test_adaptive_service_monitor_and_notes(chart: Any) -> None:
+    r = render(chart, ADAPTIVE_SETS["adaptive-cpu"])
+    (sm,) = r.all("ServiceMonitor")
+    assert sm["spec"]["selector"]["matchExpressions"][0]["values"] == ["router", "worker"]
+    notes = r.files["kvflow/templates/NOTES.txt"]
+    assert "3 role-free" in notes and f"{FULLNAME}-worker" in notes and "prefill," not in notes
+
+
+def test_static_layout_is_the_default_and_unchanged(chart: Any) -> None:
+    """layout static (the default, so existing installs keep their Deployments) renders what it did before the
+    adaptive layout existed: pinned prefill/decode, the router without --worker-selector or policy flags."""
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["layout"] == "static"
+    explicit = render(chart, {"layout": "static"})
+    default = rendered_set(chart, "default")
+    secrets = {"Secret"}  # random per render
+    strip = [d for d in default.docs if d["kind"] not in secrets]
+    assert [d for d in explicit.docs if d["kind"] not in secrets] == strip
+    assert not default.has("Deployment", f"{FULLNAME}-worker") and not default.has("Service", f"{FULLNAME}-worker")
+    args = default.container("router")["args"]
+    assert not {"--worker-selector", "--disagg-policy", "--slo-ttft-ms", "--slo-itl-ms"} & set(args)
+    set_policy = render(chart, {"router": {"disaggPolicy": "static", "sloTtftMs": 800}})
+    args = set_policy.container("router")["args"]
+    assert flag_value(args, "--disagg-policy") == "static" and flag_value(args, "--slo-ttft-ms") == "800"
+    assert "--prefill-selector" in args and "--worker-selector" not in args
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"layout": "adaptive", "engineArgs": {"tensor-parallel-size": 2}, "workers": {"gpusPerPod": 2}},
+         "tensor-parallel-size 2 is not supported on role-free workers"),
+        ({"layout": "adaptive", "workers": {"terminationGracePeriodSeconds": 100}},
+         "worker: terminationGracePeriodSeconds 100 must be at least"),
+    ],
+)
+def test_adaptive_template_guards(chart: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("bad", [{"layout": "mixed"}, {"workers": {"replicaCount": "2"}},
+                                 {"router": {"disaggPolicy": "always"}}, {"router": {"sloTtftMs": 0}},
+                                 {"workers": {"gpusPerPod": 0}}], ids=lambda b: json.dumps(b)[:60])
+def test_schema_rejects_bad_adaptive_values(chart: Any, bad: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(bad, name=RELEASE, namespace=NAMESPACE)

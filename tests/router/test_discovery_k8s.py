@@ -385,3 +385,69 @@ def test_without_api_client_uses_incluster_config(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(kubernetes.config.ConfigException):
         KubernetesDiscovery(NS, {"prefill": PREFILL_SEL})
+
+
+# --- role-free workers (--worker-selector) through router.discovery.make_discovery ---------------------------
+
+WORKER_SEL = "kubernetes.io/service-name=kv-worker"
+
+
+def router_config(**kwargs: Any) -> Any:
+    from router.config import RouterConfig
+
+    config = RouterConfig(discovery="kubernetes", k8s_namespace=NS, **kwargs)
+    config.validate()
+    return config
+
+
+def test_role_free_workers_join_the_decode_pool_beside_pinned_ones(server: FakeApiServer) -> None:
+    """As Redis registers a `kvflow worker` under "decode" (its Info then says UNIFIED), so does --worker-selector;
+    the two sources of the decode role are merged, not overwritten by each other."""
+    from router.discovery import make_discovery as router_discovery
+
+    server.put(make_slice("kv-worker-a", "kv-worker", [("10.0.2.1", True), ("10.0.2.2", False)], port=50081))
+    cfg = kubernetes.client.Configuration()
+    cfg.host = server.url
+    calls: Recorder = []
+    disc = router_discovery(router_config(decode_selector=DECODE_SEL, worker_selector=WORKER_SEL),
+                            lambda role, addrs: calls.append((role, addrs)), api_client=kubernetes.client.ApiClient(cfg))
+    disc.start()
+    try:
+        assert disc.wait_synced(5)
+        assert set(disc.selectors) == {"decode", "worker"}
+        wait_for(lambda: bool(calls) and calls[-1] == ("decode", ["10.0.1.1:50071", "10.0.2.1:50081"]))
+        server.put(make_slice("kv-worker-a", "kv-worker", [("10.0.2.2", True)], port=50081))
+        wait_for(lambda: calls[-1] == ("decode", ["10.0.1.1:50071", "10.0.2.2:50081"]))
+        server.delete("kv-decode-a")
+        wait_for(lambda: calls[-1] == ("decode", ["10.0.2.2:50081"]))
+        assert {role for role, _ in calls} == {"decode"}  # never a "worker" role the pool does not know
+    finally:
+        disc.stop()
+
+
+def test_worker_selector_alone_is_a_kubernetes_cluster() -> None:
+    from kvflow.cli import build_parser
+    from kvflow.commands.router import config_from_args
+    from router.discovery import kubernetes_selectors
+
+    args = build_parser().parse_args(["router", "--discovery", "kubernetes", "--k8s-namespace", NS,
+                                      "--worker-selector", WORKER_SEL, "--disagg-policy", "adaptive",
+                                      "--slo-ttft-ms", "500", "--slo-itl-ms", "25"])
+    config = config_from_args(args)
+    assert config.worker_selector == WORKER_SEL and not config.decode_selector
+    assert (config.disagg_policy, config.slo_ttft_ms, config.slo_itl_ms) == ("adaptive", 500.0, 25.0)
+    assert kubernetes_selectors(config) == {"worker": WORKER_SEL}
+    with pytest.raises(ValueError, match="--decode-selector .* or --worker-selector"):
+        router_config(prefill_selector=PREFILL_SEL)
+
+
+def test_merged_sources_publish_the_union_of_a_role() -> None:
+    from router.discovery import MergedSources
+
+    calls: Recorder = []
+    merged = MergedSources(lambda role, addrs: calls.append((role, addrs)), {"worker": "decode"})
+    merged("decode", ["b:1"])
+    merged("worker", ["a:1", "b:1"])
+    merged("prefill", ["p:1"])
+    merged("decode", [])
+    assert calls == [("decode", ["b:1"]), ("decode", ["a:1", "b:1"]), ("prefill", ["p:1"]), ("decode", ["a:1", "b:1"])]

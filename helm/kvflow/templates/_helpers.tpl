@@ -214,3 +214,89 @@ emptyDir:
   sizeLimit: {{ $v.emptyDirSizeLimit }}
 {{- end }}
 {{- end }}
+
+{{/* Worker components of the layout, as a JSON list: static -> pinned prefill + decode; adaptive -> role-free
+"worker" (`kvflow worker`). */}}
+{{- define "kvflow.workerComponents" -}}
+{{- if eq .Values.layout "adaptive" -}}
+["worker"]
+{{- else if eq .Values.layout "static" -}}
+["prefill", "decode"]
+{{- else }}
+{{- fail (printf "layout must be static or adaptive, got %q" (toString .Values.layout)) }}
+{{- end }}
+{{- end }}
+
+{{/* Values key of a worker component: the role-free "worker" component's values live under `workers`. */}}
+{{- define "kvflow.workerValuesKey" -}}
+{{- ternary "workers" . (eq . "worker") }}
+{{- end }}
+
+{{/*
+--prefill-allowlist of a component that pulls KV (empty for prefill): a decode worker pulls from the prefill
+headless Service, a role-free worker from its own (the planner may move any role-free worker to the prefill pool).
+The Service name resolves to its ready pods' IPs, the addresses discovery hands the router.
+*/}}
+{{- define "kvflow.prefillAllowlist" -}}
+{{- if eq .component "decode" }}
+{{- printf "%s-prefill:%d" (include "kvflow.fullname" .ctx) (int .ctx.Values.prefill.grpcPort) }}
+{{- else if eq .component "worker" }}
+{{- printf "%s-worker:%d" (include "kvflow.fullname" .ctx) (int .ctx.Values.workers.grpcPort) }}
+{{- end }}
+{{- end }}
+
+{{/* Role-free workers serve both sides of a KV transfer, which moves one rank's cache: tensor-parallel-size 1. */}}
+{{- define "kvflow.checkRoleFree" -}}
+{{- $args := include "kvflow.engineArgs" . | fromJson -}}
+{{- $tp := index $args "tensor-parallel-size" | default 1 | int -}}
+{{- if gt $tp 1 }}
+{{- fail (printf "workers: tensor-parallel-size %d is not supported on role-free workers (KV transfer moves one rank's cache); use layout static with tensor-parallel decode workers" $tp) }}
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicy peer selecting one component's pods (same namespace), as JSON: (dict "ctx" $ "component" "router"). */}}
+{{- define "kvflow.peer" -}}
+{{- toJson (dict "podSelector" (dict "matchLabels" (include "kvflow.componentSelector" . | fromYaml))) }}
+{{- end }}
+
+{{/*
+Ingress NetworkPolicy of a worker component: (dict "ctx" $ "component" "prefill" "grpcFrom" (list peers...)
+"linkFrom" (list peers...) "linkComment" "..."). grpcFrom reach the gRPC port; with NCCL links (kvTransfer.backend
+not grpc) linkFrom reach any TCP port; networkPolicy.metricsFrom reach the metrics port.
+*/}}
+{{- define "kvflow.workerNetworkPolicy" -}}
+{{- $ := .ctx -}}
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: {{ include "kvflow.fullname" $ }}-{{ .component }}
+  labels:
+    {{- include "kvflow.labels" $ | nindent 4 }}
+spec:
+  podSelector:
+    matchLabels:
+      {{- include "kvflow.componentSelector" (dict "ctx" $ "component" .component) | nindent 6 }}
+  policyTypes: ["Ingress"]
+  ingress:
+    - from:
+        {{- .grpcFrom | toYaml | nindent 8 }}
+      ports:
+        - port: grpc
+          protocol: TCP
+    {{- if ne $.Values.kvTransfer.backend "grpc" }}
+    {{- with .linkComment }}
+    # {{ . }}
+    {{- end }}
+    - from:
+        {{- .linkFrom | toYaml | nindent 8 }}
+      ports:
+        - protocol: TCP
+    {{- end }}
+    {{- with $.Values.networkPolicy.metricsFrom }}
+    - from:
+        {{- toYaml . | nindent 8 }}
+      ports:
+        - port: metrics
+          protocol: TCP
+    {{- end }}
+{{- end }}
