@@ -209,6 +209,8 @@ def test_schema_rejects_wrong_types(chart: Any, bad: dict[str, Any]) -> None:
         ({"redis": {"mode": "external"}}, "redis.external.url"),
         ({"model": {"volume": {"type": "existingClaim"}}}, "existingClaim"),
         ({"engineArgs": {"tensor-parallel-size": 4}}, "tensor-parallel-size 4 needs gpusPerPod >= 4"),
+        ({"prefill": {"engineArgs": {"tensor-parallel-size": 2}, "gpusPerPod": 2}},
+         "tensor-parallel-size 2 is not supported on prefill workers"),
         ({"router": {"metricsRequireApiKey": True}}, "router.metricsRequireApiKey needs router.apiKey"),
     ],
 )
@@ -337,11 +339,11 @@ def test_engine_args_reach_worker_command_line(value_set: tuple[str, Rendered], 
         else:
             expected["--gpu-memory-utilization"] = "0.9"
         if name == "scaled-out":
-            expected |= {
-                "--tensor-parallel-size": "2",
-                "--max-model-len": "32768",
-                "--load-format": "safetensors",
-            }
+            expected |= {"--max-model-len": "32768", "--load-format": "safetensors"}
+            if component == "decode":
+                expected["--tensor-parallel-size"] = "2"
+            else:  # prefill workers send KV: one rank (the chart refuses more, as the worker does)
+                assert "--tensor-parallel-size" not in argv
         for flag, value in expected.items():
             assert flag_value(argv, flag) == value, (component, flag)
         if name == "scaled-out" and component == "decode":

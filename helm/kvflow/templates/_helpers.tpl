@@ -245,12 +245,13 @@ The Service name resolves to its ready pods' IPs, the addresses discovery hands 
 {{- end }}
 {{- end }}
 
-{{/* Role-free workers serve both sides of a KV transfer, which moves one rank's cache: tensor-parallel-size 1. */}}
-{{- define "kvflow.checkRoleFree" -}}
+{{/* Prefill and role-free workers send KV, and a transfer moves one rank's cache: tensor-parallel-size 1 (the worker
+refuses more at start, cluster/worker/runtime.py). */}}
+{{- define "kvflow.checkSingleRank" -}}
 {{- $args := include "kvflow.engineArgs" . | fromJson -}}
 {{- $tp := index $args "tensor-parallel-size" | default 1 | int -}}
 {{- if gt $tp 1 }}
-{{- fail (printf "workers: tensor-parallel-size %d is not supported on role-free workers (KV transfer moves one rank's cache); use layout static with tensor-parallel decode workers" $tp) }}
+{{- fail (printf "%s: tensor-parallel-size %d is not supported on %s workers (KV transfer moves one rank's cache); use layout static with tensor-parallel decode workers, which prefill locally (prefill.replicaCount 0)" .name $tp (ternary "role-free" "prefill" (eq .name "worker"))) }}
 {{- end }}
 {{- end }}
 
