@@ -165,9 +165,15 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
                    api: _Api | None = None) -> Response:
     try:
         raw = await read_body(request, router.config)
-        body = load_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(load_body, raw)
-        body = ReadFields(body) if isinstance(body, dict) else body
-        parsed = api.parse(body, router.config) if api else parse_request(body, chat, router.config)
+
+        def parse() -> tuple[Any, ParsedRequest]:
+            body = load_body(raw)
+            body = ReadFields(body) if isinstance(body, dict) else body
+            return body, api.parse(body, router.config) if api else parse_request(body, chat, router.config)
+
+        # A large body is parsed and checked in a thread (a schema's limits walk every node): the loop keeps
+        # switching to other requests meanwhile.
+        body, parsed = parse() if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse)
         peer = f"http:{request.client.host}:{request.client.port}" if request.client else "http"
         prepared = await prepare(router, parsed, request_id, caller_identity(request.state.api_key, peer))
     except Exception as exc:  # every input problem becomes a 4xx with the reason

@@ -17,6 +17,7 @@ from types import FrameType
 
 import uvicorn
 
+from engine.process.cpu_memory import return_large_blocks_to_os
 from router.config import RouterConfig
 from router.core import Router
 from router.discovery import make_discovery
@@ -47,6 +48,7 @@ class _DrainingServer(uvicorn.Server):
 async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None, router: Router | None = None
                        ) -> None:
     """Serve until stopped: a signal, or `router.lifecycle.request_stop()` (then drain first)."""
+    return_large_blocks_to_os()  # huge request bodies must not stay in the router's heap
     router = router if router is not None else Router(config)
     discovery = make_discovery(config, router.pool.set_addresses)
     discovery.start()

@@ -52,6 +52,18 @@ def keep_freed_memory_for_reuse(mmap_threshold: int = 1 << 30, trim_threshold: i
     return ok
 
 
+def return_large_blocks_to_os(mmap_threshold: int = 1 << 20) -> bool:
+    """A router's setting, the opposite of an engine's: blocks from `mmap_threshold` up get their own mapping, given
+    back to the OS when freed. glibc otherwise raises its threshold after the first large free (up to 32 MB) and
+    keeps later blocks of that size in its heap: a few 21 MB request bodies left the router ~90 MB larger (issue 27:
+    its RSS must return to within 10 % of idle). Setting the threshold turns glibc's adjustment off."""
+    libc = _libc()
+    try:
+        return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+    except AttributeError:
+        return False
+
+
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 TCMALLOC_OFF_ENV = "KVFLOW_TCMALLOC"  # "0": CPU workers keep glibc's allocator
 
