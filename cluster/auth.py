@@ -19,9 +19,9 @@ No credential at all (plain local dev) keeps the old behaviour: workers serve ev
 The token never appears in a repr, a log line or a command line built here; it travels to child processes in the
 environment only.
 
-Not covered here: the torch.distributed rendezvous of KV links (a c10d TCPStore on the prefill worker, then
-NCCL/gloo sockets) has no authentication of its own; its address is only handed out over the authenticated
-`KVLink` stream, and the network must keep strangers away from the workers' ports (the Helm chart's
+Not covered here: an NCCL KV link's rendezvous (a c10d TCPStore on the prefill worker's advertised address; gloo
+links rendezvous over the authenticated `KVLinkStore` RPC) and the NCCL/gloo sockets behind every link have no
+authentication of their own; their addresses are only handed out over the authenticated `KVLink` stream, and the network must keep strangers away from the workers' ports (the Helm chart's
 NetworkPolicies admit only decode pods to prefill pods). Workers' `--metrics-port` is plain Prometheus HTTP.
 """
 

@@ -215,6 +215,10 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
         async for message in self.ctx.transfer.sender.serve_link(request, context):
             yield message
 
+    async def KVLinkStore(self, request: pb.KVLinkStoreRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> pb.KVLinkStoreResponse:
+        return await self.ctx.transfer.sender.serve_link_store(request, context)
+
 
 def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> PrefillServicer:
     servicer = PrefillServicer(ctx)

@@ -71,6 +71,11 @@ class SendEndpoint:
         async for message in self.links.serve(request, context):
             yield message
 
+    async def serve_link_store(self, request: pb.KVLinkStoreRequest,
+                               context: grpc.aio.ServicerContext) -> pb.KVLinkStoreResponse:
+        """The `KVLinkStore` RPC: a gloo link's rendezvous, on this authenticated port."""
+        return await self.links.stores.serve(request, context)
+
     def close(self) -> None:
         """Worker shutdown: end every link and wait for its communicator's teardown."""
         self.links.close()

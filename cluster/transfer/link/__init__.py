@@ -2,11 +2,13 @@
 (CPU workers, the same code path without GPUs), while gRPC carries the control.
 
 One link per (prefill worker, decode worker) pair, opened by the decode worker on first use through the prefill
-worker's `KVLink` RPC. That stream first says where to rendezvous (a c10d TCPStore on the prefill worker), then
+worker's `KVLink` RPC. That stream first says how to rendezvous (store.py: gloo links through the authenticated
+`KVLinkStore` RPC, NCCL links at a c10d TCPStore on the prefill worker's advertised address), then
 carries one notice per link message, then heartbeats. Each link is its own 2-rank process group (prefill rank 0,
 decode rank 1), built from the store: no global default group, so a worker can hold links to many peers.
 
 - group.py: the pair's process group, the rendezvous and the heartbeat (what both ends share);
+- store.py: a link's store over the `KVLinkStore` RPC (bounded, only the link's own keys);
 - send.py: the prefill end (`SendLink`, the `KVLink` RPC, a request's `LinkSender`);
 - recv.py: the decode end of one link (`RecvLink`);
 - pull.py: the decode worker's links and the `KVReceiver` over them (`LinkReceiver`).
@@ -25,10 +27,10 @@ Invariants:
   them starts after `forget(request_id)` returns, so the engine may free or reuse them at once.
 
 Trust: `KVLink` is a worker RPC like the others, served only to holders of the cluster credential
-(cluster/auth.py), and decode workers open links only to allowed prefill workers (decode_worker/allowlist.py). The
-rendezvous it hands out is NOT authenticated: the c10d TCPStore (an ephemeral port on the prefill worker, bound to
-its advertised address only, not every interface; any key readable with `list_keys`) and the NCCL/gloo sockets
-behind it accept anyone who reaches them, who could then
+(cluster/auth.py), and decode workers open links only to allowed prefill workers (decode_worker/allowlist.py). A gloo
+link's rendezvous rides that authenticated channel too. An NCCL link's is NOT authenticated: its c10d TCPStore (an
+ephemeral port on the prefill worker, bound to its advertised address only, not every interface; any key readable
+with `list_keys`) and the NCCL/gloo data sockets of every link accept anyone who reaches them, who could then
 disturb a link's setup or take the decode worker's place in a new link and receive KV (prompt contents). Only the
 network keeps strangers out: the Helm chart's NetworkPolicies admit only decode pods to prefill pods' other ports;
 elsewhere, run links between hosts on a private network, or use `--kv-transfer-backend grpc` (KV inside the

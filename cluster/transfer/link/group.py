@@ -52,6 +52,7 @@ class PairGroup:
 
     def __init__(self, backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float) -> None:
         self.backend = backend
+        self._store = store  # referenced while the group lives: c10d calls back into a Python store
         prefixed = dist.PrefixStore(prefix, store)
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "nccl":
@@ -81,7 +82,7 @@ class PairGroup:
 
 # ---- rendezvous ------------------------------------------------------------------------------------------------
 def link_prefix(link_id: str) -> str:
-    """The link's keys in the prefill worker's store (one store serves all its links)."""
+    """The prefix of the link's keys in its store (the KVLinkStore RPC accepts no other key for the link)."""
     return f"kvflow/link/{link_id}/"
 
 
@@ -114,11 +115,12 @@ def serve_store(host: str) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def join_group(backend: str, ready: pb.KVLinkReady) -> PairGroup:
-    """The decode end: reach the store `ready` names and build the pair group as its decode rank (blocking)."""
+def join_group(backend: str, ready: pb.KVLinkReady, rpc_store: dist.Store | None) -> PairGroup:
+    """The decode end: build the pair group as its decode rank (blocking), on `rpc_store` when `ready` says the
+    link's store is served over KVLinkStore, else at the TCPStore it names."""
     timeout_s = ready.timeout_s or SETUP_TIMEOUT_S
-    store = dist.TCPStore(ready.store_host, ready.store_port, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = rpc_store if ready.rpc_store and rpc_store is not None else dist.TCPStore(
+        ready.store_host, ready.store_port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     return PairGroup(backend, store, ready.store_prefix, DECODE_RANK, timeout_s)
 
 

@@ -29,6 +29,7 @@ from cluster.transfer.link.group import (
     link_backend_for,
     on_device,
 )
+from cluster.transfer.link.store import RpcLinkStore
 from cluster.wire import layout_to_proto
 from engine.kv_layout import KVSlice, KVTransferError, check_slice
 from engine.kv_port import KVPort
@@ -87,6 +88,7 @@ class RecvLink:
         self._group: PairGroup | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._stub = stub
         self._call = stub.KVLink(pb.KVLinkRequest(link_id=self.link_id, decode_worker_id=worker_id,
                                                   backend=BACKEND_ENUMS[self.backend],
                                                   layout=layout_to_proto(port.layout)))
@@ -172,7 +174,9 @@ class RecvLink:
     def _run(self, ready: pb.KVLinkReady, started: float) -> None:
         try:
             with on_device(self.port.device):
-                self._group = join_group(self.backend, ready)
+                rpc_store = RpcLinkStore(self._stub, self.link_id, self._loop, ready.timeout_s or SETUP_TIMEOUT_S) \
+                    if ready.rpc_store else None
+                self._group = join_group(self.backend, ready, rpc_store)
                 with self.port.transfer_stream(self.port.new_stream()):
                     self._receive_all(self._group, started)
         except Exception as exc:  # noqa: BLE001 - any failure ends this link; its pulls recompute

@@ -34,6 +34,7 @@ from cluster.transfer.link.group import (
     on_device,
     serve_store,
 )
+from cluster.transfer.link.store import LinkStores
 from cluster.wire import layout_from_proto
 from engine.kv_port import KVExport, KVPort
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -143,13 +144,16 @@ class LinkSender:
 
 
 class LinkServer:
-    """The prefill worker's links, keyed by link id, and the TCPStore decode workers rendezvous at."""
+    """The prefill worker's links, keyed by link id, and where decode workers rendezvous: gloo links in a store per
+    link, served over the authenticated `KVLinkStore` RPC; NCCL links at a TCPStore on `store_host` (until the RPC
+    store is checked on GPUs: a heartbeat thread of ProcessGroupNCCL reads the store too)."""
 
     def __init__(self, port: KVPort, store_host: str) -> None:
         self.port = port
         self.backend = link_backend_for(port.device)
         self.store_host = store_host
-        self._store: dist.TCPStore | None = None
+        self.stores = LinkStores(SETUP_TIMEOUT_S)
+        self._tcp_store: dist.TCPStore | None = None
         self._links: dict[str, SendLink] = {}
 
     def get(self, link_id: str) -> SendLink | None:
@@ -168,28 +172,37 @@ class LinkServer:
             return "link_id must be new and non-empty"
         return None
 
+    async def _rendezvous(self, link_id: str, prefix: str) -> tuple[dist.Store, pb.KVLinkReady]:
+        """The store the prefill rank joins through, and what the decode rank is told."""
+        if self.backend == "gloo":
+            return self.stores.open(link_id, prefix), pb.KVLinkReady(store_prefix=prefix, timeout_s=SETUP_TIMEOUT_S,
+                                                                     rpc_store=True)
+        if self._tcp_store is None:
+            self._tcp_store = await asyncio.to_thread(serve_store, self.store_host)
+        return self._tcp_store, pb.KVLinkReady(store_host=self.store_host, store_port=self._tcp_store.port,
+                                               store_prefix=prefix, timeout_s=SETUP_TIMEOUT_S)
+
     async def serve(self, request: pb.KVLinkRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[pb.KVLinkMessage]:
         """The `KVLink` RPC: where to rendezvous, then the link's notices and heartbeats until it breaks."""
         problem = self._check(request)
         if problem is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        if self._store is None:
-            self._store = await asyncio.to_thread(serve_store, self.store_host)
         link = SendLink(request.link_id, self.backend, self.port, asyncio.get_running_loop())
         prefix = link_prefix(request.link_id)
+        store, ready = await self._rendezvous(request.link_id, prefix)
         self._links[request.link_id] = link
         logger.info("KV link %s (%s) to decode worker %s", request.link_id, self.backend, request.decode_worker_id)
         try:
-            yield pb.KVLinkMessage(ready=pb.KVLinkReady(store_host=self.store_host, store_port=self._store.port,
-                                                        store_prefix=prefix, timeout_s=SETUP_TIMEOUT_S))
-            link.start(self._store, prefix)
+            yield pb.KVLinkMessage(ready=ready)
+            link.start(store, prefix)
             async with contextlib.aclosing(notices_and_heartbeats(link.notices)) as messages:
                 async for message in messages:
                     yield message
         finally:
             link.close()
             self._links.pop(request.link_id, None)
+            self.stores.close(request.link_id)
             logger.info("KV link %s closed (%d bytes sent)", request.link_id, link.bytes_sent)
 
     def close(self) -> None:

@@ -34,6 +34,18 @@ class KVTransferBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TRANSFER_BACKEND_GRPC: _ClassVar[KVTransferBackend]
     KV_TRANSFER_BACKEND_NCCL: _ClassVar[KVTransferBackend]
     KV_TRANSFER_BACKEND_GLOO: _ClassVar[KVTransferBackend]
+
+class KVLinkStoreOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_LINK_STORE_OP_UNSPECIFIED: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_SET: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_GET: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_ADD: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_WAIT: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_CHECK: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_COMPARE_SET: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_DELETE: _ClassVar[KVLinkStoreOp]
+    KV_LINK_STORE_OP_NUM_KEYS: _ClassVar[KVLinkStoreOp]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -50,6 +62,15 @@ KV_TRANSFER_BACKEND_UNSPECIFIED: KVTransferBackend
 KV_TRANSFER_BACKEND_GRPC: KVTransferBackend
 KV_TRANSFER_BACKEND_NCCL: KVTransferBackend
 KV_TRANSFER_BACKEND_GLOO: KVTransferBackend
+KV_LINK_STORE_OP_UNSPECIFIED: KVLinkStoreOp
+KV_LINK_STORE_OP_SET: KVLinkStoreOp
+KV_LINK_STORE_OP_GET: KVLinkStoreOp
+KV_LINK_STORE_OP_ADD: KVLinkStoreOp
+KV_LINK_STORE_OP_WAIT: KVLinkStoreOp
+KV_LINK_STORE_OP_CHECK: KVLinkStoreOp
+KV_LINK_STORE_OP_COMPARE_SET: KVLinkStoreOp
+KV_LINK_STORE_OP_DELETE: KVLinkStoreOp
+KV_LINK_STORE_OP_NUM_KEYS: KVLinkStoreOp
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens_false", "logit_bias", "structured_outputs")
@@ -439,16 +460,48 @@ class KVLinkRequest(_message.Message):
     def __init__(self, link_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[KVTransferBackend, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class KVLinkReady(_message.Message):
-    __slots__ = ("store_host", "store_port", "store_prefix", "timeout_s")
+    __slots__ = ("store_host", "store_port", "store_prefix", "timeout_s", "rpc_store")
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RPC_STORE_FIELD_NUMBER: _ClassVar[int]
     store_host: str
     store_port: int
     store_prefix: str
     timeout_s: float
-    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    rpc_store: bool
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., timeout_s: _Optional[float] = ..., rpc_store: _Optional[bool] = ...) -> None: ...
+
+class KVLinkStoreRequest(_message.Message):
+    __slots__ = ("link_id", "op", "key", "value", "expected", "amount", "keys", "timeout_s")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    link_id: str
+    op: KVLinkStoreOp
+    key: str
+    value: bytes
+    expected: bytes
+    amount: int
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    timeout_s: float
+    def __init__(self, link_id: _Optional[str] = ..., op: _Optional[_Union[KVLinkStoreOp, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class KVLinkStoreResponse(_message.Message):
+    __slots__ = ("value", "number", "ok")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    ok: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class KVLinkChunk(_message.Message):
     __slots__ = ("request_id", "seq", "first_block", "num_blocks", "first_layer", "num_layers", "num_bytes")

@@ -284,6 +284,11 @@ class PrefillStub:
                 request_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkRequest.SerializeToString,
                 response_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkMessage.FromString,
                 _registered_method=True)
+        self.KVLinkStore = channel.unary_unary(
+                '/kvflow.v1.Prefill/KVLinkStore',
+                request_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkStoreRequest.SerializeToString,
+                response_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkStoreResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -328,6 +333,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVLinkStore(self, request, context):
+        """The link's rendezvous store (keys under KVLinkReady.store_prefix), served over this authenticated channel: the
+        decode rank's c10d store calls, applied to the store the prefill rank reads in-process. No store port is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -355,6 +368,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.KVLink,
                     request_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkRequest.FromString,
                     response_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkMessage.SerializeToString,
+            ),
+            'KVLinkStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVLinkStore,
+                    request_deserializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkStoreRequest.FromString,
+                    response_serializer=protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkStoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -496,6 +514,33 @@ class Prefill:
             '/kvflow.v1.Prefill/KVLink',
             protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkRequest.SerializeToString,
             protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVLinkStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvflow.v1.Prefill/KVLinkStore',
+            protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkStoreRequest.SerializeToString,
+            protos_dot_kvflow_dot_v1_dot_kvflow__pb2.KVLinkStoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
