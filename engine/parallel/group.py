@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 from typing import Any
 
 import torch
@@ -35,15 +36,31 @@ def tp_timeout_s() -> float:
     return value
 
 
+def _listening_fd(host: str, port: int) -> int:
+    """A socket listening on host:port alone, handed (with its ownership) to the TCPStore's server."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 class TPGroup:
-    """`size` ranks joined through a c10d TCPStore at host:port (rank 0 hosts it)."""
+    """`size` ranks joined through a c10d TCPStore at host:port (rank 0 hosts it, listening on `host` alone: c10d's
+    own server would listen on every interface, open to anyone who reaches the machine)."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, device: torch.device,
                  timeout_s: float | None = None) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.timeout_s = timeout_s if timeout_s is not None else tp_timeout_s()
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout,
+                                   master_listen_fd=_listening_fd(host, port) if rank == 0 else None)
         prefixed = dist.PrefixStore("kvflow-tp", self.store)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.nccl: NcclCommunicator | None = None
