@@ -15,19 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.hostile import nested_any_of
 from tests.helpers.serve import API_KEY, Server
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 JSON_HEADERS = {**HEADERS, "Content-Type": "application/json"}
 STALL_S = 2.0
-
-
-def _nested_any_of(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"anyOf": [{"type": "object", "properties": {"a": schema, "b": schema}, "required": ["a"]},
-                            {"type": "array", "items": schema}, schema]}
-    return schema
 
 
 def _chat(**extra: Any) -> dict[str, Any]:
@@ -37,7 +30,7 @@ def _chat(**extra: Any) -> dict[str, Any]:
 HOSTILE: dict[str, tuple[str, dict[str, Any]]] = {
     "1 MiB tool name": ("/v1/chat/completions", _chat(
         tools=[{"type": "function", "function": {"name": "f" * (1 << 20)}}], tool_choice="required")),
-    "nested anyOf schema": ("/v1/chat/completions", _chat(guided_json=_nested_any_of(7))),  # the issue's 0.9 MB
+    "nested anyOf schema": ("/v1/chat/completions", _chat(guided_json=nested_any_of(7))),  # the issue's 0.9 MB
     "unbounded regex": ("/v1/chat/completions", _chat(guided_regex=".{0,1000000}")),
     "21 MB tokenize": ("/tokenize", {"model": "smollm2", "prompt": "ab " * 7_000_000}),
     "21 MB completion": ("/v1/completions", {"model": "smollm2", "prompt": "ab " * 7_000_000, "max_tokens": 1}),

@@ -26,15 +26,7 @@ from engine.structured.limits import DEFAULT_LIMITS, StructuredOutputLimits, max
 from router.config import RouterConfig
 from router.errors import BadRequest
 from router.openai_protocol import parse_request
-
-
-def _nested_any_of(depth: int) -> dict[str, Any]:
-    """The hostile schema of issue 27: each level refers to the one below four times (4^depth values)."""
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"anyOf": [{"type": "object", "properties": {"a": schema, "b": schema}, "required": ["a"]},
-                            {"type": "array", "items": schema}, schema]}
-    return schema
+from tests.helpers.hostile import nested_any_of
 
 
 def _deep(depth: int) -> dict[str, Any]:
@@ -64,7 +56,7 @@ def _parse(body: dict[str, Any], chat: bool = True) -> Any:
     ({"tools": [_tool(f"f{i}") for i in range(129)], "tool_choice": "required"}, "tools", "at most 128"),
     ({"tools": [_tool("ok"), _tool("deep", _deep(40))], "tool_choice": "required"}, "tools[1].function.parameters",
      "nests deeper"),
-    ({"guided_json": _nested_any_of(7)}, "guided_json", "more than 10000 values"),
+    ({"guided_json": nested_any_of(7)}, "guided_json", "more than 10000 values"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _deep(40)}}},
      "response_format", "nests deeper than 64"),
     ({"guided_json": {"type": "string", "maxLength": 1000000}}, "guided_json", "maxLength 1000000"),
