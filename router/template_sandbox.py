@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InvalidRequest
+from engine.process.lifeline import die_with_parent_if_asked, lifeline_env
 
 KILL_GRACE_S = 0.5  # beyond the render deadline: the child's own Python-level stop comes first when it can
 STARTUP_TIMEOUT_S = 120.0  # a child loads transformers and the tokenizer (about 3 s on a quiet 2-core host)
@@ -41,6 +42,7 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (_ROOT, env.get("PYTHONPATH"))))
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(lifeline_env())  # the kernel ends the child with the router, even mid-render
     return env
 
 
@@ -183,16 +185,6 @@ def _request_line(job: dict[str, Any], timeout_s: float) -> bytes:
 
 
 # ---- the child ----------------------------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this child when the router dies, even mid-render (stdin's EOF would come too late)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-        import signal
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def _limit_memory(headroom: int) -> None:
     """Cap the address space at what the loaded tokenizer uses plus `headroom`: a memory bomb fails here."""
     with contextlib.suppress(Exception):
@@ -228,7 +220,7 @@ def _render(tokenizer: Any, job: dict[str, Any]) -> dict[str, Any]:
 def _serve(tokenizer_path: str) -> None:
     replies = os.fdopen(os.dup(1), "w", encoding="ascii")  # the protocol's own copy of stdout
     os.dup2(2, 1)  # anything else printed goes to stderr, not into a reply
-    _die_with_parent()
+    die_with_parent_if_asked()
     from engine.processing.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
