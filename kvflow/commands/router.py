@@ -26,15 +26,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="prefix index: 'memory' (one router) or redis://[:password@]host:port/db (shared); default: "
                         "$KVFLOW_INDEX_URL, else memory")
     g.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC fronts listen on")
-    g.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
-    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port (0: off)")
-    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every path but /health, /version (and /metrics, unless "
-                        "--metrics-require-api-key); several keys KEY1,KEY2: one per client or tenant, each the "
-                        "owner of its requests (default: $KVFLOW_API_KEY, else no key)")
-    add_metrics_key_arg(g)
-    g.add_argument("--routing", choices=POLICY_NAMES, default="prefix",
-                   help="how the router picks a worker: prefix (the one holding the longest cached prefix of the prompt, load-aware), round-robin, least-load or random")
+    add_front_args(g)
     g.add_argument("--discovery", choices=DISCOVERY_KINDS, default="static",
                    help="where the workers come from: static (--prefill/--decode), redis (the registry in --index) "
                         "or kubernetes (EndpointSlices of --prefill-selector / --decode-selector / "
@@ -50,15 +42,30 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-grpc-port-name", default="grpc",
                    help="name of the workers' gRPC port in their EndpointSlices (--discovery kubernetes)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the workers' model's)")
-    g.add_argument("--tokenizer-pool-size", type=int, default=2,
-                   help="threads that tokenize prompts and render chat templates")
-    g.add_argument("--served-model-name", nargs="+", default=[],
-                   help="model name(s) the API answers to (default: the workers' --model)")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     add_request_limit_args(parser)
     add_cluster_auth_args(parser)
     add_lifecycle_args(parser)
+
+
+def add_front_args(g: argparse._ArgumentGroup) -> None:
+    """The router's public fronts, shared by `kvflow router` and `kvflow serve`: ports, API keys, routing policy,
+    tokenizer pool and served names."""
+    g.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
+    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC Generation port (0: off)")
+    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every path but /health, /version (and /metrics, unless "
+                        "--metrics-require-api-key); several keys KEY1,KEY2: one per client or tenant, each the "
+                        "owner of its requests (default: $KVFLOW_API_KEY, else no key)")
+    add_metrics_key_arg(g)
+    g.add_argument("--routing", choices=POLICY_NAMES, default="prefix",
+                   help="how the router picks a worker: prefix (the one holding the longest cached prefix of the "
+                        "prompt, load-aware), round-robin, least-load or random")
+    g.add_argument("--tokenizer-pool-size", type=int, default=2,
+                   help="router threads that tokenize prompts and render chat templates")
+    g.add_argument("--served-model-name", nargs="+", default=[],
+                   help="model name(s) the API answers to (default: the workers' --model)")
 
 
 def add_metrics_key_arg(group: argparse._ArgumentGroup) -> None:

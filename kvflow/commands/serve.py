@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING
 
 from cluster.auth import ClusterAuth, add_cluster_auth_args
 from cluster.routing.planner import PlannerConfig
-from cluster.routing.policy import POLICY_NAMES
 from cluster.transfer.backends import KV_TRANSFER_BACKENDS
 from engine.arg_utils import EngineArgs
 from kvflow.commands.router import (
     add_disagg_args,
+    add_front_args,
     add_lifecycle_args,
-    add_metrics_key_arg,
     add_request_limit_args,
     disagg_kwargs,
     lifecycle_kwargs,
@@ -45,7 +44,6 @@ WORKER_STOP_MARGIN_S = 15.0  # beyond --drain-timeout before a worker that does 
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    import os
 
     parser = subparsers.add_parser("serve", help="run router + prefill/decode workers on this machine")
     g = parser.add_argument_group("cluster")
@@ -60,17 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--index", default="memory", help="'memory' or redis://host:port/db")
     g.add_argument("--host", default="127.0.0.1", help="address the router's HTTP and gRPC fronts listen on "
                                                        "(workers always listen on 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
-    g.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port (0: off)")
-    g.add_argument("--routing", choices=POLICY_NAMES, default="prefix",
-                   help="how the router picks a worker: prefix (the one holding the longest cached prefix of the prompt, load-aware), round-robin, least-load or random")
-    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVFLOW_API_KEY, else no key)")
-    add_metrics_key_arg(g)
-    g.add_argument("--served-model-name", nargs="+", default=[],
-                   help="model name(s) the API answers to (default: --model)")
-    g.add_argument("--tokenizer-pool-size", type=int, default=2,
-                   help="router threads that tokenize prompts and render chat templates")
+    add_front_args(g)
     g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
                    help="decode workers prefill locally below this many uncached prompt tokens")
     g.add_argument("--prefill-gpus", type=int, nargs="+", default=None,
