@@ -4,7 +4,10 @@ and the serving benchmarks (kvflow/commands/bench_serving.py)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+import httpx
 
 from engine.arg_utils import EngineArgs
 
@@ -38,8 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_startup_command(args: argparse.Namespace) -> int:
     from kvflow.benchmarks.startup import format_line, run_startup, to_json
 
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     flags = [flag for flag in args.serve_flags if flag != "--"]
-    record = run_startup(args.model, flags, args.timeout, args.log)
+    try:
+        record = run_startup(args.model, flags, args.timeout, args.log)
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:  # the server's own error, with its log's tail
+        print(f"kvflow: error: kvflow serve did not answer: {exc}", file=sys.stderr)
+        return 1
     print(format_line(record))
     print(to_json(record))
     if args.output_json is not None:
