@@ -77,6 +77,12 @@ class RouterMetrics:
         self.requests = Counter("kvflow:requests", "Requests by prefill path.", ["path"], registry=r)
         self.prefix_matched_blocks = Counter("kvflow:route_prefix_matched_blocks",
                                              "Cached prefix blocks on the chosen prefill worker.", registry=r)
+        self.prefix_matched_host_blocks = Counter(
+            "kvflow:route_prefix_matched_host_blocks",
+            "Of those, blocks in the worker's host KV tier (loaded back there, not recomputed).", registry=r)
+        self.false_hits = Counter(
+            "kvflow:route_false_hits",
+            "Requests routed for a cached prefix that the worker then recomputed, in part or whole.", registry=r)
         self.route_decisions = Counter("kvflow:route_decisions", "Routing decisions by policy.", ["policy"],
                                        registry=r)
         self.route_prefix_hits = Counter("kvflow:route_prefix_hits",

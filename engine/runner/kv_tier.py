@@ -75,6 +75,11 @@ class KVTierCopier:
         if self._timing is None:
             self._timing = (start, end, len(copies))
 
+    def wait(self) -> None:
+        """Block until every queued copy is done (other streams, a KV transport's, are not ordered after them)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def _copy_run_cpu(self, run: list[Copy], device_caches: list[KVCache]) -> None:
         to_host = run[0][0]
         src = torch.as_tensor([c[1] for c in run], dtype=torch.int64)
