@@ -36,6 +36,20 @@ def _runs(copies: list[Copy]) -> list[list[Copy]]:
     return runs
 
 
+def _spans(copies: list[Copy]) -> list[tuple[bool, int, int, int]]:
+    """Consecutive copies of one direction whose source and destination ids both step by one, as (to_host,
+    first source, first destination, count): one slice copy each. Order is kept: spans only join neighbours."""
+    spans: list[tuple[bool, int, int, int]] = []
+    for to_host, src, dst in copies:
+        if spans:
+            last_to_host, last_src, last_dst, n = spans[-1]
+            if last_to_host == to_host and src == last_src + n and dst == last_dst + n:
+                spans[-1] = (to_host, last_src, last_dst, n + 1)
+                continue
+        spans.append((to_host, src, dst, 1))
+    return spans
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # CPU float8 has no index_copy_
 
@@ -68,8 +82,8 @@ class KVTierCopier:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record()
-            for copy in copies:
-                self._copy_block_cuda(copy, device_caches)
+            for span in _spans(copies):
+                self._copy_span_cuda(span, device_caches)
             end.record()
         compute.wait_event(end)
         if self._timing is None:
@@ -89,15 +103,16 @@ class KVTierCopier:
                 source, target = (dev, host) if to_host else (host, dev)
                 _as_bytes(target).index_copy_(0, dst, _as_bytes(source).index_select(0, src))
 
-    def _copy_block_cuda(self, copy: Copy, device_caches: list[KVCache]) -> None:
-        """One block, every layer, K and V: asynchronous copies between pinned host and device memory."""
-        to_host, src, dst = copy
+    def _copy_span_cuda(self, span: tuple[bool, int, int, int], device_caches: list[KVCache]) -> None:
+        """A span of blocks, every layer, K and V: asynchronous copies between pinned host and device memory (no
+        host-side gather, which would read host slots that earlier copies may still be writing)."""
+        to_host, src, dst, n = span
         for dev_kv, host_kv in zip(device_caches, self.host_caches, strict=True):
             for dev, host in zip(dev_kv, host_kv, strict=True):
                 if to_host:
-                    host[dst].copy_(dev[src], non_blocking=True)
+                    host[dst : dst + n].copy_(dev[src : src + n], non_blocking=True)
                 else:
-                    dev[dst].copy_(host[src], non_blocking=True)
+                    dev[dst : dst + n].copy_(host[src : src + n], non_blocking=True)
 
     def _read_timing(self) -> None:
         if self._timing is None or not self._timing[1].query():
