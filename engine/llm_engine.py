@@ -61,6 +61,7 @@ class EngineLoad:
     busy_fraction: float = 0.0  # share of the last seconds spent in steps (engine/metrics/busy.py)
     prefill_tokens_per_s: float = 0.0  # how fast a prompt admitted now would prefill; 0: not known yet
     host_reload_cost: float = 0.0  # a host-tier block's load over its recompute time (engine/metrics/reload_cost.py)
+    external_prefix_cache_hits: int = 0  # prompt tokens loaded back from the host tier (cumulative)
 
 
 class LLMEngine:
@@ -268,7 +269,8 @@ class LLMEngine:
         pool = self.kv_manager.pool
         return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
                           pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions,
-                          self.busy.fraction(time.perf_counter()), self._prefill_rate(), self._host_reload_cost())
+                          self.busy.fraction(time.perf_counter()), self._prefill_rate(), self._host_reload_cost(),
+                          self.kv_manager.stats.host_hits)
 
     def _host_reload_cost(self) -> float:
         tier = self.runner.kv_tier

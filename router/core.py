@@ -320,8 +320,7 @@ class Router:
                         elif kind == "complete":
                             delivered.complete(response.complete)
                             self._record_complete(response.complete, arrival, first_token_at)
-                            if not request.resume_token_ids:  # a resumed prompt is not what was routed
-                                self._check_prediction(route, response.complete.usage.cached_tokens)
+                            self._check_prediction(route, response.complete, bool(request.resume_token_ids))
                         yield response
                     return
                 except grpc.aio.AioRpcError as exc:
@@ -419,9 +418,13 @@ class Router:
             reason = FINISH_REASON_FROM_PROTO.get(choice.finish_reason, "unspecified")
             m.request_success.labels(reason).inc()
 
-    def _check_prediction(self, route: Route, cached_tokens: int) -> None:
+    def _check_prediction(self, route: Route, complete: pb.GenerateComplete, resumed: bool) -> None:
         """A false hit: the index promised cached blocks on the worker that prefilled, and it recomputed some of
-        them (evicted meanwhile, or advertised but not servable)."""
+        them (evicted meanwhile, or advertised but not servable). Not judged: a resumed prompt (not what was
+        routed), and a disaggregated route that fell back to a local prefill (another worker's cache)."""
+        if resumed or (route.prefill is not None and complete.prefill_path != pb.PREFILL_PATH_DISAGGREGATED):
+            return
+        cached_tokens = complete.usage.cached_tokens
         if cached_tokens < route.predicted_cached_tokens:
             self.metrics.false_hits.inc()
             logger.debug("false prefix hit on %s: %d tokens predicted cached, %d were", route.prefills_on.address,

@@ -45,6 +45,7 @@ class WorkerLoad:
     busy_fraction: float = 0.0  # share of recent time spent in steps
     prefill_tokens_per_s: float = 0.0  # a new prompt's prefill rate there now; 0: not known
     host_reload_cost: float = 0.0  # a host-tier block's load time over its recompute time; 0: not measured
+    external_prefix_cache_hits: int = 0  # prompt tokens loaded back from the host tier (cumulative)
 
 
 @dataclass(frozen=True, slots=True)

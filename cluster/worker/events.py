@@ -70,7 +70,8 @@ class KVEventHub:
                              queued_prefill_tokens=load.queued_prefill_tokens, kv_cache_usage=load.kv_cache_usage,
                              num_kv_blocks=load.num_kv_blocks, num_preemptions=load.num_preemptions,
                              busy_fraction=load.busy_fraction, prefill_tokens_per_s=load.prefill_tokens_per_s,
-                             host_reload_cost=load.host_reload_cost)
+                             host_reload_cost=load.host_reload_cost,
+                             external_prefix_cache_hits=load.external_prefix_cache_hits)
 
     def _batch(self, sequence: int, events: list[pb.KVEvent]) -> pb.KVEventBatch:
         return pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, sequence=sequence, events=events,

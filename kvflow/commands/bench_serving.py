@@ -1,8 +1,10 @@
-"""`kvflow bench serve` and `kvflow bench routing`, added under the existing `bench` sub-parser."""
+"""`kvflow bench serve`, `kvflow bench routing` and `kvflow bench multiturn`, added under the existing `bench`
+sub-parser."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -40,6 +42,7 @@ def register_bench_kinds(kinds: argparse._SubParsersAction) -> None:
     routing.add_argument("--output-json", type=Path, default=None)
     EngineArgs.add_cli_args(routing)
     routing.set_defaults(handler=run_routing)
+    _register_multiturn(kinds)
 
     pd_bench = kinds.add_parser("pd", help="P/D cost per request: TTFT disaggregated vs local, KV transfer GB/s")
     pd_bench.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
@@ -103,6 +106,39 @@ def run_pd(args: argparse.Namespace) -> int:
               f"local {record['ttft_local_s'] * 1e3:.1f} ms ({record['ttft_ratio']:.2f}x); transfer "
               f"{record['transfer_ms']:.2f} ms, {record['transfer_gbps'] or 0:.1f} GB/s "
               f"({record['transfer_share_of_ttft']:.1%} of TTFT) over {record['kv_transfer_backend']}")
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+def _register_multiturn(kinds: argparse._SubParsersAction) -> None:
+    from kvflow.benchmarks.multiturn_workload import MODES, Workload
+
+    multiturn = kinds.add_parser("multiturn", help="multi-turn conversations: no tier, host KV tier, round-robin")
+    defaults = Workload()
+    for field in dataclasses.fields(Workload):
+        multiturn.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=getattr(defaults, field.name))
+    multiturn.add_argument("--prefill-workers", type=int, default=2)
+    multiturn.add_argument("--decode-workers", type=int, default=1)
+    multiturn.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    multiturn.add_argument("--output-json", type=Path, default=None, help="e.g. bench/results/kv_tiers_cpu.json")
+    EngineArgs.add_cli_args(multiturn)
+    multiturn.set_defaults(handler=run_multiturn)
+
+
+def run_multiturn(args: argparse.Namespace) -> int:
+    from kvflow.benchmarks.multiturn import run_multiturn_bench
+    from kvflow.benchmarks.multiturn_workload import Workload
+
+    workload = Workload(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Workload)})
+    records = run_multiturn_bench(EngineArgs.from_cli_args(args), workload, args.prefill_workers,
+                                  args.decode_workers, tuple(args.modes))
+    for r in records:
+        print(f"{r['mode']:>12}: TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms, p99 {r['ttft_p99_s'] * 1e3:.1f} ms; prefix "
+              f"hits {r['prefix_hit_rate']['total']:.1%} (host {r['prefix_hit_rate']['host']:.1%}); false hits "
+              f"{r['false_hits']}; ITL p99 {r['itl_p99_s'] * 1e3:.1f} ms; {r['out_tok_s']:.1f} out tok/s "
+              f"({r['completed']} ok, {r['failed']} failed)")
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(records, indent=1) + "\n")

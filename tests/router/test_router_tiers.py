@@ -113,6 +113,11 @@ def test_a_recomputed_prefix_counts_as_a_false_hit(router: Router) -> None:
     route = router.route(prompt(0))
     assert route.predicted_cached_tokens == 7 * BLOCK
     before = router.metrics.registry.get_sample_value("kvflow:route_false_hits_total")
-    router._check_prediction(route, 7 * BLOCK)  # as predicted
-    router._check_prediction(route, 3 * BLOCK)  # partly recomputed
+    def complete(cached: int, path: int = pb.PREFILL_PATH_DISAGGREGATED) -> pb.GenerateComplete:
+        return pb.GenerateComplete(usage=pb.Usage(prompt_tokens=8 * BLOCK, cached_tokens=cached), prefill_path=path)
+
+    router._check_prediction(route, complete(7 * BLOCK), resumed=False)  # as predicted
+    router._check_prediction(route, complete(3 * BLOCK), resumed=True)  # not the routed prompt: not judged
+    router._check_prediction(route, complete(0, pb.PREFILL_PATH_LOCAL), resumed=False)  # fell back: not judged
+    router._check_prediction(route, complete(3 * BLOCK), resumed=False)  # partly recomputed
     assert router.metrics.registry.get_sample_value("kvflow:route_false_hits_total") == before + 1

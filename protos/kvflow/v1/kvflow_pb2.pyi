@@ -597,7 +597,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "busy_fraction", "prefill_tokens_per_s", "host_reload_cost")
+    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "busy_fraction", "prefill_tokens_per_s", "host_reload_cost", "external_prefix_cache_hits")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -607,6 +607,7 @@ class WorkerLoad(_message.Message):
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     HOST_RELOAD_COST_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     queued_prefill_tokens: int
@@ -616,7 +617,8 @@ class WorkerLoad(_message.Message):
     busy_fraction: float
     prefill_tokens_per_s: float
     host_reload_cost: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_reload_cost: _Optional[float] = ...) -> None: ...
+    external_prefix_cache_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_reload_cost: _Optional[float] = ..., external_prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("worker_id", "epoch", "sequence", "events", "load", "sent_unix_s")
