@@ -27,7 +27,7 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens found in the device cache
     host_queries: int = 0  # prompt tokens looked up while a host tier is on (vLLM's external prefix cache)
-    host_hits: int = 0  # of those, tokens found in the host tier (and loaded back)
+    host_hits: int = 0  # tokens loaded back from the host tier (counted per load, not per lookup)
 
 
 class KVCacheManager:
@@ -82,9 +82,8 @@ class KVCacheManager:
         num_host = sum(1 for hit in hits if isinstance(hit, HostHit))
         self.stats.queries += request.num_tokens
         self.stats.hits += (len(hits) - num_host) * self.block_size
-        if self.host_tier is not None:
+        if self.host_tier is not None:  # host hits are counted when loaded (once per admission, not per lookup)
             self.stats.host_queries += request.num_tokens
-            self.stats.host_hits += num_host * self.block_size
         return hits, len(hits) * self.block_size
 
     def _lookup(self, block_hash: bytes) -> PrefixBlock | None:
@@ -128,6 +127,7 @@ class KVCacheManager:
         finally:
             self.host_tier.unprotect()
         assert allocated is not None  # allocate_slots checked the room
+        self.stats.host_hits += len(hosts) * self.block_size
         fresh = iter(allocated)
         taken: list[KVCacheBlock] = []
         for i, hit in enumerate(prefix, start):

@@ -11,11 +11,11 @@ Modes (each on fresh conversations, so no mode profits from another's cache):
 - `round-robin`: `--routing round-robin`, no tier: the baseline without kvflow's router.
 (Cross-worker fetch, issue 31 item 3, does not exist yet: no mode claims it.)
 
-Topology: N prefill workers, which the router picks by cached prefix, and decode workers (same engine arguments:
-with the tier in `host-tier` mode, which needs their prefix cache on). One record per mode: `workload`, `device`, `mode`,
-`ttft_p50_s`, `ttft_p99_s`, `prefix_hit_rate` (`total`: cached prompt tokens over prompt tokens, as the workers
-reported them; `host`: the prompt tokens the workers loaded back from their host tiers, at most those, over
-prompt tokens), `false_hits`, `itl_p99_s`,
+Topology: as `kvflow bench routing`, N prefill workers, which the router picks by cached prefix, and decode
+workers without a prefix cache, and `--disagg-policy static`, so every prompt's KV comes from the routed prefill
+worker and each prompt is looked up once (the decode workers get room for every turn in flight); in `host-tier` mode only the prefill workers get `--kv-offloading-size`. One record per mode: `workload`,
+`device`, `mode`, `ttft_p50_s`, `ttft_p99_s`, `prefix_hit_rate` (prompt tokens not computed, over prompt tokens:
+`device`, `host` (loaded back from the prefill workers' host tiers) and their `total`), `false_hits`, `itl_p99_s`,
 `out_tok_s`.
 """
 
@@ -69,14 +69,13 @@ def _record(mode: str, workload: Workload, device: str, results: list[RequestRes
     itl = np.asarray([x for r in ok for x in r.itl_s] or [0.0])
     queries = _metric(metrics, "vllm:prefix_cache_queries_total")
     hits = _metric(metrics, "vllm:prefix_cache_hits_total")
-    # A request may look its prefix up on two workers (the decode worker's admission, the prefill worker): capped.
-    host = min(sum(_metric(metrics, f'vllm:external_prefix_cache_hits_total{{role="{role}"}}')
-                   for role in ("prefill", "decode")), hits)
+    host = min(_metric(metrics, 'vllm:external_prefix_cache_hits_total{role="prefill"}'), hits)
     return {"workload": {**dataclasses.asdict(workload), "max_prompt_tokens": workload.max_prompt_tokens},
             "device": device, "mode": mode,
             "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "prefix_hit_rate": {"total": hits / queries if queries else 0.0,
-                                "host": host / queries if queries else 0.0},
+            "prefix_hit_rate": {"device": (hits - host) / queries if queries else 0.0,
+                                "host": host / queries if queries else 0.0,
+                                "total": hits / queries if queries else 0.0},
             "false_hits": int(_metric(metrics, "kvflow:route_false_hits_total")),
             "itl_p99_s": float(np.percentile(itl, 99)),
             "out_tok_s": sum(r.output_tokens for r in ok) / duration_s,
@@ -95,7 +94,8 @@ def _run_mode(cluster: WorkerCluster, auth: ClusterAuth, mode: str, workload: Wo
               device: str) -> dict[str, Any]:
     routing = "round-robin" if mode == "round-robin" else "prefix"
     with ServerProcess.kvflow("router", "--prefill", ",".join(cluster.addresses("prefill")), "--decode",
-                              ",".join(cluster.addresses("decode")), "--routing", routing, "--disable-log-requests",
+                              ",".join(cluster.addresses("decode")), "--routing", routing, "--disagg-policy", "static",
+                              "--disable-log-requests",
                               "--disable-log-stats", env={**os.environ, **auth.env()}) as router:
         router.wait_ready(120)
         conversations = make_conversations(workload, seed, vocab)
@@ -104,6 +104,13 @@ def _run_mode(cluster: WorkerCluster, auth: ClusterAuth, mode: str, workload: Wo
         time.sleep(HEARTBEAT_S * 2)  # the workers' last cumulative counters arrive with a heartbeat
         metrics = httpx.get(f"{router.url}/metrics").text
     return _record(mode, workload, device, results, duration, metrics)
+
+
+def _decode_blocks(workload: Workload, block_size: int) -> int:
+    """Room on the decode workers for every turn in flight at its longest (plus the null block): a decode worker
+    that cannot reserve a prompt prefills it locally, and the prefill workers' caches are what is measured."""
+    per_turn = -(-(workload.max_prompt_tokens + workload.output_len) // block_size)
+    return workload.max_concurrency * per_turn + 1
 
 
 def run_multiturn_bench(engine_args: EngineArgs, workload: Workload, prefill_workers: int, decode_workers: int,
@@ -118,12 +125,15 @@ def run_multiturn_bench(engine_args: EngineArgs, workload: Workload, prefill_wor
     device = _device_name(engine_args)
     vocab = 400 if engine_args.model.startswith("tiny") else 30000
     plain = dataclasses.replace(engine_args, kv_offloading_size=None, kv_offloading_backend=None)
+    tier = ("--kv-offloading-size", str(engine_args.kv_offloading_size), "--kv-offloading-backend", "native")
     records: dict[str, dict[str, Any]] = {}
-    for args, group in ((plain, [m for m in modes if m != "host-tier"]), (engine_args, ["host-tier"])):
+    for prefill_args, group in (((), [m for m in modes if m != "host-tier"]), (tier, ["host-tier"])):
         group = [m for m in group if m in modes]
         if not group:
             continue
-        spec = ClusterSpec(args, prefill_workers, decode_workers, auth=auth)
+        spec = ClusterSpec(plain, prefill_workers, decode_workers, auth=auth, prefill_extra_args=prefill_args,
+                           decode_extra_args=("--no-enable-prefix-caching", "--num-gpu-blocks-override",
+                                              str(_decode_blocks(workload, engine_args.block_size))))
         with WorkerCluster(spec) as cluster:
             cluster.wait_ready()
             for mode in group:
