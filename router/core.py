@@ -457,7 +457,7 @@ class _Delivered:
 
 
 def _uncached(num_prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
-    """Prompt tokens a worker must compute after its cached blocks (the last token always runs)."""
+    """Prompt tokens past the matched (cached) blocks."""
     return max(num_prompt_tokens - matched_blocks * block_size, 0)
 
 
