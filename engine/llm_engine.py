@@ -248,7 +248,7 @@ class LLMEngine:
             return 0.0
         config = self.config.scheduler
         target = config.itl_target_ms / 1000 if config.itl_target_ms is not None else None
-        decoding = sum(1 for r in self.scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        decoding = sum(1 for r in self.scheduler.running if r.prefill_done)
         return self.step_model.prefill_tokens_per_s(decoding, target, config.max_num_batched_tokens)
 
     @property
