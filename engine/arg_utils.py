@@ -245,7 +245,7 @@ class EngineArgs:
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="only 1 is supported (refused otherwise)")
         g.add_argument("--enable-expert-parallel", action="store_true",
-                       help="not supported (no MoE models): refused")
+                       help="not supported yet (MoE models run on one rank): refused")
         g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
                        help="decode batch sizes captured as CUDA graphs (default: by --max-num-seqs, as vLLM)")
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
@@ -367,7 +367,21 @@ class EngineArgs:
                              "(the quantized layers' packed weights are not streamed)")
         if self.quantization == "gguf" and resolved.gguf_file is None:
             raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2'), got {self.model!r}")
+        if resolved.arch.moe is not None:
+            self._validate_moe(model)
         return model
+
+    def _validate_moe(self, model: ModelConfig) -> None:
+        """What an MoE model (engine/models/moe.py) does not run yet, refused naming the argument."""
+        if model.quantization is not None:
+            raise ValueError(f"quantization={model.quantization!r} with an MoE model ({model.arch.architecture}) is "
+                             "not supported yet: the experts run unquantized; use an unquantized checkpoint")
+        if self.cpu_offload_gb:
+            raise ValueError(f"--cpu-offload-gb with an MoE model ({model.arch.architecture}) is not supported yet "
+                             "(its layers differ in size); use --cpu-offload-gb 0")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with an MoE model "
+                             f"({model.arch.architecture}) is not supported yet: experts are not sliced across ranks")
 
     def _cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -483,5 +497,5 @@ class EngineArgs:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: kvflow has "
                              "tensor parallelism only (--tensor-parallel-size); use --pipeline-parallel-size 1")
         if self.enable_expert_parallel:
-            raise ValueError("enable_expert_parallel is not supported: kvflow serves dense models only "
-                             "(no MoE experts to distribute)")
+            raise ValueError("enable_expert_parallel is not supported yet: MoE models (Qwen3-MoE, Mixtral) run "
+                             "on one rank, all experts local; drop --enable-expert-parallel")

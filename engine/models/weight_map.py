@@ -8,6 +8,8 @@ A model class declares, as class attributes (`DeclaresWeights`):
 - `tp_plan`: checkpoint module -> its `TPSplit`; a module the plan does not name is replicated on every rank.
 - `checkpoint_prefix` and `top_level_modules`: the checkpoint stores the parameter `p` as `checkpoint_prefix + p`,
   except under the top-level modules (HF's `model.layers.0. ...` beside `lm_head.weight`).
+- `checkpoint_renames`: a module name (one part of a path) the checkpoint spells otherwise (Mixtral's `mlp` is
+  `block_sparse_moe`).
 - `gguf_tensor_names`: llama.cpp's tensor names (`{}` stands for the block index) -> the model's module paths, and
   `gguf_permuted_heads`: the checkpoint modules whose rows llama.cpp permutes in llama-architecture files (for its
   rotary layout), each with the `ModelArch` field that counts its heads.
@@ -56,6 +58,7 @@ class DeclaresWeights(Protocol):
     tp_plan: ClassVar[Mapping[str, TPSplit]]
     checkpoint_prefix: ClassVar[str]
     top_level_modules: ClassVar[tuple[str, ...]]
+    checkpoint_renames: ClassVar[Mapping[str, str]]
     gguf_tensor_names: ClassVar[Mapping[str, str]]
     gguf_permuted_heads: ClassVar[Mapping[str, str]]
 
@@ -77,6 +80,8 @@ def packed_parts(model: type[DeclaresWeights], module: str) -> list[str]:
 def checkpoint_path(model: type[DeclaresWeights], path: str) -> str:
     """A module or parameter path of the model as the checkpoint spells it."""
     top = path.partition(".")[0]
+    if model.checkpoint_renames:
+        path = ".".join(model.checkpoint_renames.get(part, part) for part in path.split("."))
     return path if top in model.top_level_modules else model.checkpoint_prefix + path
 
 
