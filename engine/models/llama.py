@@ -463,6 +463,10 @@ class CausalLM(nn.Module):
                     raise ValueError(f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}")
                 param.copy_(tensor)
 
+    def dummy_seed(self, seed: int, index: int, name: str) -> int:
+        """The generator seed of the `index`-th parameter `name` in dummy weights (the sharded draw uses it too)."""
+        return seed * 1000 + index
+
     def init_dummy_weights(self, seed: int, device: torch.device | None = None) -> None:
         """Random weights with sane scales (values do not change speed; outputs stay finite). `device`: where the
         values are drawn (default: each parameter's own), so offloaded layers, held in host memory, get the same
@@ -470,7 +474,7 @@ class CausalLM(nn.Module):
         with torch.no_grad():
             for index, (name, param) in enumerate(self.named_parameters()):
                 where = param.device if device is None else device
-                gen = torch.Generator(device=where).manual_seed(seed * 1000 + index)
+                gen = torch.Generator(device=where).manual_seed(self.dummy_seed(seed, index, name))
                 if is_norm_weight(name):
                     param.fill_(1.0)
                 elif where == param.device:

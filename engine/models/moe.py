@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -91,8 +92,9 @@ class SparseMoeBlock(nn.Module):
 class MoECausalLM(CausalLM):
     """The Llama-family decoder (attention, norms, rotary, tensor-parallel embedding and head) with the sparse block
     as the MLP of `arch.moe.sparse_layers` and the dense SwiGLU elsewhere. Subclasses name the checkpoint's
-    weights. Under tensor parallelism attention and dense MLPs are split as in `CausalLM`; experts are not sliced
-    (refused by EngineArgs)."""
+    weights. Under tensor parallelism (with expert parallelism: EngineArgs refuses TP without it) attention and
+    dense MLPs are split as in `CausalLM`, the router is replicated, and each rank holds the whole experts of its
+    `shard.experts` run; dummy weights are drawn per parameter name, so every rank count holds the same model."""
 
     # llama.cpp's MoE tensors (`ffn_gate_exps`, stacked experts) have no mapping: GGUF-quantized MoE is refused
     gguf_tensor_names: ClassVar[Mapping[str, str]] = {}
@@ -105,7 +107,13 @@ class MoECausalLM(CausalLM):
             raise ValueError(f"{arch.architecture} needs an MoE config (num_experts, num_experts_per_tok)")
         super().__init__(arch, hf_config, backend, max_positions, fused_ops, shard, group, host_layers)
 
+    def dummy_seed(self, seed: int, index: int, name: str) -> int:
+        """By name, not position: an expert-parallel rank lacks the other ranks' experts, so positions shift."""
+        return seed * 1000 + int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
+
     def build_layer(self, index: int, arch: ModelArch, backend: AttentionBackend, fused_ops: bool) -> nn.Module:
         moe = arch.moe  # never None here (__init__)
-        mlp = SparseMoeBlock(arch.hidden_size, moe) if moe is not None and index in moe.sparse_layers else None
+        if moe is None or index not in moe.sparse_layers:
+            return DecoderLayer(arch, backend, fused_ops, self.shard, self.group)
+        mlp = SparseMoeBlock(arch.hidden_size, moe, range(*self.shard.experts))
         return DecoderLayer(arch, backend, fused_ops, self.shard, self.group, mlp=mlp)

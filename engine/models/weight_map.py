@@ -31,6 +31,7 @@ from torch import nn
 # query heads, KV heads (whole GQA groups) or MLP intermediate rows.
 SplitUnit = Literal["vocab", "q_heads", "kv_heads", "intermediate"]
 _BLOCK_INDEX = re.compile(r"\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,19 @@ def checkpoint_modules(model: type[DeclaresWeights], module: str) -> list[str]:
     return [checkpoint_path(model, part) for part in packed_parts(model, module)]
 
 
+def expert_index(key: str) -> int | None:
+    """The expert an MoE checkpoint tensor belongs to (`...experts.3.gate_proj.weight` -> 3), else None."""
+    match = _EXPERT_INDEX.search(key)
+    return int(match.group(1)) if match else None
+
+
 def tp_split(model: type[DeclaresWeights], key: str) -> TPSplit | None:
     """How tensor parallelism splits the checkpoint tensor `key` (None: replicated). A bias follows its weight's
     column split; a row-parallel bias is replicated, and so is anything else a split module holds (fp8 scales
-    such as `k_proj.k_scale` or `q_proj.weight_scale`)."""
+    such as `k_proj.k_scale` or `q_proj.weight_scale`). Experts are never sliced: expert parallelism places them
+    whole (engine/parallel/layout.py)."""
+    if expert_index(key) is not None:
+        return None
     module, _, kind = key.rpartition(".")
     split = model.tp_plan.get(leaf(module))
     if split is None or kind not in ("weight", "bias") or (kind == "bias" and split.dim != 0):

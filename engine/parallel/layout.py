@@ -9,6 +9,9 @@ heads unevenly, it keeps one KV head per query head, so local attention stays a 
 
 MLP intermediate and vocabulary rows are split in contiguous near-even runs (the vocabulary in equal padded runs
 so an all-gather can join the logits; the last rank's run may be shorter).
+
+Experts (MoE models) are never sliced: with expert parallelism each rank holds a contiguous near-even run of
+whole experts, without it every expert (an MoE model then runs on one rank: EngineArgs refuses TP without EP).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class RankShard:
     intermediate: tuple[int, int]  # [start, end) of the MLP intermediate rows
     vocab: tuple[int, int]  # [start, end) of the vocabulary rows
     vocab_padded: int  # every rank's run length when gathering logits (>= the local run)
+    experts: tuple[int, int] = (0, 0)  # [start, end) of the whole experts this rank holds (MoE models)
 
     @property
     def num_heads(self) -> int:
@@ -72,7 +76,7 @@ def validate_tp(arch: ModelArch, size: int) -> None:
         raise ValueError(f"tensor_parallel_size={size} is too large for this model")
 
 
-def shard_for(arch: ModelArch, rank: int, size: int) -> RankShard:
+def shard_for(arch: ModelArch, rank: int, size: int, expert_parallel: bool = False) -> RankShard:
     validate_tp(arch, size)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside tensor_parallel_size {size}")
@@ -91,4 +95,7 @@ def shard_for(arch: ModelArch, rank: int, size: int) -> RankShard:
     vocab = (min(rank * padded, arch.vocab_size), min((rank + 1) * padded, arch.vocab_size))
     if vocab[1] <= vocab[0]:
         raise ValueError(f"tensor_parallel_size={size} leaves rank {rank} no vocabulary rows")
-    return RankShard(rank, size, q_heads, kv_heads, _runs(arch.intermediate_size, size)[rank], vocab, padded)
+    num_experts = arch.moe.num_experts if arch.moe is not None else 0
+    experts = _runs(num_experts, size)[rank] if expert_parallel else (0, num_experts)
+    return RankShard(rank, size, q_heads, kv_heads, _runs(arch.intermediate_size, size)[rank], vocab, padded,
+                     experts)

@@ -167,7 +167,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None) -> None:
         self.config = config
         self.tp_group = tp_group
-        self.shard = shard_for(config.model.arch, tp_group.rank, tp_group.size) if tp_group is not None \
+        self.shard = shard_for(config.model.arch, tp_group.rank, tp_group.size,
+                               config.device.enable_expert_parallel) if tp_group is not None \
             else RankShard.full(config.model.arch)
         self.device = torch.device(config.device.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
