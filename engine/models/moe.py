@@ -13,6 +13,9 @@ Invariants:
   is this rank's partial sum over the experts it holds, which the decoder layer all-reduces like a row-parallel
   MLP's.
 - Expert `e`'s weights are the checkpoint's `experts.{e}` modules: the parameters are named after the global id.
+- Expert load: each block counts the tokens routed to every expert (all of them, not only this rank's) in a
+  device buffer, without a host read; `MoECausalLM.take_expert_load` reads and clears them once per engine step.
+  Forwards replayed from CUDA graphs are not counted (the count is taken on the eager path only).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +69,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): Expert(hidden_size, moe.expert_intermediate_size)
                                       for e in self.expert_ids})
+        # tokens routed to each expert since the last take (engine metrics), a buffer: moves with the model
+        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize, x.dtype)
@@ -72,7 +78,9 @@ class SparseMoeBlock(nn.Module):
             return self._all_experts(x, weights, ids)
         out = torch.zeros_like(x)
         first = self.expert_ids.start
-        hits = torch.bincount(ids.flatten(), minlength=self.moe.num_experts)[first : self.expert_ids.stop]
+        counts = torch.bincount(ids.flatten(), minlength=self.moe.num_experts)
+        self.load += counts
+        hits = counts[first : self.expert_ids.stop]
         for local in hits.nonzero().flatten().tolist():  # one host read: which of this rank's experts got tokens
             tokens, slot = torch.where(ids == first + local)
             y = self.experts[str(first + local)](x[tokens]) * weights[tokens, slot, None]
@@ -110,6 +118,17 @@ class MoECausalLM(CausalLM):
     def dummy_seed(self, seed: int, index: int, name: str) -> int:
         """By name, not position: an expert-parallel rank lacks the other ranks' experts, so positions shift."""
         return seed * 1000 + int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
+
+    def take_expert_load(self) -> np.ndarray:
+        """Tokens routed to each expert [sparse layer, expert] since the last call, and the counts cleared: one
+        host read. Every rank routes every token, so rank 0's counts cover all experts."""
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        if not blocks:
+            return np.zeros((0, 0), dtype=np.int64)
+        load = torch.stack([block.load for block in blocks]).cpu().numpy()
+        for block in blocks:
+            block.load.zero_()
+        return load
 
     def build_layer(self, index: int, arch: ModelArch, backend: AttentionBackend, fused_ops: bool) -> nn.Module:
         moe = arch.moe  # never None here (__init__)

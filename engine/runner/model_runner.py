@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.kv_layout import DTYPES
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
+from engine.models.moe import MoECausalLM
 from engine.models.registry import model_class
 from engine.outputs import (
     ModelRunnerOutput,
@@ -270,6 +271,11 @@ class ModelRunner:
                                            self.config.device.max_seq_len_to_capture, self.block_size, self.device)
         if self.on_cuda:
             warm_up(self)
+        self.take_expert_load()  # the profile, capture and warm-up forwards routed no real token
+
+    def take_expert_load(self) -> np.ndarray | None:
+        """MoE models: tokens routed to each expert [sparse layer, expert] since the last call; None if dense."""
+        return self.model.take_expert_load() if isinstance(self.model, MoECausalLM) else None
 
     def _allocate_kv(self, num_blocks: int) -> None:
         self.kv_caches = []  # drop the old cache before allocating the new one

@@ -183,3 +183,26 @@ def test_pd_transfer_matches_transformers(checkpoints) -> None:  # noqa: ANN001
         decode.finish_remote_prefill(rid, first, None, prefill.sampler_state(rid))
         assert run_to_end(decode, rid) == expected
         assert decode.stats.prompt_tokens == prompt_tokens, "the decode side computed no prompt token"
+
+
+def test_expert_load_histogram(checkpoints) -> None:  # noqa: ANN001
+    """Every step observes each (sparse layer, expert)'s routed tokens; all observations sum to every token the
+    model ran times top-k times the sparse layers, and /metrics exports the histogram."""
+    from prometheus_client import generate_latest
+
+    from engine.metrics.prometheus import EngineMetrics
+
+    case = checkpoints["qwen3-moe"]
+    llm, got = generate(case.path, case.prompts)
+    stats = llm.stats
+    moe = llm.llm_engine.config.model.arch.moe
+    forwarded = sum(map(len, case.prompts)) + len(case.prompts) * (MAX_TOKENS - 1)  # the last token is never fed
+    assert stats.moe_expert_tokens_sum == forwarded * moe.top_k * len(moe.sparse_layers)
+    assert stats.moe_expert_tokens_buckets[-1] == stats.num_steps * moe.num_experts * len(moe.sparse_layers)
+    assert stats.moe_expert_tokens_buckets == sorted(stats.moe_expert_tokens_buckets)  # cumulative
+    metrics = EngineMetrics("m")
+    metrics.update(stats, [])
+    text = generate_latest(metrics.registry).decode()
+    assert f'kvflow:moe_expert_tokens_bucket{{le="+Inf",model_name="m"}} {stats.num_steps * 16}.0' in text
+    assert f'kvflow:moe_expert_tokens_sum{{model_name="m"}} {stats.moe_expert_tokens_sum}.0' in text
+    assert "kvflow:moe_expert_tokens" not in generate_latest(EngineMetrics("dense").registry).decode()
