@@ -386,10 +386,11 @@ class EngineArgs:
         if self.cpu_offload_gb:
             raise ValueError(f"--cpu-offload-gb with an MoE model ({model.arch.architecture}) is not supported yet "
                              "(its layers differ in size); use --cpu-offload-gb 0")
-        if self.tensor_parallel_size > 1 and not self.enable_expert_parallel:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with an MoE model "
-                             f"({model.arch.architecture}) needs --enable-expert-parallel: experts are dealt out "
-                             "whole, not sliced across ranks")
+        moe = model.arch.moe
+        if moe is not None and not self.enable_expert_parallel and moe.expert_intermediate_size < \
+                self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} slices each expert's "
+                             f"{moe.expert_intermediate_size} intermediate rows too thin; use --enable-expert-parallel")
 
     def _cache_config(self) -> CacheConfig:
         return CacheConfig(

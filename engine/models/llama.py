@@ -338,6 +338,7 @@ class CausalLM(nn.Module):
         "gate_proj": column_parallel("intermediate"), "up_proj": column_parallel("intermediate"),
         "down_proj": row_parallel("intermediate"),
     }
+    expert_tp_plan: ClassVar[Mapping[str, TPSplit]] = {}  # no experts (MoE models: engine/models/moe.py)
     checkpoint_prefix: ClassVar[str] = "model."
     layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer  # one decoder layer (sized on the meta device to plan offload)
     # Where a layer's attention weights (and a calibrated fp8 KV scale pair) sit in the checkpoint, by layer index.

@@ -9,9 +9,9 @@ Invariants:
   in ascending expert id, each adding its weighted rows into the output as HF's loop does. While a CUDA graph is
   captured the active experts cannot be read on the host, so every expert runs on every token, weighted zero
   where it was not picked: the same sums at dense cost.
-- A block holds the experts `expert_ids` names (all of them unless expert parallelism deals them out); its output
-  is this rank's partial sum over the experts it holds, which the decoder layer all-reduces like a row-parallel
-  MLP's.
+- A block holds the experts `expert_ids` names (all of them unless expert parallelism deals them out), each whole
+  or (tensor parallelism without expert parallelism) a run of its intermediate rows; its output is this rank's
+  partial sum, which the decoder layer all-reduces like a row-parallel MLP's.
 - Expert `e`'s weights are the checkpoint's `experts.{e}` modules: the parameters are named after the global id.
 - Expert load: each block counts the tokens routed to every expert (all of them, not only this rank's) in a
   device buffer, without a host read; `MoECausalLM.take_expert_load` reads and clears them once per engine step.
@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.models.arch import ModelArch, MoEArch
 from engine.models.llama import CausalLM, Collectives, DecoderLayer
+from engine.models.weight_map import TPSplit, column_parallel, row_parallel
 from engine.parallel.layout import RankShard
 from engine.runner.attention import AttentionBackend
 
@@ -62,13 +63,15 @@ class Expert(nn.Module):
 class SparseMoeBlock(nn.Module):
     """The router (`gate`, replicated) and this rank's experts, keyed by global expert id."""
 
-    def __init__(self, hidden_size: int, moe: MoEArch, expert_ids: range | None = None) -> None:
+    def __init__(self, hidden_size: int, moe: MoEArch, expert_ids: range | None = None,
+                 intermediate_size: int | None = None) -> None:
+        """`expert_ids` and `intermediate_size`: this rank's experts and its rows of each (default: all)."""
         super().__init__()
         self.moe = moe
         self.expert_ids = range(moe.num_experts) if expert_ids is None else expert_ids
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): Expert(hidden_size, moe.expert_intermediate_size)
-                                      for e in self.expert_ids})
+        rows = moe.expert_intermediate_size if intermediate_size is None else intermediate_size
+        self.experts = nn.ModuleDict({str(e): Expert(hidden_size, rows) for e in self.expert_ids})
         # tokens routed to each expert since the last take (engine metrics), a buffer: moves with the model
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
 
@@ -100,10 +103,15 @@ class SparseMoeBlock(nn.Module):
 class MoECausalLM(CausalLM):
     """The Llama-family decoder (attention, norms, rotary, tensor-parallel embedding and head) with the sparse block
     as the MLP of `arch.moe.sparse_layers` and the dense SwiGLU elsewhere. Subclasses name the checkpoint's
-    weights. Under tensor parallelism (with expert parallelism: EngineArgs refuses TP without it) attention and
-    dense MLPs are split as in `CausalLM`, the router is replicated, and each rank holds the whole experts of its
-    `shard.experts` run; dummy weights are drawn per parameter name, so every rank count holds the same model."""
+    weights. Under tensor parallelism attention and dense MLPs are split as in `CausalLM` and the router is
+    replicated; each rank holds every expert sliced (`expert_tp_plan`: gate|up column-, down row-parallel), or,
+    with expert parallelism, the whole experts of its `shard.experts` run. Dummy weights are drawn per parameter
+    name, so every layout holds the same model."""
 
+    expert_tp_plan: ClassVar[Mapping[str, TPSplit]] = {
+        "gate_proj": column_parallel("expert_intermediate"), "up_proj": column_parallel("expert_intermediate"),
+        "down_proj": row_parallel("expert_intermediate"),
+    }
     # llama.cpp's MoE tensors (`ffn_gate_exps`, stacked experts) have no mapping: GGUF-quantized MoE is refused
     gguf_tensor_names: ClassVar[Mapping[str, str]] = {}
     gguf_permuted_heads: ClassVar[Mapping[str, str]] = {}
@@ -134,5 +142,5 @@ class MoECausalLM(CausalLM):
         moe = arch.moe  # never None here (__init__)
         if moe is None or index not in moe.sparse_layers:
             return DecoderLayer(arch, backend, fused_ops, self.shard, self.group)
-        mlp = SparseMoeBlock(arch.hidden_size, moe, range(*self.shard.experts))
+        mlp = SparseMoeBlock(arch.hidden_size, moe, range(*self.shard.experts), self.shard.expert_intermediate_size)
         return DecoderLayer(arch, backend, fused_ops, self.shard, self.group, mlp=mlp)

@@ -6,6 +6,8 @@ A model class declares, as class attributes (`DeclaresWeights`):
 - `packed_modules_mapping` (nano-vllm's form): checkpoint module -> (the fused module it loads into, its position
   there). A fused weight is its parts stacked along the output dim in position order (q|k|v, gate|up).
 - `tp_plan`: checkpoint module -> its `TPSplit`; a module the plan does not name is replicated on every rank.
+  `expert_tp_plan` (MoE models) is the same for the modules inside an expert (`experts.{e}.`), whose leaves may
+  repeat a dense MLP's (Qwen3-MoE's `gate_proj`) at another size.
 - `checkpoint_prefix` and `top_level_modules`: the checkpoint stores the parameter `p` as `checkpoint_prefix + p`,
   except under the top-level modules (HF's `model.layers.0. ...` beside `lm_head.weight`).
 - `checkpoint_renames`: a module name (one part of a path) the checkpoint spells otherwise (Mixtral's `mlp` is
@@ -28,8 +30,8 @@ from typing import ClassVar, Literal, Protocol
 from torch import nn
 
 # What tensor parallelism deals out among ranks, in engine/parallel/layout.py's `RankShard` runs: vocabulary rows,
-# query heads, KV heads (whole GQA groups) or MLP intermediate rows.
-SplitUnit = Literal["vocab", "q_heads", "kv_heads", "intermediate"]
+# query heads, KV heads (whole GQA groups), MLP intermediate rows or each MoE expert's intermediate rows.
+SplitUnit = Literal["vocab", "q_heads", "kv_heads", "intermediate", "expert_intermediate"]
 _BLOCK_INDEX = re.compile(r"\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
@@ -57,6 +59,7 @@ class DeclaresWeights(Protocol):
 
     packed_modules_mapping: ClassVar[Mapping[str, tuple[str, int]]]
     tp_plan: ClassVar[Mapping[str, TPSplit]]
+    expert_tp_plan: ClassVar[Mapping[str, TPSplit]]
     checkpoint_prefix: ClassVar[str]
     top_level_modules: ClassVar[tuple[str, ...]]
     checkpoint_renames: ClassVar[Mapping[str, str]]
@@ -107,12 +110,11 @@ def expert_index(key: str) -> int | None:
 def tp_split(model: type[DeclaresWeights], key: str) -> TPSplit | None:
     """How tensor parallelism splits the checkpoint tensor `key` (None: replicated). A bias follows its weight's
     column split; a row-parallel bias is replicated, and so is anything else a split module holds (fp8 scales
-    such as `k_proj.k_scale` or `q_proj.weight_scale`). Experts are never sliced: expert parallelism places them
-    whole (engine/parallel/layout.py)."""
-    if expert_index(key) is not None:
-        return None
+    such as `k_proj.k_scale` or `q_proj.weight_scale`). An expert's weights split by `expert_tp_plan` (a rank
+    whose shard holds experts whole, under expert parallelism, takes the full run)."""
     module, _, kind = key.rpartition(".")
-    split = model.tp_plan.get(leaf(module))
+    plan = model.expert_tp_plan if expert_index(key) is not None else model.tp_plan
+    split = plan.get(leaf(module))
     if split is None or kind not in ("weight", "bias") or (kind == "bias" and split.dim != 0):
         return None
     return split

@@ -10,8 +10,8 @@ heads unevenly, it keeps one KV head per query head, so local attention stays a 
 MLP intermediate and vocabulary rows are split in contiguous near-even runs (the vocabulary in equal padded runs
 so an all-gather can join the logits; the last rank's run may be shorter).
 
-Experts (MoE models) are never sliced: with expert parallelism each rank holds a contiguous near-even run of
-whole experts, without it every expert (an MoE model then runs on one rank: EngineArgs refuses TP without EP).
+Experts (MoE models): with expert parallelism each rank holds a contiguous near-even run of whole experts;
+without it every rank holds every expert, each sliced like a dense MLP (a contiguous run of its intermediate rows).
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ class RankShard:
     intermediate: tuple[int, int]  # [start, end) of the MLP intermediate rows
     vocab: tuple[int, int]  # [start, end) of the vocabulary rows
     vocab_padded: int  # every rank's run length when gathering logits (>= the local run)
-    experts: tuple[int, int] = (0, 0)  # [start, end) of the whole experts this rank holds (MoE models)
+    experts: tuple[int, int] = (0, 0)  # [start, end) of the experts this rank holds (MoE models)
+    expert_intermediate: tuple[int, int] = (0, 0)  # [start, end) of each held expert's intermediate rows
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.expert_intermediate[1] - self.expert_intermediate[0]
 
     @property
     def num_heads(self) -> int:
@@ -95,7 +100,10 @@ def shard_for(arch: ModelArch, rank: int, size: int, expert_parallel: bool = Fal
     vocab = (min(rank * padded, arch.vocab_size), min((rank + 1) * padded, arch.vocab_size))
     if vocab[1] <= vocab[0]:
         raise ValueError(f"tensor_parallel_size={size} leaves rank {rank} no vocabulary rows")
-    num_experts = arch.moe.num_experts if arch.moe is not None else 0
-    experts = _runs(num_experts, size)[rank] if expert_parallel else (0, num_experts)
+    num_experts, expert_rows = (arch.moe.num_experts, arch.moe.expert_intermediate_size) if arch.moe else (0, 0)
+    if expert_parallel:
+        experts, expert_intermediate = _runs(num_experts, size)[rank], (0, expert_rows)
+    else:
+        experts, expert_intermediate = (0, num_experts), _runs(expert_rows, size)[rank]
     return RankShard(rank, size, q_heads, kv_heads, _runs(arch.intermediate_size, size)[rank], vocab, padded,
-                     experts)
+                     experts, expert_intermediate)
