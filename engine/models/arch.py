@@ -16,16 +16,24 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MoEArch:
     """The sparse MLP of an MoE model: `num_experts` SwiGLU experts, `top_k` of them per token, picked by a router
-    that softmaxes all experts' logits, keeps the top k, and (`renormalize`) rescales those k to sum to one."""
+    that softmaxes all experts' logits, keeps the top k, and (`renormalize`) rescales those k to sum to one; plus,
+    where `shared_expert_intermediate_size` > 0 (Qwen2-MoE), one shared expert every token runs, scaled by a
+    sigmoid gate."""
 
     num_experts: int
     top_k: int
     expert_intermediate_size: int
     renormalize: bool  # Qwen3-MoE's norm_topk_prob; always true for Mixtral (softmax over the top-k logits)
     sparse_layers: tuple[int, ...]  # the decoder layers whose MLP is the sparse block; the rest are dense
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
 
     def expert_params(self, hidden_size: int) -> int:
         return 3 * hidden_size * self.expert_intermediate_size
+
+    def shared_params(self, hidden_size: int) -> int:
+        """The shared expert and its gate (none: 0)."""
+        size = self.shared_expert_intermediate_size
+        return 3 * hidden_size * size + hidden_size if size else 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,6 @@ class ModelArch:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         total = self.vocab_size * h + self.num_layers * per_layer + h + head
         if self.moe is not None:  # a sparse layer holds the router and its experts instead of the dense MLP
-            sparse = self.moe.num_experts * (self.moe.expert_params(h) + h) - 3 * h * i
+            sparse = self.moe.num_experts * (self.moe.expert_params(h) + h) + self.moe.shared_params(h) - 3 * h * i
             total += len(self.moe.sparse_layers) * sparse
         return total

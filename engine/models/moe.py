@@ -64,21 +64,34 @@ class SparseMoeBlock(nn.Module):
     """The router (`gate`, replicated) and this rank's experts, keyed by global expert id."""
 
     def __init__(self, hidden_size: int, moe: MoEArch, expert_ids: range | None = None,
-                 intermediate_size: int | None = None) -> None:
-        """`expert_ids` and `intermediate_size`: this rank's experts and its rows of each (default: all)."""
+                 intermediate_size: int | None = None, shared_intermediate_size: int | None = None) -> None:
+        """`expert_ids`, `intermediate_size` and `shared_intermediate_size`: this rank's experts, its rows of each
+        and of the shared expert (default: all)."""
         super().__init__()
         self.moe = moe
         self.expert_ids = range(moe.num_experts) if expert_ids is None else expert_ids
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         rows = moe.expert_intermediate_size if intermediate_size is None else intermediate_size
         self.experts = nn.ModuleDict({str(e): Expert(hidden_size, rows) for e in self.expert_ids})
+        shared = moe.shared_expert_intermediate_size if shared_intermediate_size is None else shared_intermediate_size
+        self.shared_expert = Expert(hidden_size, shared) if moe.shared_expert_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if self.shared_expert is not None else None
         # tokens routed to each expert since the last take (engine metrics), a buffer: moves with the model
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize, x.dtype)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._all_experts(x, weights, ids)
+            routed = self._all_experts(x, weights, ids)
+        else:
+            routed = self._routed_experts(x, weights, ids)
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return routed
+        # HF's order: the routed sum plus the gated shared expert (this rank's rows of it: a partial sum too)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The reference loop over this rank's experts that got tokens."""
         out = torch.zeros_like(x)
         first = self.expert_ids.start
         counts = torch.bincount(ids.flatten(), minlength=self.moe.num_experts)
@@ -142,5 +155,6 @@ class MoECausalLM(CausalLM):
         moe = arch.moe  # never None here (__init__)
         if moe is None or index not in moe.sparse_layers:
             return DecoderLayer(arch, backend, fused_ops, self.shard, self.group)
-        mlp = SparseMoeBlock(arch.hidden_size, moe, range(*self.shard.experts), self.shard.expert_intermediate_size)
+        mlp = SparseMoeBlock(arch.hidden_size, moe, range(*self.shard.experts), self.shard.expert_intermediate_size,
+                             self.shard.shared_expert_intermediate_size)
         return DecoderLayer(arch, backend, fused_ops, self.shard, self.group, mlp=mlp)

@@ -56,10 +56,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(_TINY, model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False),
     "tiny-qwen2": dict(_TINY, model_type="qwen2", rms_norm_eps=1e-6, tie_word_embeddings=True),
     "tiny-qwen3": dict(_TINY, model_type="qwen3", head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    # MoE: 8 experts, 2 per token; Qwen3-MoE's middle layer is dense (mlp_only_layers) to cover both kinds
+    # MoE: 8 experts, 2 per token; Qwen3-MoE's middle layer is dense (mlp_only_layers) to cover both kinds;
+    # Qwen2-MoE's shared expert is wider than the routed ones (as in Qwen1.5-MoE)
     "tiny-qwen3-moe": dict(_TINY, model_type="qwen3_moe", num_hidden_layers=3, head_dim=32, num_experts=8,
                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                            decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "tiny-qwen2-moe": dict(_TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                           decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False),
     "tiny-mixtral": dict(_TINY, model_type="mixtral", intermediate_size=32, num_local_experts=8,
                          num_experts_per_tok=2, sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }

@@ -5,7 +5,8 @@ the dense loader, the tensor-parallel sharder (engine/parallel/sharding.py) and 
 A model class declares, as class attributes (`DeclaresWeights`):
 - `packed_modules_mapping` (nano-vllm's form): checkpoint module -> (the fused module it loads into, its position
   there). A fused weight is its parts stacked along the output dim in position order (q|k|v, gate|up).
-- `tp_plan`: checkpoint module -> its `TPSplit`; a module the plan does not name is replicated on every rank.
+- `tp_plan`: checkpoint module -> its `TPSplit`; a module the plan does not name is replicated on every rank. A
+  key may name the module with its parent (`shared_expert.gate_proj`), which wins over the leaf alone.
   `expert_tp_plan` (MoE models) is the same for the modules inside an expert (`experts.{e}.`), whose leaves may
   repeat a dense MLP's (Qwen3-MoE's `gate_proj`) at another size.
 - `checkpoint_prefix` and `top_level_modules`: the checkpoint stores the parameter `p` as `checkpoint_prefix + p`,
@@ -30,8 +31,10 @@ from typing import ClassVar, Literal, Protocol
 from torch import nn
 
 # What tensor parallelism deals out among ranks, in engine/parallel/layout.py's `RankShard` runs: vocabulary rows,
-# query heads, KV heads (whole GQA groups), MLP intermediate rows or each MoE expert's intermediate rows.
-SplitUnit = Literal["vocab", "q_heads", "kv_heads", "intermediate", "expert_intermediate"]
+# query heads, KV heads (whole GQA groups), MLP intermediate rows, each MoE expert's intermediate rows or the
+# shared expert's.
+SplitUnit = Literal["vocab", "q_heads", "kv_heads", "intermediate", "expert_intermediate",
+                    "shared_expert_intermediate"]
 _BLOCK_INDEX = re.compile(r"\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
@@ -114,7 +117,7 @@ def tp_split(model: type[DeclaresWeights], key: str) -> TPSplit | None:
     whose shard holds experts whole, under expert parallelism, takes the full run)."""
     module, _, kind = key.rpartition(".")
     plan = model.expert_tp_plan if expert_index(key) is not None else model.tp_plan
-    split = plan.get(leaf(module))
+    split = plan.get(".".join(module.split(".")[-2:])) or plan.get(leaf(module))
     if split is None or kind not in ("weight", "bias") or (kind == "bias" and split.dim != 0):
         return None
     return split

@@ -12,6 +12,7 @@ so an all-gather can join the logits; the last rank's run may be shorter).
 
 Experts (MoE models): with expert parallelism each rank holds a contiguous near-even run of whole experts;
 without it every rank holds every expert, each sliced like a dense MLP (a contiguous run of its intermediate rows).
+A shared expert (Qwen2-MoE) is sliced like a dense MLP either way.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ class RankShard:
     vocab_padded: int  # every rank's run length when gathering logits (>= the local run)
     experts: tuple[int, int] = (0, 0)  # [start, end) of the experts this rank holds (MoE models)
     expert_intermediate: tuple[int, int] = (0, 0)  # [start, end) of each held expert's intermediate rows
+    shared_expert_intermediate: tuple[int, int] = (0, 0)  # [start, end) of the shared expert's intermediate rows
 
     @property
     def expert_intermediate_size(self) -> int:
         return self.expert_intermediate[1] - self.expert_intermediate[0]
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.shared_expert_intermediate[1] - self.shared_expert_intermediate[0]
 
     @property
     def num_heads(self) -> int:
@@ -101,9 +107,10 @@ def shard_for(arch: ModelArch, rank: int, size: int, expert_parallel: bool = Fal
     if vocab[1] <= vocab[0]:
         raise ValueError(f"tensor_parallel_size={size} leaves rank {rank} no vocabulary rows")
     num_experts, expert_rows = (arch.moe.num_experts, arch.moe.expert_intermediate_size) if arch.moe else (0, 0)
+    shared_rows = arch.moe.shared_expert_intermediate_size if arch.moe else 0
     if expert_parallel:
         experts, expert_intermediate = _runs(num_experts, size)[rank], (0, expert_rows)
     else:
         experts, expert_intermediate = (0, num_experts), _runs(expert_rows, size)[rank]
     return RankShard(rank, size, q_heads, kv_heads, _runs(arch.intermediate_size, size)[rank], vocab, padded,
-                     experts, expert_intermediate)
+                     experts, expert_intermediate, _runs(shared_rows, size)[rank])

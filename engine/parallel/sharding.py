@@ -45,7 +45,8 @@ def _unit_size(split: TPSplit, arch: ModelArch) -> int:
     hd = arch.head_dim
     sizes = {"vocab": arch.vocab_size, "q_heads": arch.num_heads * hd, "kv_heads": arch.num_kv_heads * hd,
              "intermediate": arch.intermediate_size,
-             "expert_intermediate": arch.moe.expert_intermediate_size if arch.moe is not None else 0}
+             "expert_intermediate": arch.moe.expert_intermediate_size if arch.moe is not None else 0,
+             "shared_expert_intermediate": arch.moe.shared_expert_intermediate_size if arch.moe is not None else 0}
     return sizes[split.unit]
 
 
@@ -56,7 +57,8 @@ def _take(source: Any, split: TPSplit, arch: ModelArch, shard: RankShard) -> tor
             raise ValueError("KV heads split the output rows only")
         return _kv_take(source, shard.kv_heads, arch.head_dim)
     runs = {"vocab": shard.vocab, "q_heads": _head_rows(*shard.q_heads, arch.head_dim),
-            "intermediate": shard.intermediate, "expert_intermediate": shard.expert_intermediate}
+            "intermediate": shard.intermediate, "expert_intermediate": shard.expert_intermediate,
+            "shared_expert_intermediate": shard.shared_expert_intermediate}
     start, end = runs[split.unit]
     return source[start:end] if split.dim == 0 else source[:, start:end]
 

@@ -81,6 +81,17 @@ def test_ep2_matches_ep1_and_transformers(qwen3_moe) -> None:  # noqa: ANN001
         assert layers[1].mlp.down_proj.in_features == 64  # the dense layer's MLP: half of the 128 rows
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_qwen2_moe_shared_expert_over_two_ranks_matches_transformers(tmp_path: Path, expert_parallel: bool) -> None:
+    """The shared expert is sliced by its rows on both layouts; its gate is replicated."""
+    hf = save_moe_checkpoint(tmp_path, "tiny-qwen2-moe")
+    ids = prompts(hf.config.vocab_size)[:2]
+    with LLM(str(tmp_path), **ARGS, tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as two:
+        assert _ids(two, ids) == [hf_greedy(hf, p) for p in ids]
+        block = two.llm_engine.runner.model.layers[0].mlp
+        assert block.shared_expert.down_proj.in_features == 24 and block.shared_expert_gate.out_features == 1
+
+
 def test_dummy_ep2_and_tp2_match_one_rank() -> None:
     ids = prompts(512)
     base = _ids(LLM("tiny-mixtral", load_format="dummy", **ARGS), ids)

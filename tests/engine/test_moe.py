@@ -22,12 +22,13 @@ from tests.helpers.oracle import run_to_end
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 # (preset, config overrides): Qwen3-MoE with a dense middle layer and renormalized weights, Qwen3-MoE with
-# decoder_sparse_step 2 and raw top-k weights, Mixtral
+# decoder_sparse_step 2 and raw top-k weights, Mixtral, Qwen2-MoE (q|k|v bias, a gated shared expert)
 CASES = {
     "qwen3-moe": ("tiny-qwen3-moe", {}),
     "qwen3-moe-step2-raw": ("tiny-qwen3-moe", {"decoder_sparse_step": 2, "mlp_only_layers": [],
                                                "norm_topk_prob": False}),
     "mixtral": ("tiny-mixtral", {}),
+    "qwen2-moe-shared": ("tiny-qwen2-moe", {}),
 }
 
 
@@ -144,7 +145,7 @@ def test_sparse_block_dense_path_equals_loop() -> None:
     with torch.no_grad():
         block.gate.weight.normal_(0.0, 1.0)
         weights, ids = route(block.gate(x), 2, True, x.dtype)
-        torch.testing.assert_close(block._all_experts(x, weights, ids), block(x))
+        torch.testing.assert_close(block._all_experts(x, weights, ids), block._routed_experts(x, weights, ids))
 
 
 def test_moe_refusals(checkpoints) -> None:  # noqa: ANN001
