@@ -1,5 +1,6 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral) and the decoder that places it: a router picks `top_k`
-of `num_experts` SwiGLU experts per token, and the token's output is the routing-weighted sum of theirs.
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) and the decoder that places it: a router picks
+`top_k` of `num_experts` SwiGLU experts per token, and the token's output is the routing-weighted sum of theirs,
+plus, where the config has one (Qwen2-MoE), a shared expert's output scaled by its sigmoid gate.
 
 Invariants:
 - Routing is transformers' arithmetic: an fp32 softmax over every expert's logit, the top k, renormalized to sum
