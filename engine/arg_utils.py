@@ -162,7 +162,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # accepted for vLLM parity; only 1 runs (refused otherwise)
-    enable_expert_parallel: bool = False  # likewise: refused when set
+    enable_expert_parallel: bool = False  # MoE models: whole experts dealt out across the TP ranks
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
@@ -254,7 +254,8 @@ class EngineArgs:
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="only 1 is supported (refused otherwise)")
         g.add_argument("--enable-expert-parallel", action="store_true",
-                       help="not supported (no MoE models): refused")
+                       help="MoE models: deal whole experts out across the --tensor-parallel-size ranks (attention "
+                            "stays tensor-parallel; each rank's expert outputs are summed by one all-reduce)")
         g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
                        help="decode batch sizes captured as CUDA graphs (default: by --max-num-seqs, as vLLM)")
         g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
@@ -320,6 +321,12 @@ class EngineArgs:
         from engine.parallel.layout import validate_tp
 
         validate_tp(arch, self.tensor_parallel_size)
+        if self.enable_expert_parallel and arch.moe is None:
+            raise ValueError(f"enable_expert_parallel is not supported for {arch.architecture}: a dense model has no "
+                             "experts to deal out; drop --enable-expert-parallel")
+        if self.enable_expert_parallel and arch.moe is not None and arch.moe.num_experts < self.tensor_parallel_size:
+            raise ValueError(f"enable_expert_parallel with tensor_parallel_size={self.tensor_parallel_size} needs at "
+                             f"least one expert per rank; the model has {arch.moe.num_experts}")
         if self.tensor_parallel_size > 1 and speculative is not None:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported yet (the draft "
                              "model and the verify step run on one rank)")
@@ -376,7 +383,23 @@ class EngineArgs:
                              "(the quantized layers' packed weights are not streamed)")
         if self.quantization == "gguf" and resolved.gguf_file is None:
             raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2'), got {self.model!r}")
+        if resolved.arch.moe is not None:
+            self._validate_moe(model)
         return model
+
+    def _validate_moe(self, model: ModelConfig) -> None:
+        """What an MoE model (engine/models/moe.py) does not run yet, refused naming the argument."""
+        if model.quantization is not None:
+            raise ValueError(f"quantization={model.quantization!r} with an MoE model ({model.arch.architecture}) is "
+                             "not supported yet: the experts run unquantized; use an unquantized checkpoint")
+        if self.cpu_offload_gb:
+            raise ValueError(f"--cpu-offload-gb with an MoE model ({model.arch.architecture}) is not supported yet "
+                             "(its layers differ in size); use --cpu-offload-gb 0")
+        moe = model.arch.moe
+        if moe is not None and not self.enable_expert_parallel and moe.expert_intermediate_size < \
+                self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} slices each expert's "
+                             f"{moe.expert_intermediate_size} intermediate rows too thin; use --enable-expert-parallel")
 
     def _cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -396,6 +419,7 @@ class EngineArgs:
             device=device,
             enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else None,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
         )
@@ -518,6 +542,3 @@ class EngineArgs:
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: kvflow has "
                              "tensor parallelism only (--tensor-parallel-size); use --pipeline-parallel-size 1")
-        if self.enable_expert_parallel:
-            raise ValueError("enable_expert_parallel is not supported: kvflow serves dense models only "
-                             "(no MoE experts to distribute)")

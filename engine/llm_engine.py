@@ -281,7 +281,7 @@ class LLMEngine:
             return 0.0
         config = self.config.scheduler
         target = config.itl_target_ms / 1000 if config.itl_target_ms is not None else None
-        decoding = sum(1 for r in self.scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        decoding = sum(1 for r in self.scheduler.running if r.prefill_done)
         return self.step_model.prefill_tokens_per_s(decoding, target, config.max_num_batched_tokens)
 
     @property
@@ -309,6 +309,9 @@ class LLMEngine:
             self.proposer.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
+        expert_load = self.runner.take_expert_load()
+        if expert_load is not None and expert_load.any():  # none: no forward, or one replayed from a CUDA graph
+            self.stats.count_expert_load(expert_load)
         if self.proposer is not None:
             self.stats.count_spec(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -13,6 +13,8 @@ from engine.structured.grammar import StructuredOutputsParams
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default --max-logprobs)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_BAD_WORDS = 128  # bounds per-step host work: each word is matched against its row's output at every step
+MAX_BAD_WORD_CHARS = 256
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -37,10 +39,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
+    allowed_token_ids: list[int] | None = None  # only these token ids may be sampled
+    bad_words: list[str] | None = None  # words never generated (a multi-token word: its last token is banned after the rest)
     # Guided decoding (vLLM's name; `guided_decoding=` is accepted as its older spelling).
     structured_outputs: StructuredOutputsParams | None = None
     # Fields the user set explicitly; generation_config defaults fill only the others.
     _explicit: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    # `bad_words` as token id sequences, set by the engine's input processor (it holds the tokenizer).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __init__(self, **kwargs: Any) -> None:
         if "guided_decoding" in kwargs:  # vLLM before 0.10.2
@@ -48,7 +54,7 @@ class SamplingParams:
                 raise InvalidRequest("give structured_outputs or guided_decoding, not both", "guided_decoding")
             kwargs = {**kwargs, "structured_outputs": kwargs["guided_decoding"]}
             del kwargs["guided_decoding"]
-        names = {f.name for f in dataclasses.fields(self)} - {"_explicit"}
+        names = {f.name for f in dataclasses.fields(self) if not f.name.startswith("_")}
         unknown = set(kwargs) - names
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
@@ -57,6 +63,9 @@ class SamplingParams:
                 default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
                 setattr(self, f.name, kwargs.get(f.name, default))
         self._explicit = frozenset(kwargs)
+        if isinstance(self.allowed_token_ids, (tuple, set)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = self.bad_words or None  # [] bans nothing
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -77,6 +86,21 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """`bad_words` tokenized (empty until the engine's input processor tokenized them)."""
+        return self._bad_words_token_ids or []
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Some token ids are masked out on the host (allowed_token_ids, bad_words): no on-device argmax shortcut."""
+        return self.allowed_token_ids is not None or bool(self._bad_words_token_ids)
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Its logit processing reads the tokens generated so far (penalties count them; bad words match them)."""
+        return self.needs_penalties or bool(self._bad_words_token_ids)
 
     def validate(self) -> None:
         """Raises InvalidRequest naming the first bad field (its `param`)."""
@@ -125,6 +149,19 @@ class SamplingParams:
                 if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias) \
                         or abs(bias) > MAX_LOGIT_BIAS:
                     fail("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                fail("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):  # type: ignore[union-attr]
+                fail("allowed_token_ids", "allowed_token_ids must be non-negative integers")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip()
+                                                           for w in self.bad_words):
+                fail("bad_words", "bad_words must be a list of non-empty strings")
+            if len(self.bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                fail("bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words of at most "
+                                  f"{MAX_BAD_WORD_CHARS} characters each")
 
     def with_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
         """A copy where fields the user did not set take the model's generation_config defaults."""
@@ -135,6 +172,7 @@ class SamplingParams:
         merged.update(chosen)
         out = SamplingParams(**merged)
         out._explicit = self._explicit
+        out._bad_words_token_ids = self._bad_words_token_ids
         return out
 
     def child(self, index: int) -> SamplingParams:
@@ -145,4 +183,5 @@ class SamplingParams:
             fields["seed"] = self.seed + index
         out = SamplingParams(**fields)
         out._explicit = self._explicit
+        out._bad_words_token_ids = self._bad_words_token_ids
         return out

@@ -130,7 +130,6 @@ class ClusterSpec:
     log_dir: Path | None = None
     worker_extra_args: tuple[str, ...] = ()
     decode_extra_args: tuple[str, ...] = ()  # e.g. a smaller KV pool on decode workers
-    prefill_extra_args: tuple[str, ...] = ()  # pinned prefill workers only (e.g. a host KV tier on them alone)
     prefill_gpus: tuple[int, ...] | None = None  # GPU index per prefill worker (None: spread over the visible)
     decode_gpus: tuple[int, ...] | None = None
     kv_transfer_backend: str = "auto"
@@ -362,8 +361,6 @@ class WorkerCluster:
             argv.append("--disable-log-stats")
         if spec.drain_timeout_s is not None:
             argv += ["--drain-timeout", str(spec.drain_timeout_s)]
-        if not decodes:
-            argv += list(spec.prefill_extra_args)
         if decodes:
             argv += list(spec.decode_extra_args)
             if self._prefill_addresses:

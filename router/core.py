@@ -66,7 +66,7 @@ class Route:
 
     @property
     def uncached_tokens(self) -> int:
-        return max(self.num_prompt_tokens - self.matched_blocks * self.block_size, 0)
+        return _uncached(self.num_prompt_tokens, self.matched_blocks, self.block_size)
 
     @property
     def prefills_on(self) -> Worker:
@@ -482,6 +482,7 @@ class _Delivered:
 
 
 def _uncached(num_prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
+    """Prompt tokens past the matched (cached) blocks."""
     return max(num_prompt_tokens - matched_blocks * block_size, 0)
 
 

@@ -99,6 +99,7 @@ class GenerationService(kvflow_pb2_grpc.GenerationServicer):
         if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
         self.router.check_token_ids(list(params.logit_bias), "logit_bias")
+        self.router.check_token_ids(list(params.allowed_token_ids), "allowed_token_ids")
         checked = sampling_params_from_proto(params)
         if checked.structured_outputs is not None:  # a schema xgrammar cannot compile never reaches a worker
             check_constraint(checked.structured_outputs, "structured_outputs")

@@ -62,14 +62,10 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": _accepted(None, "auto", "xgrammar"),  # kvflow's one backend is xgrammar
     "guided_whitespace_pattern": _accepted(None),
     "structural_tag": _accepted(None),
-    "allowed_token_ids": _accepted(None),
-    "bad_words": _accepted(None, []),
     "priority": _accepted(None, 0),
 }
 # Why, where there is more to say than "not supported yet".
 _UNSUPPORTED_WHY = {
-    "allowed_token_ids": "the workers have no allowed-token mask yet (logit_bias can favour or ban single tokens)",
-    "bad_words": "the workers cannot ban multi-token words yet (logit_bias can ban single tokens)",
     "priority": "requests are scheduled first come, first served (as vLLM without --scheduling-policy priority)",
 }
 # Keys `chat_template_kwargs` may not set: the arguments of the template call itself, which the request's own fields
@@ -350,6 +346,28 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
     return out
 
 
+def _allowed_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """Checked against the vocabulary (and its size) when the request is prepared."""
+    ids = body.get("allowed_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in ids):
+        raise BadRequest("'allowed_token_ids' must be a non-empty list of token ids (non-negative integers)",
+                         "allowed_token_ids")
+    return ids
+
+
+def _bad_words(body: dict[str, Any]) -> list[str] | None:
+    """Counted and bounded by SamplingParams; each worker tokenizes them."""
+    words = body.get("bad_words")
+    if not words:
+        return None
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise BadRequest("'bad_words' must be a list of non-empty strings", "bad_words")
+    return words
+
+
 def _n_and_best_of(body: dict[str, Any], max_n: int) -> int:
     n = _int(body, "n", 1, max_n, default=1)
     best_of = _int(body, "best_of", 1, max_n)
@@ -433,6 +451,9 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ParsedRequest:
     logit_bias = _logit_bias(body)
     if logit_bias:
         kwargs["logit_bias"] = logit_bias
+    for name, value in (("allowed_token_ids", _allowed_token_ids(body)), ("bad_words", _bad_words(body))):
+        if value is not None:
+            kwargs[name] = value
     tools = _tools(body, chat, config, kwargs)
     try:
         checked = SamplingParams(**kwargs)  # vLLM's range rules and messages

@@ -54,6 +54,7 @@ async def prepare(router: Router, parsed: ParsedRequest, request_id: str, owner:
         texts_and_ids = [await _truncated(tokenizers, text, ids, param, keep, parsed.echo)
                          for text, ids, param in texts_and_ids]
     router.check_token_ids(list(parsed.params.logit_bias), "logit_bias")
+    router.check_token_ids(list(parsed.params.allowed_token_ids), "allowed_token_ids")
     prompts = [Prompt(text, ids, router.params_for_prompt(parsed.params, len(ids), param, parsed.max_tokens_param))
                for text, ids, param in texts_and_ids]
     return PreparedRequest(request_id, parsed, model, prompts, owner)

@@ -52,14 +52,17 @@ def keep_freed_memory_for_reuse(mmap_threshold: int = 1 << 30, trim_threshold: i
     return ok
 
 
-def return_large_blocks_to_os(mmap_threshold: int = 1 << 20) -> bool:
+def return_large_blocks_to_os(mmap_threshold: int = 1 << 20, trim_threshold: int = 128 << 10) -> bool:
     """A router's setting, the opposite of an engine's: blocks from `mmap_threshold` up get their own mapping, given
     back to the OS when freed. glibc otherwise raises its threshold after the first large free (up to 32 MB) and
     keeps later blocks of that size in its heap: a few 21 MB request bodies left the router ~90 MB larger (issue 27:
-    its RSS must return to within 10 % of idle). Setting the threshold turns glibc's adjustment off."""
+    its RSS must return to within 10 % of idle). Setting the threshold turns glibc's adjustment off. The trim
+    threshold goes back to glibc's default, in case an engine in the same process (`LLM` beside a router, tests)
+    raised it: the heap's free top is then returned too."""
     libc = _libc()
     try:
-        return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+        return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
     except AttributeError:
         return False
 

@@ -22,6 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.errors import InvalidRequest
+from engine.processing.bad_words import tokenize_bad_words
 from engine.processing.generation_config import cap_max_tokens
 from engine.runner.sampler import seeded_generator_state
 from engine.sampling_params import SamplingParams
@@ -107,7 +108,13 @@ class InputProcessor:
         vocab = self.config.model.arch.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:  # an index past the logits would crash the step
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        allowed = params.allowed_token_ids
+        if allowed is not None and (max(allowed) >= vocab or len(allowed) > vocab):
+            raise InvalidRequest(f"allowed_token_ids must be at most {vocab} ids in [0, {vocab})", "allowed_token_ids")
         params = params.with_defaults(self.generation_defaults)
+        if params.bad_words:  # a copy: the caller's object is shared across prompts
+            params = copy.copy(params)
+            params._bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
         if params.structured_outputs is not None:  # compiled once per distinct constraint; a bad one is a 400
             if self.config.device.tensor_parallel_size > 1:  # the other ranks' samplers hold no grammar matchers
                 raise InvalidRequest("structured outputs are not supported with tensor_parallel_size > 1 yet",

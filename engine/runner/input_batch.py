@@ -53,7 +53,8 @@ class RunnerRequestState:
         """Its next token is the argmax of its logits, grammar-masked if it has a grammar: nothing on the host
         (penalties' history, logprobs) stands between one step's logits and the next step's input."""
         params = self.params
-        return params.is_greedy and not params.needs_penalties and not params.logit_bias and params.logprobs is None
+        return (params.is_greedy and not params.needs_penalties and not params.logit_bias and not params.masks_tokens
+                and params.logprobs is None)
 
     @property
     def plain_greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Batched sampling: grammar bitmasks (structured output), logit bias, penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: grammar bitmasks (structured output), logit bias, allowed/banned tokens, penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Everything runs as whole-batch tensor ops on the logits' device; the only per-row loop draws the uniform number of
 rows with their own seed, so a seeded request samples the same tokens whatever batch it lands in.
@@ -52,6 +52,38 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
+def apply_token_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """allowed_token_ids and bad_words (vLLM's semantics): every token outside a row's allowed set, and the last
+    token of each bad word whose other tokens were just generated, gets -inf. A single-token word is always
+    banned."""
+    ban_rows: list[int] = []
+    ban_tokens: list[int] = []
+    allowed_rows: list[int] = []
+    allowed_tokens: list[int] = []
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed is not None:
+            allowed_rows += [i] * len(allowed)
+            allowed_tokens += allowed
+        for word in row.params.bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or row.output_token_ids[-len(prefix):] == prefix:
+                ban_rows.append(i)
+                ban_tokens.append(word[-1])
+    if not allowed_rows and not ban_rows:
+        return logits
+    device = logits.device
+    if allowed_rows:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[torch.tensor(allowed_rows, device=device), torch.tensor(allowed_tokens, device=device)] = True
+        constrained = torch.tensor([r.params.allowed_token_ids is not None for r in rows], device=device)
+        logits = logits.masked_fill(constrained[:, None] & ~keep, float("-inf"))
+    if ban_rows:
+        logits = logits.index_put((torch.tensor(ban_rows, device=device), torch.tensor(ban_tokens, device=device)),
+                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """vLLM semantics: repetition over prompt+output tokens; presence/frequency over output tokens only."""
     num_rows, vocab = logits.shape
@@ -89,8 +121,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Logit bias, then penalties: what greedy takes the argmax of."""
+    """Logit bias, token masks, then penalties: what greedy takes the argmax of."""
     logits = apply_logit_bias(logits, rows)
+    logits = apply_token_masks(logits, rows)
     if any(r.params.needs_penalties for r in rows):
         logits = apply_penalties(logits, rows)
     return logits

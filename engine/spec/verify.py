@@ -2,7 +2,7 @@
 tokens to emit (engine/spec/rejection_sampler.py), with the same logit processing as plain sampling.
 
 Row j of a chunk sees the request's history plus drafts d_1..d_j as output, so logit bias, penalties (which
-count output tokens) and the stop rules downstream behave exactly as when those tokens were decoded one by one.
+count output tokens), bad words (which match them) and the stop rules downstream behave exactly as when those tokens were decoded one by one.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def verify_spans(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden:
         state = states[request_id]
         for j in range(len(drafts) + 1):
             index.append(first + j)
-            history = state.output_token_ids + drafts[:j] if state.params.needs_penalties else state.output_token_ids
+            history = state.output_token_ids + drafts[:j] if state.params.needs_output_history else state.output_token_ids
             rows.append(SamplingRow(state.params, state.prompt_token_ids, history, state.generator))
     logits = compute_logits(hidden[torch.as_tensor(index, device=device)])
     adjusted = adjust_logits(logits, rows)

@@ -1,141 +1,203 @@
-"""`kvflow bench multiturn`: multi-turn conversations through a router, with and without the host KV tier.
+"""`kvflow bench multiturn` (issue 31): multi-turn conversations whose working set is several times the workers'
+KV cache, through `kvflow serve`, once per mode, the same conversations each time.
 
-Workload: conversations that share one system prompt; turn t's prompt is the system prompt plus turns 1..t (user
-text, then assistant text: fixed tokens per conversation and turn, so every mode sends the same prompts shape),
-sent one turn after the other per conversation, `max_concurrency` conversations at once. With a working set
-larger than the workers' device KV, earlier turns are evicted before the next one arrives.
+Each conversation opens with one shared system prompt; every turn appends the user's new tokens, then the model's
+answer (its greedy token ids, from the gRPC front), so turn t's prompt extends turn t-1's. Turns run turn-major: turn
+t of every conversation (at most `max_concurrency` at once) before turn t + 1, so a conversation's blocks wait while
+the others' pass through the cache, as they do between a user's messages.
 
-Modes (each on fresh conversations, so no mode profits from another's cache):
-- `no-tier`: prefix routing, device prefix caches only;
-- `host-tier`: prefix routing, `--kv-offloading-size` on the prefill workers;
-- `round-robin`: `--routing round-robin`, no tier: the baseline without kvflow's router.
-(Cross-worker fetch, issue 31 item 3, does not exist yet: no mode claims it.)
+Modes (each a fresh `kvflow serve` with the same other flags):
+- `no_tier`: prefix-aware routing, device KV only;
+- `host_tier`: plus `--kv-offloading-backend native --kv-offloading-size <GiB>`;
+- `round_robin`: `--routing round-robin`, no tier (what a user without kvflow's router has).
 
-Topology: as `kvflow bench routing`, N prefill workers, which the router picks by cached prefix, and decode
-workers without a prefix cache, and `--disagg-policy static`, so every prompt's KV comes from the routed prefill
-worker and each prompt is looked up once (the decode workers get room for every turn in flight); in `host-tier` mode only the prefill workers get `--kv-offloading-size`. One record per mode: `workload`,
-`device`, `mode`, `ttft_p50_s`, `ttft_p99_s`, `prefix_hit_rate` (prompt tokens not computed, over prompt tokens:
-`device`, `host` (loaded back from the prefill workers' host tiers) and their `total`), `false_hits`, `itl_p99_s`,
-`out_tok_s`.
+Invariants: prompts are token ids drawn from a seeded generator, identical across modes; every answer is greedy,
+so each mode's outputs must agree (the record carries a digest of them). Records: `workload`, `device`, `mode`,
+`ttft_p50_s`, `ttft_p99_s`, `prefix_hit_rate` (`total` from the requests' cached tokens, and the host tier's share
+where the workers count it), `false_hits`, `itl_p99_s`, `out_tok_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
+import hashlib
+import random
+import sys
 import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from cluster.auth import ClusterAuth
-from cluster.worker.events import HEARTBEAT_S
-from engine.arg_utils import EngineArgs
-from kvflow.benchmarks.multiturn_workload import MODES, Workload, make_conversations
-from kvflow.benchmarks.serve import RequestResult, http_client, one_request
 from kvflow.benchmarks.server import ServerProcess
-from kvflow.launcher import ClusterSpec, WorkerCluster
+from kvflow.launcher import free_port
+
+MODES: dict[str, tuple[str, ...]] = {
+    "no_tier": (),
+    "host_tier": ("--kv-offloading-backend", "native", "--kv-offloading-size", "{host_gib}"),
+    "round_robin": ("--routing", "round-robin"),
+}
 
 
-async def run_conversations(base: str, conversations: list[list[list[int]]], output_len: int,
-                            max_concurrency: int) -> tuple[list[RequestResult], float]:
-    async with http_client() as client:
-        model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
-        limit = asyncio.Semaphore(max_concurrency)
+@dataclass(frozen=True)
+class Workload:
+    conversations: int = 16
+    turns: int = 4
+    system_len: int = 256
+    user_len: int = 48
+    output_len: int = 8
+    max_concurrency: int = 4
+    seed: int = 0
+    vocab: int = 30000
 
-        async def converse(prompts: list[list[int]]) -> list[RequestResult]:
-            async with limit:
-                return [await one_request(client, f"{base}/v1/completions", model, p, output_len, None)
-                        for p in prompts]
+    def check(self) -> None:
+        for name, value in asdict(self).items():
+            if name != "seed" and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
-        start = time.perf_counter()
-        done = await asyncio.gather(*(converse(c) for c in conversations))
-        return [r for results in done for r in results], time.perf_counter() - start
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    def max_prompt_tokens(self) -> int:
+        return self.system_len + self.turns * (self.user_len + self.output_len)
 
 
-def _record(mode: str, workload: Workload, device: str, results: list[RequestResult],
-            duration_s: float, metrics: str) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
+@dataclass
+class TurnResult:
+    ok: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def user_turns(workload: Workload) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt, and each conversation's user tokens per turn (seeded: the same for every mode)."""
+    rng = random.Random(workload.seed)
+    draw = lambda n: [rng.randrange(100, workload.vocab) for _ in range(n)]  # noqa: E731
+    system = draw(workload.system_len)
+    return system, [[draw(workload.user_len) for _ in range(workload.turns)] for _ in range(workload.conversations)]
+
+
+async def _one_turn(client: Any, prompt: list[int], output_len: int) -> TurnResult:
+    from kvflow.client import KvflowError
+
+    result = TurnResult(ok=False, prompt_tokens=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async for item in client.generate_stream(prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True):
+            now = time.perf_counter()
+            if item.final:
+                result.cached_tokens = item.cached_tokens
+                result.output_ids = list(item.choices[0].token_ids)
+                result.ok = len(result.output_ids) == output_len
+                break
+            if item.token_ids:
+                if result.ttft_s == 0.0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+    except KvflowError as exc:
+        result.error = str(exc)
+    return result
+
+
+async def run_conversations(grpc_target: str, workload: Workload) -> tuple[list[list[TurnResult]], float]:
+    """Every conversation's turns, turn-major; returns the results [conversation][turn] and the wall time."""
+    from kvflow.client import AsyncClient
+
+    system, turns = user_turns(workload)
+    history = [list(system) for _ in range(workload.conversations)]
+    results: list[list[TurnResult]] = [[] for _ in range(workload.conversations)]
+    limit = asyncio.Semaphore(workload.max_concurrency)
+    client = AsyncClient(grpc_target, timeout=600.0)
+
+    async def turn(conversation: int, index: int) -> None:
+        prompt = history[conversation] + turns[conversation][index]
+        async with limit:
+            result = await _one_turn(client, prompt, workload.output_len)
+        results[conversation].append(result)
+        history[conversation] = prompt + result.output_ids
+
+    start = time.perf_counter()
+    try:
+        for index in range(workload.turns):
+            await asyncio.gather(*(turn(c, index) for c in range(workload.conversations)))
+    finally:
+        await client.close()
+    return results, time.perf_counter() - start
+
+
+def _metric_sum(text: str, needle: str) -> float | None:
+    """The sum over label sets of every sample whose name contains `needle` (None: the servers have no such
+    metric)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#") and needle in line.split("{", 1)[0].split(" ", 1)[0]]
+    return sum(values) if values else None
+
+
+def summarize(mode: str, device: str, workload: Workload, results: list[list[TurnResult]], duration_s: float,
+              metrics: str) -> dict[str, Any]:
+    flat = [r for conversation in results for r in conversation]
+    ok = [r for r in flat if r.ok]
     ttft = np.asarray([r.ttft_s for r in ok] or [0.0])
     itl = np.asarray([x for r in ok for x in r.itl_s] or [0.0])
-    queries = _metric(metrics, "vllm:prefix_cache_queries_total")
-    hits = _metric(metrics, "vllm:prefix_cache_hits_total")
-    host = min(_metric(metrics, 'vllm:external_prefix_cache_hits_total{role="prefill"}'), hits)
-    return {"workload": {**dataclasses.asdict(workload), "max_prompt_tokens": workload.max_prompt_tokens},
-            "device": device, "mode": mode,
-            "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "prefix_hit_rate": {"device": (hits - host) / queries if queries else 0.0,
-                                "host": host / queries if queries else 0.0,
-                                "total": hits / queries if queries else 0.0},
-            "false_hits": int(_metric(metrics, "kvflow:route_false_hits_total")),
-            "itl_p99_s": float(np.percentile(itl, 99)),
-            "out_tok_s": sum(r.output_tokens for r in ok) / duration_s,
-            "completed": len(ok), "failed": len(results) - len(ok)}
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    digest = hashlib.sha256(repr([[r.output_ids for r in c] for c in results]).encode()).hexdigest()[:16]
+    host_hits = _metric_sum(metrics, "host_hit_tokens")
+    return {
+        "workload": {**asdict(workload), "working_set_tokens": workload.conversations * workload.max_prompt_tokens()},
+        "device": device, "mode": mode,
+        "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "prefix_hit_rate": {"total": sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
+                            "host": host_hits / prompt_tokens if host_hits is not None and prompt_tokens else None},
+        "false_hits": _metric_sum(metrics, "false_hits"),
+        "itl_p99_s": float(np.percentile(itl, 99)),
+        "out_tok_s": sum(len(r.output_ids) for r in ok) / duration_s,
+        "completed": len(ok), "failed": len(flat) - len(ok),
+        "errors": sorted({r.error for r in flat if r.error})[:3],
+        "outputs_sha256": digest,
+    }
 
 
-def _device_name(engine_args: EngineArgs) -> str:
-    import torch
-
-    if engine_args.device == "cpu" or not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name()
-
-
-def _run_mode(cluster: WorkerCluster, auth: ClusterAuth, mode: str, workload: Workload, seed: int, vocab: int,
-              device: str) -> dict[str, Any]:
-    routing = "round-robin" if mode == "round-robin" else "prefix"
-    with ServerProcess.kvflow("router", "--prefill", ",".join(cluster.addresses("prefill")), "--decode",
-                              ",".join(cluster.addresses("decode")), "--routing", routing, "--disagg-policy", "static",
-                              "--disable-log-requests",
-                              "--disable-log-stats", env={**os.environ, **auth.env()}) as router:
-        router.wait_ready(120)
-        conversations = make_conversations(workload, seed, vocab)
-        results, duration = asyncio.run(run_conversations(router.url, conversations, workload.output_len,
-                                                          workload.max_concurrency))
-        time.sleep(HEARTBEAT_S * 2)  # the workers' last cumulative counters arrive with a heartbeat
-        metrics = httpx.get(f"{router.url}/metrics").text
-    return _record(mode, workload, device, results, duration, metrics)
+def _serve(serve_flags: list[str], mode: str, host_gib: float, log_path: Path) -> tuple[ServerProcess, str]:
+    port, grpc_port = free_port(), free_port()
+    extra = [flag.format(host_gib=host_gib) for flag in MODES[mode]]
+    argv = [sys.executable, "-m", "kvflow.cli", "serve", *serve_flags, *extra, "--port", str(port),
+            "--grpc-port", str(grpc_port)]
+    return ServerProcess(argv, port, log_path=log_path), f"127.0.0.1:{grpc_port}"
 
 
-def _decode_blocks(workload: Workload, block_size: int) -> int:
-    """Room on the decode workers for every turn in flight at its longest (plus the null block): a decode worker
-    that cannot reserve a prompt prefills it locally, and the prefill workers' caches are what is measured."""
-    per_turn = -(-(workload.max_prompt_tokens + workload.output_len) // block_size)
-    return workload.max_concurrency * per_turn + 1
+def _device(grpc_target: str) -> str:
+    from kvflow.client import Client
+
+    with Client(grpc_target) as client:
+        return client.info().device or "unknown"
 
 
-def run_multiturn_bench(engine_args: EngineArgs, workload: Workload, prefill_workers: int, decode_workers: int,
-                        modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
-    """One record per mode; the tier's modes and the others run on two clusters of the same shape."""
-    unknown = set(modes) - set(MODES)
+def run_multiturn(serve_flags: list[str], modes: list[str], workload: Workload, host_gib: float,
+                  timeout_s: float, log_dir: Path) -> list[dict[str, Any]]:
+    """One record per mode, in the order given."""
+    workload.check()
+    unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise ValueError(f"unknown --modes {sorted(unknown)}; choose from {', '.join(MODES)}")
-    if "host-tier" in modes and engine_args.kv_offloading_size is None:
-        raise ValueError("mode host-tier needs --kv-offloading-size (GiB of host memory per worker)")
-    auth = ClusterAuth.from_env().with_token()
-    device = _device_name(engine_args)
-    vocab = 400 if engine_args.model.startswith("tiny") else 30000
-    plain = dataclasses.replace(engine_args, kv_offloading_size=None, kv_offloading_backend=None)
-    tier = ("--kv-offloading-size", str(engine_args.kv_offloading_size), "--kv-offloading-backend", "native")
-    records: dict[str, dict[str, Any]] = {}
-    for prefill_args, group in (((), [m for m in modes if m != "host-tier"]), (tier, ["host-tier"])):
-        group = [m for m in group if m in modes]
-        if not group:
-            continue
-        spec = ClusterSpec(plain, prefill_workers, decode_workers, auth=auth, prefill_extra_args=prefill_args,
-                           decode_extra_args=("--no-enable-prefix-caching", "--num-gpu-blocks-override",
-                                              str(_decode_blocks(workload, engine_args.block_size))))
-        with WorkerCluster(spec) as cluster:
-            cluster.wait_ready()
-            for mode in group:
-                records[mode] = _run_mode(cluster, auth, mode, workload, 1000 + MODES.index(mode), vocab, device)
-    return [records[m] for m in modes]
+        raise ValueError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for mode in modes:
+        server, target = _serve(serve_flags, mode, host_gib, log_dir / f"multiturn-{mode}.log")
+        with server:
+            server.wait_ready(timeout_s)
+            results, duration = asyncio.run(run_conversations(target, workload))
+            metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+            records.append(summarize(mode, _device(target), workload, results, duration, metrics))
+    return records
+
+
+def format_line(record: dict[str, Any]) -> str:
+    hit = record["prefix_hit_rate"]
+    return (f"{record['mode']:>12}: TTFT p50 {record['ttft_p50_s'] * 1e3:8.1f} ms  p99 {record['ttft_p99_s'] * 1e3:8.1f}"
+            f" ms  hit rate {hit['total']:.2f}  ITL p99 {record['itl_p99_s'] * 1e3:7.1f} ms  "
+            f"{record['out_tok_s']:7.1f} tok/s  failed {record['failed']}  outputs {record['outputs_sha256']}")

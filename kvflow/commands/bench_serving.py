@@ -1,10 +1,8 @@
-"""`kvflow bench serve`, `kvflow bench routing` and `kvflow bench multiturn`, added under the existing `bench`
-sub-parser."""
+"""`kvflow bench serve`, `routing`, `pd` and `multiturn`, added under the existing `bench` sub-parser."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -42,7 +40,6 @@ def register_bench_kinds(kinds: argparse._SubParsersAction) -> None:
     routing.add_argument("--output-json", type=Path, default=None)
     EngineArgs.add_cli_args(routing)
     routing.set_defaults(handler=run_routing)
-    _register_multiturn(kinds)
 
     pd_bench = kinds.add_parser("pd", help="P/D cost per request: TTFT disaggregated vs local, KV transfer GB/s")
     pd_bench.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
@@ -54,6 +51,54 @@ def register_bench_kinds(kinds: argparse._SubParsersAction) -> None:
     pd_bench.add_argument("--output-json", type=Path, default=None, help="a JSON list of the records")
     EngineArgs.add_cli_args(pd_bench)
     pd_bench.set_defaults(handler=run_pd, gpu_memory_utilization=None)
+    _register_multiturn(kinds)
+
+
+def _register_multiturn(kinds: argparse._SubParsersAction) -> None:
+    from kvflow.benchmarks.multiturn import MODES, Workload
+
+    defaults = Workload()
+    multiturn = kinds.add_parser("multiturn", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 help="multi-turn conversations over a working set larger than the KV cache, per "
+                                      "KV-tier / routing mode")
+    multiturn.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    multiturn.add_argument("--conversations", type=int, default=defaults.conversations)
+    multiturn.add_argument("--turns", type=int, default=defaults.turns)
+    multiturn.add_argument("--system-len", type=int, default=defaults.system_len,
+                           help="tokens of the system prompt every conversation shares")
+    multiturn.add_argument("--user-len", type=int, default=defaults.user_len, help="new user tokens per turn")
+    multiturn.add_argument("--output-len", type=int, default=defaults.output_len, help="answer tokens per turn")
+    multiturn.add_argument("--max-concurrency", type=int, default=defaults.max_concurrency)
+    multiturn.add_argument("--seed", type=int, default=defaults.seed)
+    multiturn.add_argument("--vocab", type=int, default=defaults.vocab, help="prompt ids are drawn below this")
+    multiturn.add_argument("--host-tier-gib", type=float, default=1.0,
+                           help="--kv-offloading-size of the host_tier mode")
+    multiturn.add_argument("--timeout", type=float, default=900.0, help="seconds each server may take to start")
+    multiturn.add_argument("--log-dir", type=Path, default=Path("kvflow-bench-multiturn-logs"))
+    multiturn.add_argument("--output-json", type=Path, default=None, help="a JSON list of the records")
+    multiturn.add_argument("serve_flags", nargs=argparse.REMAINDER,
+                           help="`kvflow serve` flags for every mode, after `--` (e.g. -- --model smollm2 -dp 2 "
+                                "--kv-cache-memory-bytes 8000000)")
+    multiturn.set_defaults(handler=run_multiturn_command)
+
+
+def run_multiturn_command(args: argparse.Namespace) -> int:
+    from kvflow.benchmarks.multiturn import Workload, format_line, run_multiturn
+
+    workload = Workload(args.conversations, args.turns, args.system_len, args.user_len, args.output_len,
+                        args.max_concurrency, args.seed, args.vocab)
+    if not args.host_tier_gib > 0 or not args.timeout > 0:
+        raise ValueError("--host-tier-gib and --timeout must be > 0")
+    flags = [flag for flag in args.serve_flags if flag != "--"]
+    records = run_multiturn(flags, args.modes, workload, args.host_tier_gib, args.timeout, args.log_dir)
+    for record in records:
+        print(format_line(record))
+    digests = {record["outputs_sha256"] for record in records}
+    print("greedy outputs " + ("agree across modes" if len(digests) == 1 else f"DIFFER across modes: {digests}"))
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0 if len(digests) == 1 and all(record["failed"] == 0 for record in records) else 1
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
@@ -106,39 +151,6 @@ def run_pd(args: argparse.Namespace) -> int:
               f"local {record['ttft_local_s'] * 1e3:.1f} ms ({record['ttft_ratio']:.2f}x); transfer "
               f"{record['transfer_ms']:.2f} ms, {record['transfer_gbps'] or 0:.1f} GB/s "
               f"({record['transfer_share_of_ttft']:.1%} of TTFT) over {record['kv_transfer_backend']}")
-    if args.output_json is not None:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(records, indent=1) + "\n")
-    return 0
-
-
-def _register_multiturn(kinds: argparse._SubParsersAction) -> None:
-    from kvflow.benchmarks.multiturn_workload import MODES, Workload
-
-    multiturn = kinds.add_parser("multiturn", help="multi-turn conversations: no tier, host KV tier, round-robin")
-    defaults = Workload()
-    for field in dataclasses.fields(Workload):
-        multiturn.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=getattr(defaults, field.name))
-    multiturn.add_argument("--prefill-workers", type=int, default=2)
-    multiturn.add_argument("--decode-workers", type=int, default=1)
-    multiturn.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    multiturn.add_argument("--output-json", type=Path, default=None, help="e.g. bench/results/kv_tiers_cpu.json")
-    EngineArgs.add_cli_args(multiturn)
-    multiturn.set_defaults(handler=run_multiturn)
-
-
-def run_multiturn(args: argparse.Namespace) -> int:
-    from kvflow.benchmarks.multiturn import run_multiturn_bench
-    from kvflow.benchmarks.multiturn_workload import Workload
-
-    workload = Workload(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Workload)})
-    records = run_multiturn_bench(EngineArgs.from_cli_args(args), workload, args.prefill_workers,
-                                  args.decode_workers, tuple(args.modes))
-    for r in records:
-        print(f"{r['mode']:>12}: TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms, p99 {r['ttft_p99_s'] * 1e3:.1f} ms; prefix "
-              f"hits {r['prefix_hit_rate']['total']:.1%} (host {r['prefix_hit_rate']['host']:.1%}); false hits "
-              f"{r['false_hits']}; ITL p99 {r['itl_p99_s'] * 1e3:.1f} ms; {r['out_tok_s']:.1f} out tok/s "
-              f"({r['completed']} ok, {r['failed']} failed)")
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(records, indent=1) + "\n")

@@ -17,7 +17,8 @@ NON_DEFAULT = dict(n=3, temperature=0.25, top_p=0.5, top_k=7, min_p=0.125, prese
                    frequency_penalty=-0.5, repetition_penalty=1.25, seed=11, stop=["x", "yz"], stop_token_ids=[5, 9],
                    include_stop_str_in_output=True, ignore_eos=True, max_tokens=40, min_tokens=2, logprobs=3,
                    prompt_logprobs=1, skip_special_tokens=False, logit_bias={3: -100.0, 70000: 2.5},
-                   structured_outputs=StructuredOutputsParams(json='{"type":"object"}', disable_any_whitespace=True))
+                   structured_outputs=StructuredOutputsParams(json='{"type":"object"}', disable_any_whitespace=True),
+                   allowed_token_ids=[4, 8], bad_words=["darn it", "heck"])
 
 
 def test_every_sampling_field_is_covered() -> None:

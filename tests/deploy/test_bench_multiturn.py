@@ -1,46 +1,42 @@
-"""`kvflow bench multiturn` (kvflow/benchmarks/multiturn.py): the conversations' shape, its refusals, and one run of
-the host-tier mode on `tiny` workers (1 prefill + 1 decode, a 15-block device cache, three conversations at once):
-every turn completes, the host tier serves part of the prompts, no request is a false hit, and the record has the
-issue's fields."""
+"""`kvflow bench multiturn` (issue 31 item 4): the workload is seeded and shared across modes, the record has the
+issue's fields computed from the turns, and bad settings are refused before any server starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from engine.arg_utils import EngineArgs
-from kvflow.benchmarks.multiturn import run_multiturn_bench
-from kvflow.benchmarks.multiturn_workload import Workload, make_conversations
-
-SMALL = Workload(conversations=3, turns=3, system_len=64, user_len=32, assistant_len=32, output_len=4,
-                 max_concurrency=3)
-TINY = EngineArgs(model="tiny", num_gpu_blocks_override=16, max_model_len=240, kv_offloading_size=0.0005)
+from kvflow.benchmarks.multiturn import TurnResult, Workload, run_multiturn, summarize, user_turns
 
 
-def test_turns_extend_each_other_and_share_the_system_prompt() -> None:
-    conversations = make_conversations(SMALL, seed=1, vocab=400)
-    assert len(conversations) == 3 and all(len(c) == 3 for c in conversations)
-    for turns in conversations:
-        assert turns[0][:64] == conversations[0][0][:64]  # one system prompt for all
-        for before, after in zip(turns, turns[1:], strict=False):
-            assert after[: len(before)] == before and len(after) == len(before) + 32 + 32
-    assert len(conversations[0][-1]) == SMALL.max_prompt_tokens == 224
-    assert conversations[0][1] != conversations[1][1]
+def test_conversations_share_the_system_prompt_and_are_seeded() -> None:
+    workload = Workload(conversations=3, turns=2, system_len=5, user_len=4, output_len=2, seed=7)
+    system, turns = user_turns(workload)
+    assert len(system) == 5 and len(turns) == 3 and all(len(t) == 2 and len(t[0]) == 4 for t in turns)
+    assert user_turns(workload) == (system, turns)
+    assert user_turns(Workload(conversations=3, turns=2, system_len=5, user_len=4, output_len=2, seed=8)) != (
+        system, turns)
 
 
-def test_refusals_name_the_argument() -> None:
-    with pytest.raises(ValueError, match="--user-len must be >= 1"):
-        Workload(user_len=0)
-    with pytest.raises(ValueError, match="needs --kv-offloading-size"):
-        run_multiturn_bench(EngineArgs(model="tiny"), SMALL, 1, 1, ("host-tier",))
-    with pytest.raises(ValueError, match="unknown --modes"):
-        run_multiturn_bench(TINY, SMALL, 1, 1, ("fetch",))
+def test_the_record_has_the_issue_fields() -> None:
+    workload = Workload(conversations=2, turns=2, system_len=4, user_len=2, output_len=2)
+    results = [[TurnResult(True, 6, 0, [1, 2], 0.5, [0.1]), TurnResult(True, 10, 8, [3, 4], 0.1, [0.2])],
+               [TurnResult(True, 6, 4, [1, 2], 0.3, [0.1]), TurnResult(False, 10, error="boom")]]
+    metrics = 'kvflow:host_hit_tokens_total{worker="a"} 3\nkvflow:host_hit_tokens_total{worker="b"} 1\n' \
+              "kvflow:router_false_hits_total 0\n"
+    record = summarize("host_tier", "cpu", workload, results, 2.0, metrics)
+    assert record["mode"] == "host_tier" and record["device"] == "cpu" and record["workload"]["conversations"] == 2
+    assert record["prefix_hit_rate"] == {"total": 12 / 22, "host": 4 / 22}
+    assert record["false_hits"] == 0 and record["completed"] == 3 and record["failed"] == 1
+    assert record["out_tok_s"] == 3.0 and record["ttft_p50_s"] == pytest.approx(0.3)
+    assert record["errors"] == ["boom"]
+    assert summarize("no_tier", "cpu", workload, results, 2.0, "")["false_hits"] is None  # not counted: null
 
 
-def test_host_tier_mode_serves_from_the_host_without_false_hits() -> None:
-    [record] = run_multiturn_bench(TINY, SMALL, 1, 1, ("host-tier",))
-    assert {"workload", "device", "mode", "ttft_p50_s", "ttft_p99_s", "prefix_hit_rate", "false_hits", "itl_p99_s",
-            "out_tok_s"} <= set(record)
-    assert record["mode"] == "host-tier" and record["device"] == "cpu"
-    assert (record["completed"], record["failed"]) == (9, 0)
-    assert record["false_hits"] == 0
-    assert 0 < record["prefix_hit_rate"]["host"] <= record["prefix_hit_rate"]["total"] <= 1
+@pytest.mark.parametrize(("modes", "workload", "match"), [
+    (["bogus"], Workload(), "unknown mode"), (["no_tier"], Workload(turns=0), "--turns")])
+def test_bad_settings_are_refused_before_serving(tmp_path: Path, modes: list[str], workload: Workload,
+                                                 match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_multiturn(["--model", "smollm2"], modes, workload, 1.0, 10.0, tmp_path)

@@ -20,7 +20,11 @@ from router.tokenizer_pool import max_token_chars
 from tests.helpers.router_fakes import MAX_MODEL_LEN, FakeWorkers, RouterHarness
 
 HUGE = "ab " * 7_000_000  # 21 MB: the case, under the default 32 MiB body limit
-RSS_GROWTH_BOUND = 200 << 20  # tokenizing it grew a router by 2-4 GB
+# Tokenizing it grew a router by 2-4 GB. This RSS is the whole pytest process (the client's bodies and responses,
+# and every earlier test's threads and allocator arenas): the full suite on CI measured 208 MiB where this test
+# alone measures ~20 MiB. The issue's own goal (a router back within 10 % of idle) is checked on a real router
+# process by tests/deploy/test_hostile_requests.py.
+RSS_GROWTH_BOUND = 512 << 20
 
 
 def _rss() -> int:

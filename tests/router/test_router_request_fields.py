@@ -34,13 +34,25 @@ def _refused(response: Any, param: str) -> str:
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES])
-@pytest.mark.parametrize(("field", "value", "neutral"), [
-    ("allowed_token_ids", [1, 2], None), ("bad_words", ["darn"], []), ("priority", 5, 0)])
+@pytest.mark.parametrize(("field", "value", "neutral"), [("priority", 5, 0)])
 def test_unimplemented_vllm_fields_are_refused(router: RouterHarness, path: str, field: str, value: Any,
                                                neutral: Any) -> None:
     assert "not supported yet" in _refused(router.post(path, {**BASE[path], field: value}), field)
     response = router.post(path, {**BASE[path], field: neutral})
     assert response.status_code == 200 and IGNORED_FIELDS_HEADER not in response.headers, response.text
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES])
+def test_token_masks_reach_the_worker(router: RouterHarness, workers: FakeWorkers, path: str) -> None:
+    """allowed_token_ids and bad_words are forwarded (each worker applies them: tests/engine/test_token_masks.py);
+    bad values are refused by name before any worker sees them."""
+    response = router.post(path, {**BASE[path], "allowed_token_ids": [1, 2], "bad_words": ["darn it"]})
+    assert response.status_code == 200 and IGNORED_FIELDS_HEADER not in response.headers, response.text
+    sent = workers.decode.requests[-1].sampling_params
+    assert list(sent.allowed_token_ids) == [1, 2] and list(sent.bad_words) == ["darn it"]
+    for field, bad in (("allowed_token_ids", []), ("allowed_token_ids", [10**9]), ("allowed_token_ids", ["1"]),
+                       ("bad_words", [""]), ("bad_words", ["x" * 300]), ("bad_words", "darn")):
+        _refused(router.post(path, {**BASE[path], field: bad}), field)
 
 
 def test_chat_template_kwargs_reach_the_template(trusting: RouterHarness, workers: FakeWorkers) -> None:

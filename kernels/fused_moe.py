@@ -1,0 +1,183 @@
+"""Fused mixture-of-experts MLP (issue 30): one grouped GEMM for every expert's gate|up with SwiGLU, one for down
+with the routing weight applied, the way vLLM and SGLang run MoE layers.
+
+Routing (top-k over the router logits) happens before, in torch: it is [T, E] and cheap. Then:
+
+1. `moe_align`: the T*k (token, expert) slots are sorted by expert and each expert's run is padded to a multiple
+   of BLOCK_M, so every BLOCK_M tile of sorted slots belongs to one expert. Sizes are the worst case
+   (T*k + E*(BLOCK_M-1) slots), never read back to the host: no sync, so a decode step can be graph-captured.
+   Padding slots hold the sentinel T*k and are masked out; tiles past the used length return at once.
+2. `_moe_gemm` over w13 [E, 2I, H]: tile m of sorted slots times expert e's weight; slot s reads token s // k.
+   SwiGLU on the [T*k, 2I] result (kernels/silu_and_mul.py).
+3. `_moe_gemm` over w2 [E, H, I] with TOP_K = 1 (one activation row per slot), each row scaled by its routing
+   weight; the k rows of a token are summed in torch ([T, k, H] -> [T, H]).
+
+Invariants: accumulation is fp32; outputs are rounded to x's dtype once per GEMM (as the unfused path rounds
+each linear). Weights are contiguous per expert: w13 rows are gate_proj's I rows then up_proj's. The torch
+reference is `fused_moe_ref` (a loop over the experts that received tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton import HAS_TRITON, dot_needs_upcast, require_triton, tl, triton
+from kernels.silu_and_mul import silu_and_mul
+
+__all__ = ["MoeTiles", "moe_tiles", "moe_align", "fused_moe", "fused_moe_ref"]
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """One GEMM's tile shape and launch settings."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_tiles(num_slots: int, num_experts: int) -> MoeTiles:
+    """A heuristic until per-GPU sweeps are recorded: decode-sized batches spread few slots over many experts, so
+    a 16-row tile wastes least padding; large prefill batches fill 64-row tiles."""
+    per_expert = num_slots / max(num_experts, 1)
+    if per_expert <= 16:
+        return MoeTiles(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return MoeTiles(32, 64, 64, num_warps=4, num_stages=4)
+    return MoeTiles(64, 128, 64, num_warps=8, num_stages=3)
+
+
+def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted slots [P], the expert of each BLOCK_M tile [P / block_m] (-1: unused), the used
+    length [1]). P = roundup(T*k + E*(block_m-1), block_m), a host-known bound."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_slots = flat.numel()
+    capacity = -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_start = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    experts_in_order = flat[order]
+    rank = torch.arange(num_slots, device=device) - start[experts_in_order]
+    sorted_ids = torch.full((capacity,), num_slots, dtype=torch.int32, device=device)
+    sorted_ids[padded_start[experts_in_order] + rank] = order.to(torch.int32)
+    tile_end = torch.cumsum(padded // block_m, 0)  # searchsorted, not repeat_interleave: no size read back
+    expert_ids = torch.searchsorted(tile_end, torch.arange(capacity // block_m, device=device), right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, padded.sum().reshape(1).to(torch.int32)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_gemm(A, B, C, Weights, SortedIds, ExpertIds, NumUsed, N, K, num_slots, capacity,
+                  stride_am, stride_be, stride_bn, stride_cm,
+                  TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """C[slot] = A[slot // TOP_K] @ B[expert]^T (x the slot's routing weight), for the BLOCK_M sorted slots of
+        this program's tile and BLOCK_N output columns. Rows of A and B are contiguous along K."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(capacity, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % rows
+        pid_n = (pid % group) // rows
+        if pid_m * BLOCK_M >= tl.load(NumUsed):
+            return
+        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(SortedIds + offs_m).to(tl.int64)
+        valid = slots < num_slots
+        a_rows = slots // TOP_K
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = tl.load(A + a_rows[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)
+            b = tl.load(B + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b)
+        if MUL_WEIGHT:
+            weight = tl.load(Weights + slots, mask=valid, other=0.0).to(tl.float32)
+            acc = acc * weight[:, None]
+        tl.store(C + slots[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
+                 mask=valid[:, None] & mask_n[None, :])
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
+                  aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int, tiles: MoeTiles) -> None:
+    sorted_ids, expert_ids, used = aligned
+    num_experts, n, k = w.shape
+    capacity = sorted_ids.numel()
+    grid = (triton.cdiv(capacity, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    _moe_gemm[grid](
+        a, w, out, weights if weights is not None else out, sorted_ids, expert_ids, used, n, k, out.shape[0], capacity,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, MUL_WEIGHT=weights is not None, UPCAST=dot_needs_upcast(a.dtype),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    tokens, hidden = x.shape
+    experts, two_inter, w13_hidden = w13.shape
+    if w13_hidden != hidden or two_inter % 2 or w2.shape != (experts, hidden, two_inter // 2):
+        raise ValueError(f"w13 must be [E, 2I, {hidden}] and w2 [E, {hidden}, I], got {tuple(w13.shape)} and "
+                         f"{tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids and topk_weights must both be [{tokens}, k], got {tuple(topk_ids.shape)} and "
+                         f"{tuple(topk_weights.shape)}")
+    if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("x, w13 and w2 must be contiguous")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in x's dtype."""
+    require_triton("fused_moe")
+    _check(x, w13, w2, topk_weights, topk_ids)
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_slots = tokens * top_k
+    if num_slots == 0:
+        return torch.zeros_like(x)
+    tiles = tiles or moe_tiles(num_slots, w13.shape[0])
+    aligned = moe_align(topk_ids, tiles.block_m, w13.shape[0])
+    gate_up = torch.empty((num_slots, w13.shape[1]), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, None, aligned, top_k, tiles)
+    act = silu_and_mul(gate_up)
+    out = torch.empty((num_slots, hidden), dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, out, topk_weights.reshape(-1).contiguous(), aligned, 1, tiles)
+    return out.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """Plain torch, fp32 math: a loop over the experts that received tokens."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    inter = w13.shape[1] // 2
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for expert in topk_ids.unique().tolist():
+        token, which = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = xf[token] @ w13[expert].float().T
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, token, (act @ w2[expert].float().T) * topk_weights[token, which, None].float())
+    return out.to(x.dtype)
