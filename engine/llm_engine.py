@@ -209,10 +209,7 @@ class LLMEngine:
 
     def _run_tier_copies(self) -> None:
         """Run host-tier copies queued outside a step (a remote admission's evictions and loads) now."""
-        copies = self.kv_manager.take_tier_copies()
-        if copies and self.runner.kv_tier is not None:
-            self.runner.execute_model(SchedulerOutput([], [], 0, kv_tier_copies=copies))
-            self.runner.kv_tier.wait()  # a transport writes on its own stream
+        self.runner.run_kv_tier_copies(self.kv_manager.take_tier_copies())  # one runner: TP is refused with a tier
 
     def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
                               sampler_state: bytes = b"") -> None:

@@ -284,6 +284,14 @@ class ModelRunner:
         """The host KV tier's pool (pinned beside a GPU cache; a second CPU pool beside a CPU one)."""
         self.kv_tier = KVTierCopier(self.kv_spec.allocate_swap(num_blocks, pin=self.on_cuda), self.device)
 
+    @torch.inference_mode()
+    def run_kv_tier_copies(self, copies: list[tuple[bool, int, int]]) -> None:
+        """Host-tier copies queued between steps (a remote admission's), run now and waited for: a KV transport
+        writes the reserved blocks on a stream of its own. A decode replay queued ahead is left alone."""
+        if self.kv_tier is not None and copies:
+            self.kv_tier.run(copies, self.kv_caches)
+            self.kv_tier.wait()
+
     def _allocate_kv(self, num_blocks: int) -> None:
         self.kv_caches = []  # drop the old cache before allocating the new one
         self.kv_caches = self.kv_spec.allocate(num_blocks, self.device)
