@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from engine.core.host_tier import HostKVTier
+from engine.outputs import TierCopy
 
 
 class KVCacheBlock:
@@ -89,8 +90,6 @@ class BlockRemoved:
 
 
 KVEvent = BlockStored | BlockRemoved
-# (to_host, source block, destination block): one host-tier copy; device block ids and host slots.
-TierCopy = tuple[bool, int, int]
 
 
 class BlockPool:

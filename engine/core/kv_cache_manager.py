@@ -18,6 +18,7 @@ from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVCacheBlock
 from engine.core.host_tier import HostHit, HostKVTier
 from engine.core.request import Request
+from engine.outputs import TierCopy
 
 PrefixBlock = KVCacheBlock | HostHit
 
@@ -140,7 +141,7 @@ class KVCacheManager:
             taken.append(block)
         return taken
 
-    def take_tier_copies(self) -> list[tuple[bool, int, int]]:
+    def take_tier_copies(self) -> list[TierCopy]:
         """The host-tier copies queued since the last call, in the order they must run."""
         return self.pool.take_tier_copies()
 

@@ -18,9 +18,8 @@ import time
 
 import torch
 
+from engine.outputs import TierCopy as Copy
 from engine.runner.attention import KVCache
-
-Copy = tuple[bool, int, int]  # (to_host, source block, destination block)
 
 
 def _runs(copies: list[Copy]) -> list[list[Copy]]:

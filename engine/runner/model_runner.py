@@ -38,6 +38,7 @@ from engine.outputs import (
     PositionLogprobs,
     ScheduledChunk,
     SchedulerOutput,
+    TierCopy,
 )
 from engine.parallel.group import TPGroup
 from engine.parallel.layout import RankShard, shard_for
@@ -285,7 +286,7 @@ class ModelRunner:
         self.kv_tier = KVTierCopier(self.kv_spec.allocate_swap(num_blocks, pin=self.on_cuda), self.device)
 
     @torch.inference_mode()
-    def run_kv_tier_copies(self, copies: list[tuple[bool, int, int]]) -> None:
+    def run_kv_tier_copies(self, copies: list[TierCopy]) -> None:
         """Host-tier copies queued between steps (a remote admission's), run now and waited for: a KV transport
         writes the reserved blocks on a stream of its own. A decode replay queued ahead is left alone."""
         if self.kv_tier is not None and copies:
