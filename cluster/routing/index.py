@@ -125,9 +125,14 @@ class MemoryIndex:
             self._clear(entry)
 
     def match(self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]) -> dict[str, int]:
-        return {wid: m.blocks for wid, m in self.match_tiers(block_hashes, worker_ids).items()}
+        return self._walk(block_hashes, worker_ids)[0]
 
     def match_tiers(self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]) -> dict[str, TierMatch]:
+        blocks, host = self._walk(block_hashes, worker_ids)
+        return {wid: TierMatch(blocks[wid], host[wid]) for wid in worker_ids}
+
+    def _walk(self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per worker: leading blocks held, and how many of those on the host."""
         result = dict.fromkeys(worker_ids, 0)
         host = dict.fromkeys(worker_ids, 0)
         now = self._clock()
@@ -148,10 +153,12 @@ class MemoryIndex:
                     if not alive:
                         break
                 matched += 1
-                _count(host, bits, alive & host_masks.get(h, 0))
+                on_host = alive & host_masks.get(h, 0) if host_masks else 0  # no host tiers: one test per block
+                if on_host:
+                    _count(host, bits, on_host)
             if alive:
                 _record(result, bits, alive, matched)
-        return {wid: TierMatch(result[wid], host[wid]) for wid in worker_ids}
+        return result, host
 
     def forget_worker(self, worker_id: str) -> None:
         with self._lock:
