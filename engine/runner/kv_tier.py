@@ -62,10 +62,6 @@ class KVTierCopier:
         self.copy_seconds_per_block = 0.0  # 0: not measured yet
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
 
-    @property
-    def num_blocks(self) -> int:
-        return self.host_caches[0][0].shape[0] if self.host_caches else 0
-
     def run(self, copies: list[Copy], device_caches: list[KVCache]) -> None:
         self._read_timing()
         if not copies:
