@@ -1,7 +1,7 @@
-"""The router and index against real `tiny` workers with a host KV tier (1 prefill + 1 decode, 19 usable device
-blocks, --kv-offloading-size 64 blocks): an evicted prefix is advertised on the host, the index matches each
-worker's own tiered snapshot, the repeated prompt is routed as a host hit and served from the host tier with the
-same greedy tokens, and no request is a false hit."""
+"""The router and index (in memory, and in Redis on 127.0.0.1:6379) against real `tiny` workers with a host KV tier
+(1 prefill + 1 decode, 19 usable device blocks, --kv-offloading-size 64 blocks): an evicted prefix is advertised on
+the host, the index matches each worker's own tiered snapshot, the repeated prompt is routed as a host hit and served
+from the host tier with the same greedy tokens, and no request is a false hit."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def worker_tiers(address: str) -> dict[bytes, int]:
     return {h: e.stored.tier for e in first.events if e.WhichOneof("event") == "stored" for h in e.stored.block_hashes}
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+@pytest.fixture(scope="module", params=["memory", "redis://127.0.0.1:6379/13"])
+def router(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Router]:
     spec = ClusterSpec(ENGINE, prefill_workers=1, decode_workers=1, log_dir=tmp_path_factory.mktemp("workers"),
                        auth=AUTH)
     with WorkerCluster(spec) as workers:
@@ -62,7 +62,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
         threading.Thread(target=loop.run_forever, daemon=True).start()
 
         async def make() -> Router:
-            return Router(RouterConfig(decode=("unused",), routing="prefix", cluster=AUTH, disagg_policy="static"))
+            return Router(RouterConfig(decode=("unused",), routing="prefix", cluster=AUTH, disagg_policy="static",
+                                       index=request.param))
 
         router = asyncio.run_coroutine_threadsafe(make(), loop).result(60)
         router.pool.set_addresses("prefill", workers.addresses("prefill"))
@@ -88,7 +89,6 @@ def generate(router: Router, token_ids: list[int]) -> pb.GenerateComplete:
 
 def test_an_evicted_prefix_is_routed_and_served_from_the_host_tier(router: Router) -> None:
     index = router.index
-    assert isinstance(index, MemoryIndex)
     first = generate(router, prompt(0))
     worker = router.pool.workers("prefill")[0]
     hashes = router.tokenizers.hasher.hash_blocks(prompt(0))
@@ -98,8 +98,11 @@ def test_an_evicted_prefix_is_routed_and_served_from_the_host_tier(router: Route
     wait_for(lambda: index.match_tiers(hashes, [worker.worker_id])[worker.worker_id] == TierMatch(8, 8), 5)
     time.sleep(0.6)  # one heartbeat: every event has been applied
     truth = worker_tiers(worker.address)
-    assert index.blocks_of(worker.worker_id, Tier.HOST) == {h for h, t in truth.items() if t == pb.KV_TIER_HOST}
-    assert index.blocks_of(worker.worker_id, Tier.DEVICE) == {h for h, t in truth.items() if t == pb.KV_TIER_DEVICE}
+    if isinstance(index, MemoryIndex):
+        assert index.blocks_of(worker.worker_id, Tier.HOST) == {h for h, t in truth.items() if t == pb.KV_TIER_HOST}
+        assert index.blocks_of(worker.worker_id, Tier.DEVICE) == {h for h, t in truth.items()
+                                                                  if t == pb.KV_TIER_DEVICE}
+    assert all(truth[h] == pb.KV_TIER_HOST for h in hashes)  # what the index said: all 8 on the host
     route = router.route(prompt(0))
     assert route.prefill is not None and (route.matched_blocks, route.host_blocks) == (8, 8)
     again = generate(router, prompt(0))
