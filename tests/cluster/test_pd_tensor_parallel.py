@@ -146,6 +146,34 @@ def test_tensor_parallel_pd_greedy_equals_unified_tp1(tiny_workers, tiny_referen
     assert _gloo_bytes(decode) - before == blocks * TINY_BLOCK_BYTES
 
 
+@pytest.fixture(scope="module")
+def smollm2_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Worker]]:
+    tmp = tmp_path_factory.mktemp("pd_tp_smollm2")
+    names = ("prefill-tp1", "prefill-tp2", "decode-tp1", "decode-tp2")
+    flags = ("--kv-transfer-backend", "nccl", "--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "2048")
+    workers = _started(tmp, [(name.split("-")[0], (*flags, "--tensor-parallel-size", name[-1]), "smollm2")
+                             for name in names])
+    yield dict(zip(names, workers, strict=True))
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "prompts"), [(2, 2, slice(0, 3)), (2, 1, slice(3, 6)),
+                                                                   (1, 2, slice(6, 11))])
+def test_smollm2_uneven_heads_pd_greedy_equals_unified(smollm2_workers, prompt_sets, unified,  # noqa: ANN001
+                                                       prefill_tp: int, decode_tp: int, prompts: slice) -> None:
+    """SmolLM2's 3 KV heads split 2 + 1 at TP2: TP2 -> TP1 joins them, TP1 -> TP2 splits them."""
+    prefill, decode = smollm2_workers[f"prefill-tp{prefill_tp}"], smollm2_workers[f"decode-tp{decode_tp}"]
+    chosen = (prompt_sets["short"] + prompt_sets["long"][:1])[prompts]
+
+    async def run_all() -> list[pb.GenerateComplete]:
+        return await asyncio.gather(*(asyncio.to_thread(generate, decode, p, prefill) for p in chosen))
+
+    for prompt, result in zip(chosen, asyncio.run(run_all()), strict=True):
+        assert result.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
+        assert list(result.choices[0].token_ids) == unified[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+
+
 def test_grpc_backend_is_refused_for_tensor_parallel_workers(tiny_workers) -> None:  # noqa: ANN001
     from cluster.transfer.registry import build_receiver
 
