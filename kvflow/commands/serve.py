@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
                        decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
-                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth,
+                       kv_transfer_backend=cluster_kv_backend(args.kv_transfer_backend, prefill_tp, decode_tp),
+                       gpu_memory_utilization=share, auth=auth,
                        drain_timeout_s=args.drain_timeout,
                        # adaptive: role-free workers, which change pools: pinned when the roles' TP sizes differ
                        role_free=args.disagg_policy == "adaptive" and prefill_tp == decode_tp,
@@ -200,6 +201,13 @@ def role_tensor_parallel(size: int, prefill: int | None, decode: int | None) -> 
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     return sizes
+
+
+def cluster_kv_backend(choice: str, prefill_tp: int, decode_tp: int) -> str:
+    """`auto` between tensor-parallel workers is the link (gloo on CPUs): the Prefill stream would carry rank 0's
+    heads only, so a TP1 decode worker on CPU (auto: gRPC bytes) would recompute every prompt of a TP prefill
+    worker."""
+    return "nccl" if choice == "auto" and max(prefill_tp, decode_tp) > 1 else choice
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +224,44 @@ def test_prefill_rank_killed_mid_transfer_is_noticed_and_decode_recomputes(
     again = [t + 1 for t in KILL_PROMPT[:40]]  # not cached on the decode side
     result = generate(decode, again, tiny_workers["prefill-tp2"], MAX_TOKENS, "after")
     assert result.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
+
+
+def test_kvflow_serve_disaggregates_a_tp2_prefill_worker_into_a_tp1_decode_worker(tmp_path: Path) -> None:
+    """`--tensor-parallel-size 2` applies to both roles and `--decode-tensor-parallel-size 1` overrides it: no
+    refusal, and a completion takes the P/D path (auto is the link between TP workers) with the unified result."""
+    import httpx
+
+    from cluster.auth import TOKEN_ENV
+    from kvflow.launcher import free_port
+    from tests.helpers.serve import wait_healthy as serve_healthy
+
+    port, log = free_port(), tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvflow.cli", "serve", "--model", "tiny", "--load-format", "dummy",
+             "--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20), "--port", str(port),
+             "--grpc-port", str(free_port()), "--disagg-policy", "static", "--disagg-min-prompt-tokens", "1",
+             "--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve_healthy(process, url, log)
+        prompt = PROMPTS[(2, 1)][1]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        served = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        from kvflow import LLM, SamplingParams
+
+        llm = LLM("tiny", load_format="dummy", kv_cache_memory_bytes=8 << 20, max_model_len=512)
+        [reference] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0,
+                                                                                  max_tokens=MAX_TOKENS))
+        llm.close()
+        assert served["choices"][0]["text"] == reference.outputs[0].text
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'kvflow:requests_total{path="disaggregated"} 1.0' in metrics, log.read_text()[-3000:]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -199,8 +199,7 @@ class RecvLink:
     def _run(self, ready: pb.KVLinkReady, started: float) -> None:
         try:
             with on_device(self.port.device):
-                plan = self.plan
-                assert plan is not None  # set before this thread starts
+                plan = self._plan()
                 rpc_store = RpcLinkStore(self._stub, self.link_id, self._loop, ready.timeout_s or SETUP_TIMEOUT_S) \
                     if ready.rpc_store else None
                 self._tell_ranks({"op": "open_recv", "link": self.link_id, "backend": self.backend,
@@ -217,6 +216,11 @@ class RecvLink:
             self.broken.set()
             if self._groups is not None:
                 self._groups.close(failed=not self._closing)
+
+    def _plan(self) -> HeadPlan:
+        if self.plan is None:  # set from `ready` before the link thread starts
+            raise KVTransferError("bad_stream", "the KV link has no head plan yet")
+        return self.plan
 
     def _other_ranks(self, what: str) -> list[str]:
         return [ack_key(self.link_id, rank, what) for rank in range(1, self.port.ranks.size)]
@@ -248,8 +252,7 @@ class RecvLink:
         still wants it, every rank imports its heads into the pull's blocks (ranks > 0 before their next step)."""
         part = KVSlice(notice.first_block, notice.num_blocks, notice.first_layer, notice.num_layers)
         layout = self.port.layout
-        plan = self.plan
-        assert plan is not None
+        plan = self._plan()
         if part.num_blocks < 1 or part.num_layers < 1 or notice.num_bytes != plan.total_bytes(layout, part):
             raise KVTransferError("bad_stream", f"link notice {notice.seq} announces {notice.num_bytes} bytes "
                                                 f"for {part}: the stream can no longer be paired")
