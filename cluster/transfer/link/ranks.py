@@ -166,8 +166,9 @@ class LinkAgent:
         loop = SendLoop(f"{doc['link']}-r{self.group.rank}", doc["backend"], self.port,
                         plan.sending(self.group.rank))
         self.sends[doc["link"]] = (loop, plan)
-        store = tcp_store_client(doc["host"], int(doc["port"]), float(doc["timeout_s"]))
-        loop.start(store, doc["prefix"], float(doc["timeout_s"]), lambda: None)
+        # The store is reached on the link thread: this (main) thread must get back to the steps at once.
+        loop.start(lambda: tcp_store_client(doc["host"], int(doc["port"]), float(doc["timeout_s"])), doc["prefix"],
+                   float(doc["timeout_s"]), lambda: None)
 
     def _on_export(self, doc: dict[str, Any]) -> None:
         entry = self.sends.get(doc["link"])

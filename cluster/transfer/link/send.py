@@ -68,8 +68,10 @@ class SendLoop:
         self._outbox: queue.SimpleQueue[list[KVExport] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def start(self, store: dist.Store, prefix: str, timeout_s: float, on_exit: Callable[[], None]) -> None:
-        self._thread = threading.Thread(target=self._run, args=(store, prefix, timeout_s, on_exit),
+    def start(self, connect: Callable[[], dist.Store], prefix: str, timeout_s: float,
+              on_exit: Callable[[], None]) -> None:
+        """`connect` returns the rendezvous store; it runs on the link thread (it may wait for the store)."""
+        self._thread = threading.Thread(target=self._run, args=(connect, prefix, timeout_s, on_exit),
                                         name=f"kv-link-send-{self.name}", daemon=True)
         self._thread.start()
 
@@ -83,11 +85,12 @@ class SendLoop:
         if wait_s and self._thread is not None:
             self._thread.join(wait_s)
 
-    def _run(self, store: dist.Store, prefix: str, timeout_s: float, on_exit: Callable[[], None]) -> None:
+    def _run(self, connect: Callable[[], dist.Store], prefix: str, timeout_s: float,
+             on_exit: Callable[[], None]) -> None:
         groups = None
         try:
             with on_device(self.port.device):
-                groups = RankGroups(self.backend, store, prefix, self.pairs, PREFILL_RANK, timeout_s)
+                groups = RankGroups(self.backend, connect(), prefix, self.pairs, PREFILL_RANK, timeout_s)
                 with self.port.transfer_stream(self.port.new_stream()):
                     self._send_all(groups)
         except Exception as exc:  # noqa: BLE001 - any failure ends this link; the decode side recomputes
@@ -143,7 +146,7 @@ class SendLink:
                                          "host": ready.store_host, "port": ready.store_port, "prefix": prefix,
                                          "timeout_s": ready.timeout_s, "src": self.plan.src_heads,
                                          "dst": self.plan.dst_heads})
-        self.sends.start(store, prefix, ready.timeout_s, self._on_exit)
+        self.sends.start(lambda: store, prefix, ready.timeout_s, self._on_exit)
 
     def stage(self, request_id: str, block_ids: list[int], part: KVSlice) -> int:
         """Engine thread: export one slice (`block_ids`: its blocks) on every rank and queue its send; its notice

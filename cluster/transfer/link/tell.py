@@ -17,7 +17,9 @@ from typing import Any
 
 from engine.kv_port import KVRanks
 
-ACK_POLL_S = 0.0005
+# How often rank 0 checks for an ack: a loopback store round trip. (A bounded store wait would not poll, but each
+# timeout logs a c10d warning.)
+ACK_POLL_S = 0.001
 
 
 def tell_ranks(ranks: KVRanks, doc: dict[str, Any]) -> None:
