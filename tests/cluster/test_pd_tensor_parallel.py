@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,3 +266,39 @@ def test_kvflow_serve_disaggregates_a_tp2_prefill_worker_into_a_tp1_decode_worke
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def test_decode_rank_killed_mid_transfer_ends_the_link_and_frees_prefill_blocks(tmp_path: Path) -> None:
+    """A TP2 decode worker whose rank 1 dies mid-pull: the prefill worker's link to it ends within 2 s, its held
+    blocks come back, and the decode worker stops (a TP engine cannot step without a rank; its supervisor
+    restarts it)."""
+    from tests.helpers.pd import info
+
+    slow = ("--max-num-batched-tokens", "16")
+    prefill, doomed = _started(tmp_path, [("prefill", (*TINY, "--tensor-parallel-size", "2", *slow), "tiny"),
+                                          ("decode", (*TINY, "--tensor-parallel-size", "2"), "tiny")])
+    try:
+        baseline = info(prefill).num_free_kv_blocks
+        request = threading.Thread(target=_try_generate, args=(doomed, prefill))
+        request.start()
+        wait_until(lambda: info(prefill).num_free_kv_blocks < baseline, 30.0, "the prefill to hold blocks")
+        killed = time.monotonic()
+        os.kill(_children(doomed.process.pid)[0], signal.SIGKILL)
+        wait_until(lambda: " closed (" in prefill.log.read_text(), 2.0, "the prefill side to end the link")
+        noticed = time.monotonic() - killed
+        wait_until(lambda: info(prefill).num_free_kv_blocks == baseline, 12.0, "prefill blocks back")
+        assert doomed.process.wait(60) != 0
+        assert noticed < 2.0
+        request.join(30)
+    finally:
+        prefill.stop()
+        doomed.stop()
+
+
+def _try_generate(decode: Worker, prefill: Worker) -> bool:
+    """One disaggregated request that may fail (its decode worker is being killed)."""
+    try:
+        generate(decode, list(range(150, 450)), prefill, MAX_TOKENS, "doomed")
+    except Exception:  # noqa: BLE001 - the worker dies under it
+        return False
+    return True

@@ -131,6 +131,8 @@ class SendLink:
         self.plan = plan
         self.notices: asyncio.Queue[pb.KVLinkChunk | None] = asyncio.Queue()
         self.sends = SendLoop(link_id, backend, port, plan.sending(port.rank))
+        # Slices are cut so that the largest pair's message stays within the link's message size.
+        self.slice_layout = port.heads_layout(max(len(pair.heads) for pair in plan.pairs))
         self.broken = self.sends.broken
         self._loop = loop
         self._lock = threading.Lock()
@@ -192,7 +194,7 @@ class LinkSender:
         self._caller_id = caller_id  # the decode worker's request id, which the link's notices carry
 
     def send(self, block_ids: list[int], first_block: int, end_block: int) -> None:
-        for part in plan_slices(first_block, end_block - first_block, self._link.port.layout, LINK_MAX_CHUNK_BYTES):
+        for part in plan_slices(first_block, end_block - first_block, self._link.slice_layout, LINK_MAX_CHUNK_BYTES):
             blocks = block_ids[part.first_block : part.first_block + part.num_blocks]
             try:
                 self.num_bytes += self._link.stage(self._caller_id, blocks, part)
