@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
                           disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
                           **request_limit_kwargs(args), **lifecycle_kwargs(args), **disagg_kwargs(args))
     dataclasses.replace(config, decode=("127.0.0.1:1",)).validate()
+    if args.disagg_policy == "adaptive" and prefill_tp != decode_tp:
+        logger.info("prefill TP %d != decode TP %d: workers are pinned to their pools (role-free workers move "
+                    "between them); the router still picks remote or local prefill per request", prefill_tp,
+                    decode_tp)
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
