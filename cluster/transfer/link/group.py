@@ -151,7 +151,9 @@ def serve_store(host: str) -> dist.TCPStore:
 
 
 def pair_prefix(prefix: str, pair: HeadPair) -> str:
-    return f"{prefix}{pair.src}-{pair.dst}/"
+    """The pair's keys in the link's store: rank 0 to rank 0 under the link's own prefix (one-rank workers' links
+    rendezvous as before tensor-parallel links existed), the other pairs under their own."""
+    return prefix if (pair.src, pair.dst) == (0, 0) else f"{prefix}{pair.src}-{pair.dst}/"
 
 
 def tcp_store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
