@@ -92,7 +92,7 @@ def tiny_reference() -> dict[tuple[int, ...], list[int]]:
     from kvflow import LLM, SamplingParams
 
     llm = LLM("tiny", load_format="dummy", kv_cache_memory_bytes=8 << 20, max_model_len=512)
-    prompts = [p for pair in PAIRS for p in PROMPTS[pair]] + [KILL_PROMPT]
+    prompts = [p for pair in PAIRS for p in PROMPTS[pair]] + [KILL_PROMPT, KILL_PROMPT[:200]]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     llm.close()
@@ -191,6 +191,38 @@ def _children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(c) for c in (task / "children").read_text().split()]
     return found
+
+
+def test_abort_mid_transfer_keeps_the_tensor_parallel_link(tiny_workers, tiny_reference,  # noqa: ANN001
+                                                          tmp_path: Path) -> None:
+    """An aborted pull's slices still reach every decode rank (dropped there, so the pairs stay paired); the next
+    pull over the same link is exact."""
+    from protos.kvflow.v1 import kvflow_pb2_grpc
+    from tests.helpers.pd import channel_to, info
+
+    slow = ("--max-num-batched-tokens", "16")
+    [prefill] = _started(tmp_path, [("prefill", (*TINY, "--tensor-parallel-size", "2", *slow), "tiny")])
+    decode = tiny_workers["decode-tp2"]
+    try:
+        baseline = info(prefill).num_free_kv_blocks
+        request = pb.GenerateRequest(request_id="abort-me", token_ids=pb.TokenIds(ids=list(range(50, 450))),
+                                     stream=False,
+                                     sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                                     disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
+        with channel_to(decode) as channel:
+            stub = kvflow_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(request, timeout=120)
+            wait_until(lambda: info(prefill).num_free_kv_blocks < baseline, 30.0, "the transfer to start")
+            assert stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+            assert list(call)[-1].complete.choices[0].finish_reason == pb.FINISH_REASON_ABORT
+        wait_until(lambda: info(prefill).num_free_kv_blocks == baseline, 12.0, "prefill blocks back")
+        prompt = KILL_PROMPT[:200]
+        again = generate(decode, prompt, prefill, MAX_TOKENS, "after-abort")
+        assert again.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
+        assert list(again.choices[0].token_ids) == tiny_reference[tuple(prompt)]
+        assert prefill.log.read_text().count("KV link ") == 1, "the link was kept"
+    finally:
+        prefill.stop()
 
 
 def test_prefill_rank_killed_mid_transfer_is_noticed_and_decode_recomputes(
