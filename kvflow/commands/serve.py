@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="each decode worker's tensor-parallel size (default --tensor-parallel-size)")
     g.add_argument("--kv-transfer-backend", choices=KV_TRANSFER_BACKENDS, default="auto",
                    help="prefill -> decode KV: 'nccl' (torch.distributed link; gloo on CPU workers), 'grpc', or "
-                        "'auto' (NCCL between GPU workers, gRPC otherwise)")
+                        "'auto' (NCCL between GPU workers, gRPC otherwise; the link whenever a role is "
+                        "tensor-parallel)")
     g.add_argument("--kv-transfer-fault-rate", type=float, default=0.0,
                    help="fault testing only: the workers fail this share of KV transfers at a random point")
     g.add_argument("--disable-log-requests", action="store_true", help="no router log line per request")
