@@ -36,7 +36,7 @@ from engine.metrics.busy import BusyMeter
 from engine.metrics.reload_cost import ReloadCost
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import PositionLogprobs, RequestOutput, SchedulerOutput
-from engine.parallel.executor import create_runner
+from engine.parallel.executor import DEFAULT_RANK_MODULE, create_runner, kv_ranks
 from engine.processing.generation_config import resolve_generation_defaults
 from engine.processing.input_processor import InputProcessor, PromptInput, eos_token_id
 from engine.processing.output_processor import OutputKind, OutputProcessor, RequestState
@@ -65,15 +65,18 @@ class EngineLoad:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
+    def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
+                 rank_module: str = DEFAULT_RANK_MODULE) -> None:
         self.config = config
-        self.runner = create_runner(config)  # tensor parallelism: rank 0's runner, the other ranks started
+        # tensor parallelism: rank 0's runner, the other ranks started (`python -m rank_module`)
+        self.runner = create_runner(config, rank_module)
         # Speculative decoding (engine/spec/proposer.py); a draft model is loaded before the memory profile.
         self.proposer = build_proposer(config)
         num_blocks, num_swap = self._initialize_kv_cache()
         self.num_gpu_blocks = num_blocks
         # what KV transports may touch
-        self.kv_port = KVPort(self.runner.kv_caches, self.runner.kv_dtype_name, self.runner.kv_scales)
+        self.kv_port = KVPort(self.runner.kv_caches, self.runner.kv_dtype_name, self.runner.kv_scales,
+                              kv_ranks(self.runner))
         self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self.hasher,
                                          config.cache.enable_prefix_caching, enable_kv_events,
@@ -105,8 +108,9 @@ class LLMEngine:
         self.num_lease_expired_blocks = 0  # P/D prefill side: held blocks freed because no transfer finished
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, enable_kv_events: bool = False) -> LLMEngine:
-        return cls(args.create_engine_config(), enable_kv_events)
+    def from_engine_args(cls, args: EngineArgs, enable_kv_events: bool = False,
+                         rank_module: str = DEFAULT_RANK_MODULE) -> LLMEngine:
+        return cls(args.create_engine_config(), enable_kv_events, rank_module)
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         """Size the KV cache (shared with a draft model) and the swap space, and allocate them on the runner."""
