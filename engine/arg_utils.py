@@ -100,10 +100,10 @@ def _override_arg(text: str) -> dict[str, Any] | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def checkpoint_quantization(requested: str | None, hf_config: Any, device: str) -> str | None:
+def checkpoint_quantization(requested: str | None, hf_config: Any, device: str, dummy: bool = False) -> str | None:
     """The quantization to run: the flag, or what the checkpoint's `quantization_config` declares (as vLLM
     does). Checkpoint formats kvflow cannot run are refused here with the reason (never a missing-weight error
-    at load)."""
+    at load). `dummy`: random weights, drawn in any method's layout (no checkpoint needed)."""
     qc = getattr(hf_config, "quantization_config", None) or {}
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
@@ -115,9 +115,9 @@ def checkpoint_quantization(requested: str | None, hf_config: Any, device: str) 
         if requested not in (None, method):
             raise ValueError(f"the checkpoint is {method}-quantized; quantization={requested!r} does not apply to it")
         return method
-    if requested in ("awq", "gptq"):
+    if requested in ("awq", "gptq") and not dummy:
         raise ValueError(f"quantization={requested!r} needs a {requested} checkpoint (config.json "
-                         "quantization_config.quant_method)")
+                         "quantization_config.quant_method), or load_format='dummy' for random int4 weights")
     if method is not None and method != "fp8":
         raise ValueError(f"unsupported checkpoint quantization {method!r} (quantization_config.quant_method); "
                          f"kvflow runs: {', '.join(QUANTIZATION_METHODS)}")
@@ -375,7 +375,8 @@ class EngineArgs:
             generation_config=self.generation_config,
             seed=self.seed,
             override_generation_config=parse_override(self.override_generation_config),
-            quantization=checkpoint_quantization(self.quantization, resolved.hf_config, device),
+            quantization=checkpoint_quantization(self.quantization, resolved.hf_config, device,
+                                                 dummy=resolved.load_format == "dummy"),
             gguf_file=resolved.gguf_file,
         )
         if self.cpu_offload_gb and model.quantization is not None:  # a quantized checkpoint picks it by itself

@@ -74,11 +74,8 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
                        zeros=z.t().contiguous())
 
 
-def load_awq_gptq(model: nn.Module, state: dict[str, torch.Tensor], method: str, qc: dict[str, Any]) -> None:
-    """Fill a built model: dense tensors as usual, each decoder linear as a QuantLinear (its packed modules'
-    parts stacked, as the model class declares them) from its packed tensors."""
-    check_config(method, qc)
-    group = int(qc.get("group_size", qc.get("q_group_size")))
+def unpack_state(state: dict[str, torch.Tensor], method: str, group: int) -> dict[str, QuantWeight]:
+    """Every `<base>.qweight` of a checkpoint state (with its qzeros / scales / g_idx) as a QuantWeight by base."""
     quant: dict[str, QuantWeight] = {}
     for key in [k for k in state if k.endswith(".qweight")]:
         base = key[: -len(".qweight")]
@@ -90,11 +87,12 @@ def load_awq_gptq(model: nn.Module, state: dict[str, torch.Tensor], method: str,
         else:
             quant[base] = unpack_gptq(state[key], state[f"{base}.qzeros"], state[f"{base}.scales"],
                                       state.get(f"{base}.g_idx"), group, base)
-    dense = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))}
-    for base, w in quant.items():  # transient dense copies satisfy the loader; replaced just below
-        dense[base + ".weight"] = dequantize(w)
-    model.load_hf_state_dict(dense)  # type: ignore[operator]
-    del dense
+    return quant
+
+
+def install_quant_linears(model: nn.Module, quant: dict[str, QuantWeight], method: str) -> None:
+    """Replace each decoder linear by a QuantLinear of its checkpoint modules' weights, stacked as the model
+    class declares them (q|k|v, gate|up); the dense bias, if any, is kept."""
     for path in decoder_linear_paths(model):
         bases = checkpoint_modules(type(model), path)  # type: ignore[arg-type]
         missing = [b for b in bases if b not in quant]
@@ -106,3 +104,17 @@ def load_awq_gptq(model: nn.Module, state: dict[str, torch.Tensor], method: str,
         replace_module(model, path, QuantLinear(w, bias))
     for layer in model.layers:  # type: ignore[attr-defined]
         layer.small_gemm = False  # the fused single-row GEMVs read dense `.weight`s
+
+
+def load_awq_gptq(model: nn.Module, state: dict[str, torch.Tensor], method: str, qc: dict[str, Any]) -> None:
+    """Fill a built model: dense tensors as usual, each decoder linear as a QuantLinear (its packed modules'
+    parts stacked, as the model class declares them) from its packed tensors."""
+    check_config(method, qc)
+    group = int(qc.get("group_size", qc.get("q_group_size")))
+    quant = unpack_state(state, method, group)
+    dense = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))}
+    for base, w in quant.items():  # transient dense copies satisfy the loader; replaced just below
+        dense[base + ".weight"] = dequantize(w)
+    model.load_hf_state_dict(dense)  # type: ignore[operator]
+    del dense
+    install_quant_linears(model, quant, method)

@@ -1,4 +1,5 @@
-"""Which quantized loader fills a freshly built model, by `ModelConfig.quantization`."""
+"""Which quantized loader fills a freshly built model, by `ModelConfig.quantization` (and, for dummy weights,
+`load_format == "dummy"`: random weights in the method's own layout)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,15 @@ def load_quantized(model: nn.Module, config: ModelConfig) -> None:
         from engine.models.loader import hf_state_dict
         from engine.quant.awq_gptq import load_awq_gptq
 
-        if config.model_path is None:
-            raise ValueError(f"model {config.model!r} has no {config.quantization} weights to load")
         qc = getattr(config.hf_config, "quantization_config", None) or {}
         qc = qc if isinstance(qc, dict) else qc.to_dict()
+        if config.load_format == "dummy":  # random int4 codes in the checkpoint layout (engine/quant/dummy_int4.py)
+            from engine.quant.dummy_int4 import load_dummy_awq_gptq
+
+            load_dummy_awq_gptq(model, config.quantization, qc, config.seed)
+            return
+        if config.model_path is None:
+            raise ValueError(f"model {config.model!r} has no {config.quantization} weights to load")
         load_awq_gptq(model, hf_state_dict(config.model_path), config.quantization, qc)
         return
     raise ValueError(f"unsupported quantization {config.quantization!r}")
