@@ -382,8 +382,9 @@ class EngineArgs:
         if self.cpu_offload_gb and model.quantization is not None:  # a quantized checkpoint picks it by itself
             raise ValueError(f"--cpu-offload-gb with a {model.quantization}-quantized model is not supported yet "
                              "(the quantized layers' packed weights are not streamed)")
-        if self.quantization == "gguf" and resolved.gguf_file is None:
-            raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2'), got {self.model!r}")
+        if self.quantization == "gguf" and resolved.gguf_file is None and resolved.load_format != "dummy":
+            raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or 'smollm2') or "
+                             f"load_format='dummy', got {self.model!r}")
         if resolved.arch.moe is not None:
             self._validate_moe(model)
         return model

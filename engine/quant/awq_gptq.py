@@ -46,7 +46,7 @@ def check_config(method: str, qc: dict[str, Any]) -> None:
 
 def _unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
     """int32 [R, C] -> uint8 [R, 8C], nibble i of column c going to column 8c + order[i] (sequential if None)."""
-    nib = (packed.unsqueeze(-1) >> SHIFTS) & 0xF  # [R, C, 8]: nibble i
+    nib = (packed.unsqueeze(-1) >> SHIFTS.to(packed.device)) & 0xF  # [R, C, 8]: nibble i
     if order is not None:
         out = torch.empty_like(nib)
         out[..., list(order)] = nib
@@ -65,28 +65,32 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                 group: int, name: str) -> QuantWeight:
     kp, n = qweight.shape
-    q = ((qweight.unsqueeze(1) >> SHIFTS[None, :, None]) & 0xF).reshape(kp * 8, n).to(torch.uint8)  # [K, N]
-    k = kp * 8
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+    q = ((qweight.unsqueeze(1) >> SHIFTS.to(qweight.device)[None, :, None]) & 0xF).reshape(kp * 8, n).to(torch.uint8)
+    k = kp * 8  # q: [K, N]
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k, device=g_idx.device) // group):
         raise ValueError(f"{name}: g_idx is not k // group_size (an act-order layout); kvflow cannot run it")
     z = ((_unpack_cols(qzeros, None) + 1) & 0xF).to(torch.uint8)  # stored as (zero - 1) mod 16
     return QuantWeight(4, "zero", group, n, k, pack_int4(q.t().contiguous()), fp16_bits(scales.t()),
                        zeros=z.t().contiguous())
 
 
-def unpack_state(state: dict[str, torch.Tensor], method: str, group: int) -> dict[str, QuantWeight]:
-    """Every `<base>.qweight` of a checkpoint state (with its qzeros / scales / g_idx) as a QuantWeight by base."""
+def unpack_state(state: dict[str, torch.Tensor], method: str, group: int,
+                 device: torch.device | None = None) -> dict[str, QuantWeight]:
+    """Every `<base>.qweight` of a checkpoint state (with its qzeros / scales / g_idx) as a QuantWeight by base,
+    unpacked on `device` (default: where the state is; a GPU unpacks an 8B model in a blink, a CPU in minutes)."""
     quant: dict[str, QuantWeight] = {}
     for key in [k for k in state if k.endswith(".qweight")]:
         base = key[: -len(".qweight")]
         for part in ("qzeros", "scales"):
             if f"{base}.{part}" not in state:
                 raise ValueError(f"{method} checkpoint: {base}.{part} is missing")
+        qweight, qzeros, scales = (state[f"{base}.{part}"].to(device) for part in ("qweight", "qzeros", "scales"))
         if method == "awq":
-            quant[base] = unpack_awq(state[key], state[f"{base}.qzeros"], state[f"{base}.scales"], group)
+            quant[base] = unpack_awq(qweight, qzeros, scales, group)
         else:
-            quant[base] = unpack_gptq(state[key], state[f"{base}.qzeros"], state[f"{base}.scales"],
-                                      state.get(f"{base}.g_idx"), group, base)
+            g_idx = state.get(f"{base}.g_idx")
+            quant[base] = unpack_gptq(qweight, qzeros, scales, None if g_idx is None else g_idx.to(device), group,
+                                      base)
     return quant
 
 

@@ -91,7 +91,7 @@ def draw_packed(method: str, base: str, out_features: int, in_features: int, gro
             f"{base}.scales": scales, f"{base}.g_idx": (torch.arange(in_features) // group).to(torch.int32)}
 
 
-def _part_rows(model: nn.Module, path: str, bases: list[str]) -> list[int]:
+def part_rows(model: nn.Module, path: str, bases: list[str]) -> list[int]:
     """Output rows of each checkpoint module stacked into the linear at `path` (q|k|v, gate|up: from the
     model class's tensor-parallel units)."""
     linear = model.get_submodule(path)
@@ -113,7 +113,7 @@ def dummy_state(model: nn.Module, method: str, group: int, seed: int) -> dict[st
     for path in decoder_linear_paths(model):
         bases = checkpoint_modules(type(model), path)  # type: ignore[arg-type]
         in_features = model.get_submodule(path).in_features
-        for base, rows in zip(bases, _part_rows(model, path, bases), strict=True):
+        for base, rows in zip(bases, part_rows(model, path, bases), strict=True):
             state |= draw_packed(method, base, rows, in_features, group, seed)
     return state
 
@@ -123,5 +123,6 @@ def load_dummy_awq_gptq(model: nn.Module, method: str, qc: dict[str, Any], seed:
     requested = qc.get("group_size", qc.get("q_group_size"))
     group = dummy_group_size(model, None if requested is None else int(requested))
     model.init_dummy_weights(seed)  # type: ignore[operator]
-    quant = unpack_state(dummy_state(model, method, group, seed), method, group)
+    device = model.get_submodule(decoder_linear_paths(model)[0]).weight.device
+    quant = unpack_state(dummy_state(model, method, group, seed), method, group, device)
     install_quant_linears(model, quant, method)

@@ -12,6 +12,11 @@ def load_quantized(model: nn.Module, config: ModelConfig) -> None:
     if config.quantization == "gguf":
         from engine.quant.gguf_weights import load_gguf_quantized
 
+        if config.gguf_file is None and config.load_format == "dummy":  # a GGUF of the model's shapes, written now
+            from engine.quant.dummy_gguf import load_dummy_gguf
+
+            load_dummy_gguf(model, config.hf_config.model_type, config.seed)
+            return
         if config.gguf_file is None:
             raise ValueError(f"quantization='gguf' needs a GGUF model, got {config.model!r}")
         load_gguf_quantized(model, config.gguf_file)

@@ -12,6 +12,7 @@ import torch
 
 from engine.arg_utils import EngineArgs
 from engine.models.loader import hf_state_dict, resolve_model, smollm2_gguf_path
+from engine.models.presets import preset_hf_config
 from engine.quant.gguf_weights import blocks_to_quant, read_gguf
 from engine.quant.group_quant import (
     KINDS,
@@ -100,9 +101,10 @@ def test_read_gguf_equals_the_dequantized_checkpoint() -> None:
     assert native["model.embed_tokens.weight"].type_name == "Q8_0"
 
 
-def test_quantization_flag_validation() -> None:
-    with pytest.raises(ValueError, match="needs a GGUF model"):
-        EngineArgs(model="tiny", load_format="dummy", quantization="gguf").create_engine_config()
+def test_quantization_flag_validation(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "config.json").write_text(preset_hf_config("tiny").to_json_string())
+    with pytest.raises(ValueError, match="needs a GGUF model"):  # a dense checkpoint (dummy presets write one)
+        EngineArgs(model=str(tmp_path), quantization="gguf").create_engine_config()
     with pytest.raises(ValueError, match="unsupported quantization 'int3'"):
         EngineArgs(model="tiny", quantization="int3").create_engine_config()
 
