@@ -11,8 +11,10 @@ captured (the graphs warmed the decode-only replays; this covers the eager steps
 What runs (`warmup_batches`): eager forwards of the runner's own model and attention backend, plus the lm head,
 over dummy tokens (id 0): the largest prefill chunk and one token less (token counts that are and are not
 multiples of 16), a small prompt, a chunk continuing a cached prefix, eager decode batches of 1 and 3 rows, mixed
-decode + prefill steps of 16 and 21 tokens, and one decode row at each context that selects another split-count
-class of the decode kernel (kernels/paged_decode_attention.py). No sampling.
+decode + prefill steps of 16 and 21 tokens, one decode row at each context that selects another split-count
+class of the decode kernel (kernels/paged_decode_attention.py), and a prompt of every row count that selects
+another compiled variant of the quantized GEMMs (`quant_gemm_rows`: tile classes, row-tile counts, M on or off a
+multiple of 16), whose counts the lm head also runs once. No sampling.
 
 Invariants:
 - Every K/V write goes to block 0, the null block that pads block tables and is never handed out, and every
@@ -36,6 +38,8 @@ import torch
 
 from engine.runner.attention import AttentionBatch
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
+from kernels.quant_gemm import GEMV_MAX_M, gemm_tiles, gemv_tiles
+from kernels.quant_gemm_kn import DEQUANT_MIN_M, kn_gemm_tiles
 
 if TYPE_CHECKING:
     from engine.runner.model_runner import ModelRunner
@@ -47,6 +51,11 @@ SCRATCH_BLOCK = 0  # the null block: pads block tables, never handed out to a re
 # specializes the count itself on being 1 or a multiple of 16.
 DECODE_SPLITS = (1, 2, 3, 5, 9, 16, 17, 32, 33, 48)
 SAMPLE_ROWS = (1, 3, 16)  # lm-head row counts: one, another, a multiple of 16
+# The quantized GEMMs' variants are enumerated up to this many rows: above it only the kn layout's dense path and
+# the canonical GEMM's widest tile run, neither compiling anything new by row count. Their tile choice depends on
+# the rows alone; the nominal width and SM count below only fill the arguments.
+QUANT_ROWS_SCAN = 256
+_NOMINAL_WIDTH, _NOMINAL_SMS = 4096, 132
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,39 @@ class WarmupBatch:
         return AttentionBatch(list(self.query_lens), list(self.seq_lens), tables, slots), positions
 
 
+def _quant_variants(m: int) -> list[tuple[object, ...]]:
+    """The compiled variants an m-row product selects in kernels/quant_gemm_kn.py (4-bit weights on CUDA) and
+    kernels/quant_gemm.py (8-bit weights and quantized heads; both product dtypes), M's divisibility by 16 (which
+    Triton specializes) included where M is a kernel argument."""
+    n = k = _NOMINAL_WIDTH
+    by16 = m % 16 == 0
+    if m == 1:
+        keys: list[tuple[object, ...]] = [("kn_gemv",)]
+    elif m >= DEQUANT_MIN_M:
+        keys = [("kn_dense", by16)]  # one dequantization launch, then cuBLAS (which picks kernels by shape)
+    else:  # the row-tile count sets the K split, and the split count is the split-sum kernel's constexpr
+        block_m, block_n, block_r, warps, swap, _ = kn_gemm_tiles(m, n, k, _NOMINAL_SMS)
+        keys = [("kn_gemm", block_m, block_n, block_r, warps, swap, -(-m // block_m), by16)]
+    for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
+        if m == 1 or (upcast and m <= GEMV_MAX_M):
+            keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))
+        else:
+            keys.append(("gemm", upcast, *gemm_tiles(m, n, k, _NOMINAL_SMS, upcast)[:3], by16))
+    return keys
+
+
+def quant_gemm_rows(limit: int = QUANT_ROWS_SCAN) -> tuple[int, ...]:
+    """Row counts (a step's tokens, or the head's rows) that reach every row-dependent compiled variant of the
+    quantized GEMMs: the first count selecting each (`_quant_variants`). fp8 W8A8 needs none of its own: its
+    activation quantization (kernels/fp8_quant.py) runs a row per program and compiles once per width, and
+    torch._scaled_mm is cuBLAS."""
+    first: dict[tuple[object, ...], int] = {}
+    for m in range(1, limit + 1):
+        for key in _quant_variants(m):
+            first.setdefault(key, m)
+    return tuple(sorted(set(first.values())))
+
+
 def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[WarmupBatch]:
     """The dummy steps, within the scheduler's limits (see the module docstring)."""
     chunk = min(max_num_batched_tokens, max_model_len)
@@ -82,6 +124,8 @@ def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
         WarmupBatch((1, 20), (33, 20)),  # 21 tokens
     ]
     wanted += [WarmupBatch((1,), (splits * MIN_SPLIT_TOKENS,)) for splits in DECODE_SPLITS[1:]]
+    tokens = {b.num_tokens for b in wanted}
+    wanted += [WarmupBatch((rows,), (rows,)) for rows in quant_gemm_rows() if rows not in tokens]
     batches = []
     for batch in wanted:
         fits = (1 <= batch.num_tokens <= max_num_batched_tokens and len(batch.query_lens) <= max_num_seqs
@@ -97,10 +141,12 @@ def warm_up(runner: ModelRunner) -> float:
     batches = warmup_batches(sched.max_num_batched_tokens, runner.config.model.max_model_len, sched.max_num_seqs)
     started = time.perf_counter()
     saved = [(k[SCRATCH_BLOCK].clone(), v[SCRATCH_BLOCK].clone()) for k, v in runner.kv_caches]
+    # the lm head's row counts: the quantized GEMMs' variants once (on the largest batch), SAMPLE_ROWS on each
+    head_rows = sorted(set(SAMPLE_ROWS) | {r for r in quant_gemm_rows() if r <= sched.max_num_seqs})
     try:
         with torch.inference_mode():
-            for batch in batches:
-                run_batch(runner, batch)
+            for i, batch in enumerate(batches):
+                run_batch(runner, batch, tuple(head_rows) if i == 0 else SAMPLE_ROWS)
     finally:
         for (key, value), (saved_key, saved_value) in zip(runner.kv_caches, saved, strict=True):
             key[SCRATCH_BLOCK].copy_(saved_key)
@@ -113,13 +159,13 @@ def warm_up(runner: ModelRunner) -> float:
     return seconds
 
 
-def run_batch(runner: ModelRunner, batch: WarmupBatch) -> None:
-    """One dummy step: the forward and the lm head at `SAMPLE_ROWS` rows (block 0 is left written)."""
+def run_batch(runner: ModelRunner, batch: WarmupBatch, head_rows: tuple[int, ...] = SAMPLE_ROWS) -> None:
+    """One dummy step: the forward and the lm head at `head_rows` rows (block 0 is left written)."""
     attention, positions = batch.attention_batch(runner.block_size)
     device = runner.device
     ids = torch.zeros(len(positions), dtype=torch.int64, device=device)
     meta = runner.attn_backend.build_metadata(attention, device)
     hidden = runner.model(ids, torch.as_tensor(positions, dtype=torch.int64, device=device), runner.kv_caches, meta)
-    for rows in SAMPLE_ROWS:
+    for rows in head_rows:
         if rows <= len(hidden):
             runner.model.compute_logits(hidden[:rows])

@@ -11,7 +11,18 @@ import torch
 
 from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.runner.warmup import DECODE_SPLITS, SCRATCH_BLOCK, WarmupBatch, run_batch, warm_up, warmup_batches
+from engine.quant import quant_layers
+from engine.runner.warmup import (
+    DECODE_SPLITS,
+    QUANT_ROWS_SCAN,
+    SCRATCH_BLOCK,
+    WarmupBatch,
+    _quant_variants,
+    quant_gemm_rows,
+    run_batch,
+    warm_up,
+    warmup_batches,
+)
 from engine.sampling_params import SamplingParams
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
 from tests.helpers.oracle import run_to_end
@@ -108,3 +119,34 @@ def _free_order(engine: LLMEngine) -> list[int]:
         out.append(node.block_id)
         node = node.next_free
     return out
+
+
+def test_quant_rows_reach_every_quantized_gemm_variant() -> None:
+    rows = quant_gemm_rows()
+    covered = {key for m in rows for key in _quant_variants(m)}
+    assert all(set(_quant_variants(m)) <= covered for m in range(1, QUANT_ROWS_SCAN + 1))
+    # kn layout (kernels/quant_gemm_kn.py): GEMV; GEMM tiles of 16, 32 and 64 rows (one or two row tiles) on and
+    # off a multiple of 16; dequantize + cuBLAS from 128 rows. Canonical fp32 GEMV row blocks of 1, 2, 4 and 8.
+    assert {1, 2, 3, 5, 9, 16, 17, 32, 33, 48, 65, 80, 128, 129} <= set(rows)
+    tokens = {b.num_tokens for b in warmup_batches(max_num_batched_tokens=8192, max_model_len=32768, max_num_seqs=256)}
+    assert set(rows) <= tokens
+
+
+def test_warm_up_runs_the_quantized_linears_at_every_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU dummy-GGUF engine (Q4_1 linears, Q8_0 head): the row counts each quantized product met."""
+    engine = LLMEngine(EngineArgs(model="tiny-llama", load_format="dummy", quantization="gguf", device="cpu",
+                                  kv_cache_memory_bytes=16 << 20, max_model_len=1024, max_num_batched_tokens=512,
+                                  max_num_seqs=64).create_engine_config())
+    seen: dict[int, set[int]] = {}  # out_features -> row counts
+    real = quant_layers.quant_matmul
+
+    def record(x: torch.Tensor, w, use_kernel: bool = True) -> torch.Tensor:  # noqa: ANN001
+        seen.setdefault(w.out_features, set()).add(x.shape[0])
+        return real(x, w, use_kernel)
+
+    monkeypatch.setattr(quant_layers, "quant_matmul", record)
+    warm_up(engine.runner)
+    arch = engine.config.model.arch
+    decoder = seen[arch.hidden_size]  # o_proj and down_proj
+    assert set(quant_gemm_rows()) <= decoder
+    assert {r for r in quant_gemm_rows() if r <= 64} <= seen[arch.vocab_size]  # the quantized head, up to max_num_seqs
