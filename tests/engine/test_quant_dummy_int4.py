@@ -113,6 +113,12 @@ def test_dummy_int4_group_size_from_a_config_and_refusals(tmp_path: Path) -> Non
     assert {m.group_size for m in _quant_linears(engine).values()} == {32}
     with pytest.raises(ValueError, match="load_format='dummy'"):  # a dense checkpoint has no int4 codes to load
         _write_dense_and_load(tmp_path, cfg)
+    for method in ("awq", "gguf"):  # the experts run unquantized: refused, naming the argument
+        with pytest.raises(ValueError, match=f"quantization='{method}' with an MoE model"):
+            EngineArgs(model="tiny-qwen3-moe", load_format="dummy", quantization=method).create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        EngineArgs(model="tiny-llama", load_format="dummy", quantization="awq",
+                   tensor_parallel_size=2).create_engine_config()
 
 
 def _write_dense_and_load(tmp: Path, cfg: dict) -> None:
