@@ -248,7 +248,8 @@ class EngineArgs:
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                        help="gguf: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (default: dequantized); "
                             "fp8: W8A8 on CUDA (online from bf16/fp16, or an fp8 checkpoint); awq / gptq: 4-bit "
-                            "checkpoints (selected from their config anyway)")
+                            "checkpoints (selected from their config anyway); with --load-format dummy, random weights "
+                            "in the method's layout")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="GPUs (or CPU processes) per worker, one process per rank (Megatron-style splits)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
