@@ -162,7 +162,7 @@ class Placement:
     role: str
     gpu: int | None  # index among the launcher's visible GPUs (rank 0's with tensor parallelism); None: CPU
     gpu_memory_utilization: float | None  # None: not a GPU worker
-    tensor_parallel_size: int = 1  # ranks on consecutive GPUs gpu, gpu + 1, ...
+    tensor_parallel_size: int = 1  # ranks (tensor x pipeline) on consecutive GPUs gpu, gpu + 1, ...
 
     @property
     def gpus(self) -> set[int]:
@@ -181,6 +181,18 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(count)]
 
 
+def ranks_per_worker(args: EngineArgs) -> int:
+    """One process (and, on GPUs, one GPU) per tensor-parallel rank of each pipeline stage."""
+    return args.tensor_parallel_size * args.pipeline_parallel_size
+
+
+def parallel_flags(args: EngineArgs) -> str:
+    flags = f"--tensor-parallel-size {args.tensor_parallel_size}"
+    if args.pipeline_parallel_size > 1:
+        flags += f" x --pipeline-parallel-size {args.pipeline_parallel_size}"
+    return flags
+
+
 def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
     """Which GPU each worker (prefill workers first, then decode) runs on, and its memory share."""
     roles = ["prefill"] * spec.prefill_workers + ["decode"] * spec.decode_workers
@@ -192,10 +204,11 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
         if spec.prefill_gpus or spec.decode_gpus:
             raise ValueError("--prefill-gpus/--decode-gpus need visible GPUs and --device auto or cuda")
         return [Placement(role, None, None) for role in roles]
-    # Tensor parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on.
-    tp = spec.engine_args.tensor_parallel_size
+    # Tensor and pipeline parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on.
+    tp = ranks_per_worker(spec.engine_args)
     if tp > num_gpus:
-        raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs per worker, but {num_gpus} are visible")
+        raise ValueError(f"{parallel_flags(spec.engine_args)} needs {tp} GPUs per worker, but {num_gpus} are "
+                         "visible")
     gpus: list[int] = []
     for role, listed, count in (("prefill", spec.prefill_gpus, spec.prefill_workers),
                                 ("decode", spec.decode_gpus, spec.decode_workers)):
@@ -234,7 +247,7 @@ def preflight(spec: ClusterSpec, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Clus
     (engine/process/memory_budget.py) unless --kv-cache-memory-bytes / --num-gpu-blocks-override is set. Returns the spec
     the workers start with."""
     args = spec.engine_args
-    processes = (spec.prefill_workers + spec.decode_workers) * args.tensor_parallel_size
+    processes = (spec.prefill_workers + spec.decode_workers) * ranks_per_worker(args)
     argv = [sys.executable, "-m", "engine.process.preflight", "--processes", str(processes), *engine_argv(args),
             "--model", args.model, "--device", args.device]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,

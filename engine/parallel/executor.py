@@ -1,8 +1,10 @@
-"""Tensor-parallel execution: one process per rank, the scheduler on rank 0 only.
+"""Tensor- and pipeline-parallel execution: one process per rank, the scheduler on rank 0 only.
 
-Rank 0 is the engine's own process: `create_runner` starts ranks 1..N-1 as child processes (`python -m
-engine.parallel.worker`), joins them in a process group of their own (NCCL between GPUs, gloo on CPUs; rendezvous
-through a c10d TCPStore on a free local port) and returns a `TPDriverRunner`. Before each step the driver writes
+Rank 0 is the engine's own process: `create_runner` starts ranks 1..N-1 (N = tp x pp) as child processes
+(`python -m engine.parallel.worker`), joins them in process groups of their own (engine/parallel/pipeline.py:
+NCCL between GPUs, gloo on CPUs; rendezvous through a c10d TCPStore on a free local port) and returns a
+`TPDriverRunner`. With pipeline stages, rank 0 runs the last stage (it samples); the others run their stage's
+layers and pass the activations on (engine/parallel/stages.py). Before each step the driver writes
 the step's `SchedulerOutput` to every child's stdin (engine/parallel/codec.py: explicit JSON, length-prefixed
 frames, no pickle); then every rank runs the same `ModelRunner.execute_model`, whose collectives (two all-reduces
 per layer, the embedding's all-reduce and the logits' all-gather) keep them in lockstep. All ranks see the full
@@ -37,9 +39,11 @@ import torch
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
-from engine.parallel.group import TPGroup, tp_timeout_s
+from engine.parallel.group import tp_timeout_s
 from engine.parallel.layout import validate_tp
 from engine.parallel.nccl_env import set_nccl_env_defaults
+from engine.parallel.pipeline import ParallelWorld
+from engine.parallel.stages import validate_pp
 from engine.process.lifeline import lifeline_env
 from engine.runner.model_runner import ModelRunner
 
@@ -128,15 +132,18 @@ def free_port() -> int:
 # ---- rank 0 ---------------------------------------------------------------------------------------------------
 def create_runner(config: EngineConfig) -> ModelRunner:
     """The engine's runner: a plain `ModelRunner` for one rank, else a `TPDriverRunner` with its ranks started."""
-    size = config.device.tensor_parallel_size
+    tp, pp = config.device.tensor_parallel_size, config.device.pipeline_parallel_size
+    size = tp * pp
     if size == 1:
         return ModelRunner(config)
-    validate_tp(config.model.arch, size)
+    validate_tp(config.model.arch, tp)
+    validate_pp(config.model.arch.num_layers, pp)
     device = rank_device(config.device.device, 0)
     if device.startswith("cuda"):
         last = rank_device(device, size - 1)
         if torch.device(last).index >= torch.cuda.device_count():  # type: ignore[operator]
-            raise ValueError(f"tensor_parallel_size={size} on {device} needs GPUs up to {last}, but only "
+            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} on {device} needs GPUs up "
+                             f"to {last}, but only "
                              f"{torch.cuda.device_count()} are visible")
     config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
     return TPDriverRunner(config)
@@ -158,10 +165,10 @@ def _stop_children(procs: list[subprocess.Popen]) -> None:
 
 
 class TPDriverRunner(ModelRunner):
-    """Rank 0's runner: starts and feeds the other ranks, then runs its own shard of every step."""
+    """Rank 0's runner: starts and feeds the other ranks, then runs its own shard (and stage) of every step."""
 
     def __init__(self, config: EngineConfig) -> None:
-        size = config.device.tensor_parallel_size
+        size = config.device.tensor_parallel_size * config.device.pipeline_parallel_size
         timeout_s = tp_timeout_s()
         port = free_port()
         doc = {"config": encode_config(config), "size": size, "host": "127.0.0.1", "port": port,
@@ -177,7 +184,7 @@ class TPDriverRunner(ModelRunner):
         self._timeout_s = timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight (the watchdog's clock)
         self._finalizer = weakref.finalize(self, _stop_children, self._procs)
-        group: TPGroup | None = None
+        group: ParallelWorld | None = None
         try:
             for rank in range(1, size):
                 proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE,
@@ -187,10 +194,11 @@ class TPDriverRunner(ModelRunner):
                 self._procs.append(proc)
             if not config.device.device.startswith("cuda"):
                 torch.set_num_threads(cpu_threads_per_rank(size))
-            group = TPGroup("127.0.0.1", port, 0, size, torch.device(config.device.device), timeout_s)
+            group = ParallelWorld("127.0.0.1", port, 0, config, torch.device(config.device.device), timeout_s)
+            self._world = group
             self._watchdog = threading.Thread(target=self._watch, args=(group,), name="tp-watchdog", daemon=True)
             self._watchdog.start()
-            super().__init__(config, group)
+            super().__init__(config, group.tp, group.link)
         except BaseException as exc:
             self._stopped.set()
             if group is not None:
@@ -201,11 +209,12 @@ class TPDriverRunner(ModelRunner):
                 raise TensorParallelError(f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]} during "
                                           "start-up (see its log above)") from exc
             raise
-        logger.info("tensor parallel: %d ranks (%s, %s)", size, group.backend, config.device.device)
+        logger.info("parallel: %d ranks, tensor %d x pipeline %d (%s, %s)", size, config.device.tensor_parallel_size,
+                    config.device.pipeline_parallel_size, group.backend, config.device.device)
 
     # -- the engine's calls ------------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
-        return self._guard(lambda: self._tp_group.min_int(super(TPDriverRunner, self).determine_num_blocks()))
+        return self._guard(lambda: self._world.min_int(super(TPDriverRunner, self).determine_num_blocks()))
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._send(MSG_INIT_KV + json.dumps([num_blocks, num_swap_blocks]).encode())
@@ -233,15 +242,9 @@ class TPDriverRunner(ModelRunner):
         self._finalizer()
         if self._failure is None:  # after a failure the GPU may never finish: do not wait for it
             self.release_graphs()
-        if self.tp_group is not None:
-            self.tp_group.close(failed=self._failure is not None)
+        self._world.close(failed=self._failure is not None)
 
     # -- internals ---------------------------------------------------------------------------------------------
-    @property
-    def _tp_group(self) -> TPGroup:
-        assert self.tp_group is not None
-        return self.tp_group
-
     def _send(self, payload: bytes) -> None:
         self.check_ranks()
         for rank, proc in enumerate(self._procs, start=1):
@@ -273,7 +276,7 @@ class TPDriverRunner(ModelRunner):
         if self._failure is not None:
             raise TensorParallelError(self._failure)
 
-    def _watch(self, group: TPGroup) -> None:
+    def _watch(self, group: ParallelWorld) -> None:
         """Abort the communicators as soon as a child dies or a step overruns, so a rank blocked in a collective
         fails now."""
         while not self._stopped.wait(WATCH_INTERVAL_S):

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank > 0: `python -m engine.parallel.worker`, started by rank 0 (engine/parallel/executor.py).
+"""A tensor- or pipeline-parallel rank > 0: `python -m engine.parallel.worker`, started by rank 0 (engine/parallel/executor.py).
 
 It reads its setup (config, rank, rendezvous) as the first frame on stdin, joins the group, builds its shard and
 then runs every step rank 0 sends, until stdin ends or says quit. It never schedules, samples for anyone or answers
@@ -24,7 +24,7 @@ from engine.parallel.executor import (
     rank_device,
     read_frame,
 )
-from engine.parallel.group import TPGroup
+from engine.parallel.pipeline import ParallelWorld
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
 
@@ -44,12 +44,12 @@ def run(stdin: object) -> int:
         torch.cuda.set_device(torch.device(device))
     else:
         torch.set_num_threads(cpu_threads_per_rank(size))
-    group = TPGroup(doc["host"], int(doc["port"]), rank, size, torch.device(device), float(doc["timeout_s"]))
+    world = ParallelWorld(doc["host"], int(doc["port"]), rank, config, torch.device(device), float(doc["timeout_s"]))
     failed = True
     runner: ModelRunner | None = None
     try:
-        runner = ModelRunner(config, group)
-        group.min_int(runner.determine_num_blocks())
+        runner = ModelRunner(config, world.tp, world.link)
+        world.min_int(runner.determine_num_blocks())
         while True:
             frame = read_frame(stdin)  # type: ignore[arg-type]
             if frame is None or frame[:1] == MSG_QUIT:
@@ -66,7 +66,7 @@ def run(stdin: object) -> int:
     finally:
         if runner is not None and not failed:
             runner.release_graphs()
-        group.close(failed=failed)
+        world.close(failed=failed)
     return 0
 
 

@@ -120,6 +120,8 @@ def run_batch(runner: ModelRunner, batch: WarmupBatch) -> None:
     ids = torch.zeros(len(positions), dtype=torch.int64, device=device)
     meta = runner.attn_backend.build_metadata(attention, device)
     hidden = runner.model(ids, torch.as_tensor(positions, dtype=torch.int64, device=device), runner.kv_caches, meta)
+    if not runner.stage.is_last:  # a pipeline stage before the last has no head
+        return
     for rows in SAMPLE_ROWS:
         if rows <= len(hidden):
             runner.model.compute_logits(hidden[:rows])

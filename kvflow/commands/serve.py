@@ -104,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_itl_s=args.slo_itl_ms / 1000).validate()  # before workers
     engine_args = adaptive_itl_target(engine_args, args.disagg_policy, args.slo_itl_ms)
     engine_args.structured_outputs()
+    check_pipeline_workers(engine_args.pipeline_parallel_size, args.prefill_workers)
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
                                                               args.data_parallel_size,
-                                                              engine_args.tensor_parallel_size)
+                                                              engine_args.tensor_parallel_size
+                                                              * engine_args.pipeline_parallel_size)
     if args.metrics_require_api_key and not args.api_key:
         raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any worker starts
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
                        kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth,
                        drain_timeout_s=args.drain_timeout,
                        # adaptive: role-free workers (tensor-parallel ones cannot serve remote prefill: pinned)
-                       role_free=args.disagg_policy == "adaptive" and engine_args.tensor_parallel_size == 1,
+                       role_free=args.disagg_policy == "adaptive" and engine_args.tensor_parallel_size == 1
+                       and engine_args.pipeline_parallel_size == 1,
                        worker_extra_args=("--kv-transfer-fault-rate", str(args.kv_transfer_fault_rate))
                        if args.kv_transfer_fault_rate else ())
     spec = preflight(spec)  # the engine config, and CPU workers' memory: refused here, in one line
@@ -169,6 +172,15 @@ def adaptive_itl_target(engine_args: EngineArgs, policy: str, slo_itl_ms: float)
     if engine_args.device not in ("auto", "cuda") or not visible_gpus():
         return engine_args
     return dataclasses.replace(engine_args, itl_target_ms=PlannerConfig().itl_headroom * slo_itl_ms)
+
+
+def check_pipeline_workers(pipeline_parallel: int, prefill: int | None) -> None:
+    """P/D with pipeline-parallel workers is refused for now: each stage holds only its layers' KV, and KV transfer
+    moves one rank's cache."""
+    if pipeline_parallel > 1 and prefill:
+        raise ValueError(f"--pipeline-parallel-size {pipeline_parallel} with --prefill-workers {prefill}: P/D with "
+                         "pipeline-parallel workers is not supported yet (each stage holds only its layers' KV); "
+                         "use --prefill-workers 0 (the default with pipeline parallelism)")
 
 
 def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None,
