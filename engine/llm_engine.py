@@ -34,7 +34,8 @@ from engine.kv_port import KVPort
 from engine.metrics.busy import BusyMeter
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import PositionLogprobs, RequestOutput, SchedulerOutput
-from engine.parallel.executor import create_runner
+from engine.parallel.batch_queue import BatchQueue
+from engine.parallel.executor import TPDriverRunner, create_runner
 from engine.processing.generation_config import resolve_generation_defaults
 from engine.processing.input_processor import InputProcessor, PromptInput, eos_token_id
 from engine.processing.output_processor import OutputKind, OutputProcessor, RequestState
@@ -64,6 +65,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
         self.config = config
         self.runner = create_runner(config)  # tensor parallelism: rank 0's runner, the other ranks started
+        # pipeline parallelism: one micro-batch in flight per stage (engine/parallel/batch_queue.py)
+        pp = config.device.pipeline_parallel_size
+        self.batches = BatchQueue(pp) if pp > 1 and isinstance(self.runner, TPDriverRunner) else None
         # Speculative decoding (engine/spec/proposer.py); a draft model is loaded before the memory profile.
         self.proposer = build_proposer(config)
         num_blocks, num_swap = self._initialize_kv_cache()
@@ -274,8 +278,11 @@ class LLMEngine:
         self.expire_kv_leases()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        if self.batches is not None:
+            scheduler_output, runner_output = self.batches.step(self.scheduler, self.runner)  # type: ignore[arg-type]
+        else:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute_model(scheduler_output)
         if self.proposer is not None:
             self.stats.count_spec(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -221,9 +221,17 @@ class TPDriverRunner(ModelRunner):
         self._guard(lambda: super(TPDriverRunner, self).initialize_kv_cache(num_blocks, num_swap_blocks))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(so)
+        return self.collect(so)
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Hand the step to the other ranks (stage 0 starts on it at once); `collect` runs this rank's part."""
+        self._send(MSG_STEP + codec.encode(so))
+
+    def collect(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """This rank's part of a submitted step, in submission order (engine/parallel/batch_queue.py)."""
         self._step_started = time.monotonic()
         try:
-            self._send(MSG_STEP + codec.encode(so))
             return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
         finally:
             self._step_started = None

@@ -1,7 +1,8 @@
 """Pipeline parallelism on CPU (gloo, fp32): PP=2 gives PP=1's greedy ids on the tiny presets (untied and tied
 embeddings), through chunked prefill, combined with TP=2, and on SmolLM2 (real weights, 3 stages); each stage
-holds only its layers; bad sizes and unsupported combinations are refused naming the flag; a killed stage makes
-the engine raise instead of hanging."""
+holds only its layers; the engine keeps one micro-batch in flight per stage (disjoint requests, collected in order,
+never preempted while in flight); bad sizes and unsupported combinations are refused naming the flag; a killed
+stage makes the engine raise instead of hanging."""
 
 from __future__ import annotations
 
@@ -15,8 +16,15 @@ import pytest
 import torch
 
 from engine.arg_utils import EngineArgs
+from engine.config import SchedulerConfig
+from engine.core.block_hash import BlockHasher
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.models.loader import resolve_model
 from engine.models.registry import model_class
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.parallel.batch_queue import BatchQueue
 from engine.parallel.executor import TensorParallelError
 from engine.parallel.sharding import held_checkpoint_keys
 from engine.parallel.stages import PipelineStage, WorldRank, layer_ranges
@@ -61,6 +69,67 @@ def test_a_stage_holds_only_its_layers_and_its_end_of_the_model() -> None:
     # names and order stay the full model's (dummy weights draw the same values on every layout)
     assert [n for n, _ in first.named_parameters()] == [n for n, _ in cls(arch, resolved.hf_config,
                                                                           TorchPagedAttention(16), 64).named_parameters()]
+
+
+# ---- micro-batches -------------------------------------------------------------------------------------------------
+class RecordingRunner:
+    """Rank 0's submit/collect, recorded; every sampling chunk samples token 7."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, tuple[str, ...]]] = []
+
+    def submit(self, so: SchedulerOutput) -> None:
+        self.events.append(("submit", tuple(c.request_id for c in so.chunks)))
+
+    def collect(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.events.append(("collect", tuple(c.request_id for c in so.chunks)))
+        return ModelRunnerOutput({c.request_id: 7 for c in so.chunks if c.sample})
+
+
+def _scheduler(num_blocks: int) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 4, BlockHasher.for_model("t", 4), enable_caching=False)
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32), kv, None)
+
+
+def _request(rid: str, n_prompt: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), eos_token_id=None)
+
+
+def test_batch_queue_keeps_one_disjoint_batch_per_stage_in_flight() -> None:
+    sched, runner, queue = _scheduler(64), RecordingRunner(), BatchQueue(2)
+    for rid in "abcd":
+        sched.add_request(_request(rid, 5))
+    so, out = queue.step(sched, runner)
+    sched.update_from_output(so, out)
+    # two batches of two requests each went out before the first came back
+    assert runner.events == [("submit", ("a", "b")), ("submit", ("c", "d")), ("collect", ("a", "b"))]
+    so, out = queue.step(sched, runner)
+    sched.update_from_output(so, out)
+    # a and b are free again: their next batch goes out while c and d's is collected
+    assert runner.events[3:] == [("submit", ("a", "b")), ("collect", ("c", "d"))]
+    assert queue.most_in_flight == 2 and all(r.num_output_tokens == 1 for r in sched.running)
+
+
+def test_a_request_in_flight_is_never_preempted() -> None:
+    sched, runner, queue = _scheduler(5), RecordingRunner(), BatchQueue(2)  # 4 usable blocks of 4 tokens
+    first, second = _request("first", 8, max_tokens=8), _request("second", 8, max_tokens=8)
+    sched.add_request(first)
+    sched.add_request(second)
+    so, out = queue.step(sched, runner)  # first's batch back; second's (the pool's last 2 blocks) in flight
+    sched.update_from_output(so, out)
+    assert runner.events == [("submit", ("first",)), ("submit", ("second",)), ("collect", ("first",))]
+    # first needs a third block: the last admitted (second) is in flight, so first gives way, not second
+    out_of_room = sched.schedule(in_flight=frozenset({"second"}))
+    assert not out_of_room.chunks
+    assert first.status is RequestStatus.PREEMPTED and second.status is RequestStatus.RUNNING
+    assert sched.waiting[0] is first
+
+
+def test_pp2_engine_pipelines_micro_batches_and_matches_pp1(tiny_pp2: LLM) -> None:
+    prompts = [[1, 5, 9, 33, 7, 100], list(range(3, 40)), [8, 8, 8], list(range(50, 70))]
+    base = _ids(LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV), prompts, GREEDY)
+    assert _ids(tiny_pp2, prompts, GREEDY) == base
+    assert tiny_pp2.llm_engine.batches is not None and tiny_pp2.llm_engine.batches.most_in_flight == 2
 
 
 # ---- PP=2 against PP=1 -----------------------------------------------------------------------------------------
