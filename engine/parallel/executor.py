@@ -149,8 +149,9 @@ def create_runner(config: EngineConfig) -> ModelRunner:
     return TPDriverRunner(config)
 
 
-def _stop_children(procs: list[subprocess.Popen]) -> None:
-    """Close each child's stdin (it exits), then make sure it is gone. Safe to call twice."""
+def _stop_children(procs: list[subprocess.Popen], keeper_done: threading.Event) -> None:
+    """Close each child's stdin (it exits), make sure it is gone, then let the thread that started them end.
+    Safe to call twice."""
     for proc in procs:
         with contextlib.suppress(Exception):
             if proc.stdin is not None and not proc.stdin.closed:
@@ -162,6 +163,34 @@ def _stop_children(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    keeper_done.set()
+
+
+def _start_children(argv: list[str], env: dict[str, str], setups: list[bytes], procs: list[subprocess.Popen],
+                    keeper_done: threading.Event) -> None:
+    """Start one child per setup frame on a thread of their own that lives until `keeper_done`: PR_SET_PDEATHSIG
+    (engine/process/lifeline.py) follows the thread that started a child, and the caller's may end first (a
+    worker builds its engine on a passing thread, cluster/worker/threads.py), which would SIGTERM every rank."""
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def keep() -> None:
+        try:
+            for setup in setups:
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+                procs.append(proc)
+                assert proc.stdin is not None
+                write_frame(proc.stdin, setup)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            errors.append(exc)
+        finally:
+            started.set()
+        keeper_done.wait()
+
+    threading.Thread(target=keep, name="parallel-ranks", daemon=True).start()
+    started.wait()
+    if errors:
+        raise errors[0]
 
 
 class TPDriverRunner(ModelRunner):
@@ -173,9 +202,8 @@ class TPDriverRunner(ModelRunner):
         port = free_port()
         doc = {"config": encode_config(config), "size": size, "host": "127.0.0.1", "port": port,
                "timeout_s": timeout_s}
-        # The ranks die with this process, even by SIGKILL, so no orphan keeps its GPU memory. Rank 0's thread
-        # that starts them must outlive them (PR_SET_PDEATHSIG follows the thread): the engine is built on the
-        # main thread or a pool thread that lives as long as its event loop.
+        # The ranks die with this process, even by SIGKILL, so no orphan keeps its GPU memory (started on a
+        # thread that lives as long as they should: `_start_children`).
         env = {**os.environ, **lifeline_env()}
         set_nccl_env_defaults(env)
         self._procs: list[subprocess.Popen] = []
@@ -183,15 +211,13 @@ class TPDriverRunner(ModelRunner):
         self._stopped = threading.Event()
         self._timeout_s = timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight (the watchdog's clock)
-        self._finalizer = weakref.finalize(self, _stop_children, self._procs)
+        keeper_done = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop_children, self._procs, keeper_done)
         group: ParallelWorld | None = None
         try:
-            for rank in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE,
-                                        env=env)
-                assert proc.stdin is not None
-                write_frame(proc.stdin, json.dumps({**doc, "rank": rank}).encode())
-                self._procs.append(proc)
+            _start_children([sys.executable, "-m", "engine.parallel.worker"], env,
+                            [json.dumps({**doc, "rank": rank}).encode() for rank in range(1, size)], self._procs,
+                            keeper_done)
             if not config.device.device.startswith("cuda"):
                 torch.set_num_threads(cpu_threads_per_rank(size))
             group = ParallelWorld("127.0.0.1", port, 0, config, torch.device(config.device.device), timeout_s)

@@ -7,6 +7,7 @@ requests: rank 0 does. Any error ends the process (rank 0 notices and stops serv
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -14,6 +15,7 @@ import sys
 
 import torch
 
+from engine.outputs import SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.executor import (
     MSG_INIT_KV,
@@ -27,6 +29,7 @@ from engine.parallel.executor import (
 from engine.parallel.pipeline import ParallelWorld
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.tp_worker")
 
@@ -59,7 +62,7 @@ def run(stdin: object) -> int:
                 num_blocks, num_swap = json.loads(body)
                 runner.initialize_kv_cache(int(num_blocks), int(num_swap))
             elif kind == MSG_STEP:
-                runner.execute_model(codec.decode(body))
+                runner.execute_model(without_grammars(codec.decode(body)))
             else:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
         failed = False
@@ -68,6 +71,23 @@ def run(stdin: object) -> int:
             runner.release_graphs()
         world.close(failed=failed)
     return 0
+
+
+def without_grammars(so: SchedulerOutput) -> SchedulerOutput:
+    """The step with its new requests' grammars dropped: this rank's samples are never used (rank 0 samples for
+    the engine, with its StructuredOutputManager), so it needs no grammar matcher, and has no tokenizer for one."""
+    if not any(new.sampling_params.structured_outputs is not None for new in so.new_requests):
+        return so
+    return dataclasses.replace(so, new_requests=[
+        new if new.sampling_params.structured_outputs is None
+        else dataclasses.replace(new, sampling_params=_without_grammar(new.sampling_params))
+        for new in so.new_requests])
+
+
+def _without_grammar(params: SamplingParams) -> SamplingParams:
+    params = copy.copy(params)  # as sent: already validated on rank 0 (no __init__ again)
+    params.structured_outputs = None
+    return params
 
 
 def main() -> None:

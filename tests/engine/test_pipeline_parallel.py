@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -30,6 +32,7 @@ from engine.parallel.sharding import held_checkpoint_keys
 from engine.parallel.stages import PipelineStage, WorldRank, layer_ranges
 from engine.runner.attention import TorchPagedAttention
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import StructuredOutputsParams
 from kvflow import LLM
 from kvflow.commands.serve import check_pipeline_workers, worker_counts
 from kvflow.launcher import ClusterSpec, place_workers
@@ -69,6 +72,19 @@ def test_a_stage_holds_only_its_layers_and_its_end_of_the_model() -> None:
     # names and order stay the full model's (dummy weights draw the same values on every layout)
     assert [n for n, _ in first.named_parameters()] == [n for n, _ in cls(arch, resolved.hf_config,
                                                                           TorchPagedAttention(16), 64).named_parameters()]
+
+
+def test_step_codec_carries_structured_outputs() -> None:
+    """The other ranks get every step's new requests; a grammar-constrained one used to fail to encode."""
+    from engine.outputs import NewRequestData
+    from engine.parallel import codec
+
+    constraint = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}},
+                                         disable_any_whitespace=True)
+    params = SamplingParams(max_tokens=4, structured_outputs=constraint)
+    so = SchedulerOutput([NewRequestData("a", [1, 2], params, [], b"")], [], 0, [], [], set(), 0, 0, 0, None)
+    back = codec.decode(codec.encode(so)).new_requests[0].sampling_params
+    assert back.structured_outputs == constraint and back == params
 
 
 # ---- micro-batches -------------------------------------------------------------------------------------------------
@@ -160,6 +176,17 @@ def test_chunked_prefill_and_seeded_sampling_match_pp1(tiny_pp2: LLM) -> None:
     assert _ids(tiny_pp2, PROMPTS, seeded) == _ids(base, PROMPTS, seeded)
 
 
+def test_preemption_under_micro_batches_matches_pp1() -> None:
+    """A KV pool too small for all four requests: preempted (recomputed) requests still give PP=1's ids."""
+    prompts = [list(range(3, 40)), list(range(50, 80)), list(range(100, 125)), list(range(200, 230))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = {"load_format": "dummy", "num_gpu_blocks_override": 10, "max_model_len": 128}
+    base = _ids(LLM("tiny", **kwargs), prompts, params)
+    with LLM("tiny", pipeline_parallel_size=2, **kwargs) as pp:
+        assert _ids(pp, prompts, params) == base
+        assert pp.llm_engine.scheduler.num_preemptions > 0
+
+
 def test_tp2_x_pp2_matches_one_rank() -> None:
     base = _ids(LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
     with LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV, tensor_parallel_size=2,
@@ -175,9 +202,26 @@ def test_smollm2_pp3_matches_pp1_greedy_and_logprobs() -> None:
     theirs = LLM("smollm2", **kwargs).chat(messages, greedy)[0].outputs[0]
     with LLM("smollm2", pipeline_parallel_size=3, **kwargs) as pp:
         ours = pp.chat(messages, greedy)[0].outputs[0]
+        constrained = pp.generate("My favourite number:", SamplingParams(
+            temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"\d{3}")))
     assert ours.text == "The capital of France is Paris."
     assert ours.token_ids == theirs.token_ids
     assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
+    assert re.fullmatch(r"\d{3}", constrained[0].outputs[0].text)  # the grammar masks the last stage's logits
+
+
+def test_ranks_outlive_the_thread_that_built_the_engine() -> None:
+    """A worker builds its engine on a passing thread (cluster/worker/threads.py); the ranks' death signal follows
+    the thread that started them, so they must not be started on that one."""
+    built: list[LLM] = []
+    thread = threading.Thread(target=lambda: built.append(LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV,
+                                                              pipeline_parallel_size=2)))
+    thread.start()
+    thread.join()
+    time.sleep(0.5)
+    with built[0] as llm:
+        assert all(proc.poll() is None for proc in llm.llm_engine.runner._procs)  # type: ignore[attr-defined]
+        assert _ids(llm, PROMPTS[:1], GREEDY)
 
 
 def test_worker_info_reports_the_pipeline(tiny_pp2: LLM) -> None:
