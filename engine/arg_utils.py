@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -314,6 +315,12 @@ class EngineArgs:
 
         validate_tp(arch, self.tensor_parallel_size)
         validate_pp(arch.num_layers, self.pipeline_parallel_size)
+        if self.pipeline_parallel_size > 1:
+            from engine.models.registry import model_class
+
+            if "stage" not in inspect.signature(model_class(arch.architecture)).parameters:
+                raise ValueError(f"pipeline_parallel_size > 1 is not supported for {arch.architecture} yet (its model "
+                                 "class builds every layer); use --pipeline-parallel-size 1")
         if self.pipeline_parallel_size > 1 and speculative is not None:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not supported (the draft "
                              "model and the verify step run on one rank); drop --pipeline-parallel-size or the "

@@ -102,10 +102,12 @@ def load_model(config: EngineConfig, device: torch.device, attn_backend: Attenti
     # On CUDA every tensor is created on the GPU in the model dtype (an 8B model never touches the CPU).
     build_dtype = dtype if on_cuda else torch.get_default_dtype()
     offload = _offload_plan(config, dtype, attn_backend, shard, fused, single_gpu=on_cuda and tp_group is None)
+    # `stage` only when the model is split: a model class without pipeline support still builds unsplit
+    split = {"stage": stage} if stage is not None and stage.size > 1 else {}
     with torch.device(device), default_dtype(build_dtype):
         model = model_class(arch.architecture)(
             arch, config.model.hf_config, attn_backend, config.model.max_model_len, fused_ops=fused, shard=shard,
-            group=tp_group, host_layers=offload.num_layers, stage=stage)
+            group=tp_group, host_layers=offload.num_layers, **split)
     if offload.num_layers:  # before loading: the offloaded layers' weights go straight to pinned host memory
         model.weight_stream = LayerWeightStream(model.layers[: offload.num_layers], device)
     if config.model.quantization is not None:

@@ -259,6 +259,17 @@ def test_bad_pipeline_layouts_are_refused(kwargs: dict, message: str) -> None:
         EngineArgs(model="tiny", load_format="dummy", **kwargs).create_engine_config()
 
 
+def test_a_model_class_without_stages_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.models import registry
+
+    class Unsplittable:
+        def __init__(self, arch: object, hf_config: object, backend: object, max_positions: int) -> None: ...
+
+    monkeypatch.setattr(registry, "model_class", lambda architecture: Unsplittable)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported for LlamaForCausalLM"):
+        EngineArgs(model="tiny", load_format="dummy", pipeline_parallel_size=2).create_engine_config()
+
+
 def test_pp_flag_and_short_form_parse() -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
