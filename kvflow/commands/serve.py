@@ -104,11 +104,10 @@ def run(args: argparse.Namespace) -> int:
     PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_itl_s=args.slo_itl_ms / 1000).validate()  # before workers
     engine_args = adaptive_itl_target(engine_args, args.disagg_policy, args.slo_itl_ms)
     engine_args.structured_outputs()
-    check_pipeline_workers(engine_args.pipeline_parallel_size, args.prefill_workers)
+    args.prefill_workers = pipeline_prefill_workers(engine_args.pipeline_parallel_size, args.prefill_workers)
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
                                                               args.data_parallel_size,
-                                                              engine_args.tensor_parallel_size
-                                                              * engine_args.pipeline_parallel_size)
+                                                              engine_args.tensor_parallel_size)
     if args.metrics_require_api_key and not args.api_key:
         raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any worker starts
@@ -174,13 +173,16 @@ def adaptive_itl_target(engine_args: EngineArgs, policy: str, slo_itl_ms: float)
     return dataclasses.replace(engine_args, itl_target_ms=PlannerConfig().itl_headroom * slo_itl_ms)
 
 
-def check_pipeline_workers(pipeline_parallel: int, prefill: int | None) -> None:
-    """P/D with pipeline-parallel workers is refused for now: each stage holds only its layers' KV, and KV transfer
-    moves one rank's cache."""
-    if pipeline_parallel > 1 and prefill:
+def pipeline_prefill_workers(pipeline_parallel: int, prefill: int | None) -> int | None:
+    """--prefill-workers under pipeline parallelism: none. P/D with pipeline-parallel workers is refused for now
+    (each stage holds only its layers' KV, and KV transfer moves one rank's cache): its workers prefill locally."""
+    if pipeline_parallel == 1:
+        return prefill
+    if prefill:
         raise ValueError(f"--pipeline-parallel-size {pipeline_parallel} with --prefill-workers {prefill}: P/D with "
                          "pipeline-parallel workers is not supported yet (each stage holds only its layers' KV); "
                          "use --prefill-workers 0 (the default with pipeline parallelism)")
+    return 0
 
 
 def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None,

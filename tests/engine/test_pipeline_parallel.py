@@ -34,7 +34,7 @@ from engine.runner.attention import TorchPagedAttention
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import StructuredOutputsParams
 from kvflow import LLM
-from kvflow.commands.serve import check_pipeline_workers, worker_counts
+from kvflow.commands.serve import pipeline_prefill_workers, worker_counts
 from kvflow.launcher import ClusterSpec, place_workers
 
 KV = 1 << 24
@@ -278,11 +278,11 @@ def test_pp_flag_and_short_form_parse() -> None:
 
 
 def test_serve_runs_pipeline_workers_without_prefill_workers() -> None:
-    check_pipeline_workers(2, None)
-    check_pipeline_workers(2, 0)
+    assert pipeline_prefill_workers(2, None) == pipeline_prefill_workers(2, 0) == 0
+    assert pipeline_prefill_workers(1, None) is None and pipeline_prefill_workers(1, 2) == 2
     with pytest.raises(ValueError, match="--pipeline-parallel-size 2 with --prefill-workers 1"):
-        check_pipeline_workers(2, 1)
-    assert worker_counts(None, None, None, 2) == (0, 1)  # ranks per worker > 1: local prefill by default
+        pipeline_prefill_workers(2, 1)
+    assert worker_counts(pipeline_prefill_workers(2, None), None, None, 1) == (0, 1)  # one unified worker
 
 
 def test_launcher_places_a_workers_stages_on_consecutive_gpus() -> None:
