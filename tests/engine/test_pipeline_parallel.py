@@ -176,11 +176,14 @@ def test_chunked_prefill_and_seeded_sampling_match_pp1(tiny_pp2: LLM) -> None:
     assert _ids(tiny_pp2, PROMPTS, seeded) == _ids(base, PROMPTS, seeded)
 
 
-def test_preemption_under_micro_batches_matches_pp1() -> None:
-    """A KV pool too small for all four requests: preempted (recomputed) requests still give PP=1's ids."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_micro_batches_matches_pp1(mode: str) -> None:
+    """A KV pool too small for all four requests: preempted requests (recomputed, or swapped out and back in on
+    every stage) still give PP=1's ids."""
     prompts = [list(range(3, 40)), list(range(50, 80)), list(range(100, 125)), list(range(200, 230))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    kwargs = {"load_format": "dummy", "num_gpu_blocks_override": 10, "max_model_len": 128}
+    kwargs = {"load_format": "dummy", "num_gpu_blocks_override": 10, "max_model_len": 128, "preemption_mode": mode,
+              "swap_space": 0.01}
     base = _ids(LLM("tiny", **kwargs), prompts, params)
     with LLM("tiny", pipeline_parallel_size=2, **kwargs) as pp:
         assert _ids(pp, prompts, params) == base
