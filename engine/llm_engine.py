@@ -283,6 +283,9 @@ class LLMEngine:
         else:
             scheduler_output = self.scheduler.schedule()
             runner_output = self.runner.execute_model(scheduler_output)
+        expert_load = self.runner.take_expert_load()
+        if expert_load is not None and expert_load.any():  # none: no forward, or one replayed from a CUDA graph
+            self.stats.count_expert_load(expert_load)
         if self.proposer is not None:
             self.stats.count_spec(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -2,14 +2,55 @@
 
 It reads `EngineStats` snapshots and finished-request timings handed over by the engine thread every ~0.5 s
 (engine/async_engine.py), never per token. One `CollectorRegistry` per instance: no global registry state.
+The MoE expert-load histogram is bucketed in the engine (one observation per layer and expert per step, too many
+to hand over one by one) and exported from the last snapshot's cumulative buckets by its own collector.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from collections.abc import Iterator
 
-from engine.metrics.buckets import E2E_BUCKETS, KV_TRANSFER_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from engine.metrics.buckets import (
+    E2E_BUCKETS,
+    KV_TRANSFER_BUCKETS,
+    MOE_EXPERT_TOKENS_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+)
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
+
+MOE_EXPERT_TOKENS = "kvflow:moe_expert_tokens"
+
+
+class ExpertLoadCollector:
+    """`kvflow:moe_expert_tokens`: tokens routed to one expert of one MoE layer in one step (nothing for dense
+    models)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = EngineStats()
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(MOE_EXPERT_TOKENS, "Tokens routed to one expert of one MoE layer in one "
+                                     "engine step (one observation per layer and expert per step).",
+                                     labels=["model_name"])
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        buckets = self.stats.moe_expert_tokens_buckets
+        if not buckets:
+            return
+        family = self._family()
+        bounds = [floatToGoString(b) for b in (*MOE_EXPERT_TOKENS_BUCKETS, float("inf"))]
+        family.add_metric([self.model_name], list(zip(bounds, buckets, strict=True)),
+                          sum_value=self.stats.moe_expert_tokens_sum)
+        yield family
 
 
 class EngineMetrics:
@@ -63,10 +104,13 @@ class EngineMetrics:
                                              "Accepted tokens per draft position.", ["model_name", "position"],
                                              registry=r)
         self._last = EngineStats()
+        self.expert_load = ExpertLoadCollector(model_name)
+        r.register(self.expert_load)
 
     def update(self, stats: EngineStats, timings: list[FinishedRequestTiming]) -> None:
         """Apply a stats snapshot (cumulative counters become increments) and observe finished requests."""
         last, self._last = self._last, stats
+        self.expert_load.stats = stats
         self.running.set(stats.num_requests_running)
         self.waiting.set(stats.num_requests_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from engine.metrics.buckets import MOE_EXPERT_TOKENS_BUCKETS
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -27,6 +30,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # MoE expert load: one observation per (sparse layer, expert) per step, the tokens routed to it, kept as a
+    # cumulative histogram over MOE_EXPERT_TOKENS_BUCKETS (the last entry is +Inf); empty for dense models
+    moe_expert_tokens_buckets: list[int] = field(default_factory=list)
+    moe_expert_tokens_sum: int = 0
 
     def count_spec(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         for chunk in scheduler_output.chunks:
@@ -42,6 +49,18 @@ class EngineStats:
                 per_pos.extend([0] * (len(chunk.spec_token_ids) - len(per_pos)))
             for position in range(num_accepted):
                 per_pos[position] += 1
+
+    def count_expert_load(self, load: np.ndarray) -> None:
+        """Observe one step's tokens per expert ([sparse layer, expert] counts) into the histogram."""
+        if not self.moe_expert_tokens_buckets:
+            self.moe_expert_tokens_buckets = [0] * (len(MOE_EXPERT_TOKENS_BUCKETS) + 1)
+        # bucket i counts values <= its bound (Prometheus' `le`); values past the last bound fall into +Inf
+        per_bucket = np.bincount(np.searchsorted(MOE_EXPERT_TOKENS_BUCKETS, load.ravel(), side="left"),
+                                 minlength=len(MOE_EXPERT_TOKENS_BUCKETS) + 1)
+        running = np.cumsum(per_bucket)
+        self.moe_expert_tokens_buckets = [a + int(b) for a, b in zip(self.moe_expert_tokens_buckets, running,
+                                                                     strict=True)]
+        self.moe_expert_tokens_sum += int(load.sum())
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float | None:

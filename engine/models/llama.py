@@ -251,16 +251,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """`mlp`: another MLP block in place of the dense SwiGLU (an MoE model's sparse block, engine/models/moe.py);
+    its output, like the dense one's, is this rank's partial sum under tensor parallelism."""
+
     def __init__(self, arch: ModelArch, backend: AttentionBackend, fused: bool = False,
-                 shard: RankShard | None = None, group: Collectives | None = None) -> None:
+                 shard: RankShard | None = None, group: Collectives | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
         self.self_attn = Attention(arch, backend, fused, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused)
-        self.mlp = MLP(arch, fused, shard)
+        self.mlp = MLP(arch, fused, shard) if mlp is None else mlp
         self.group = group  # tensor parallelism: one all-reduce after o_proj, one after down_proj
         self.small_gemm_mode = SmallGemmMode.from_env()
-        self.small_gemm = fused and self.small_gemm_mode.enabled
+        # the small-batch kernels fold the dense MLP's gate|up and down projections; another block runs its own
+        self.small_gemm = fused and self.small_gemm_mode.enabled and isinstance(self.mlp, MLP)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding, kv_cache: KVCache, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,11 +344,13 @@ class CausalLM(nn.Module):
         "gate_proj": column_parallel("intermediate"), "up_proj": column_parallel("intermediate"),
         "down_proj": row_parallel("intermediate"),
     }
+    expert_tp_plan: ClassVar[Mapping[str, TPSplit]] = {}  # no experts (MoE models: engine/models/moe.py)
     checkpoint_prefix: ClassVar[str] = "model."
     layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer  # one decoder layer (sized on the meta device to plan offload)
     # Where a layer's attention weights (and a calibrated fp8 KV scale pair) sit in the checkpoint, by layer index.
     attention_checkpoint_prefix: ClassVar[str] = "model.layers.{}.self_attn."
     top_level_modules: ClassVar[tuple[str, ...]] = ("lm_head",)
+    checkpoint_renames: ClassVar[Mapping[str, str]] = {}  # module names the checkpoint spells otherwise
     # transformers' GGUF names for the Llama family (llama.cpp's `blk.N.*`)
     gguf_tensor_names: ClassVar[Mapping[str, str]] = {
         "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
@@ -379,7 +386,7 @@ class CausalLM(nn.Module):
         layers = []
         for index in range(arch.num_layers):
             with _meta_unless(index >= host_layers and self.stage.holds_layer(index)):
-                layers.append(self.layer_class(arch, backend, fused_ops, self.shard, self.group))
+                layers.append(self.build_layer(index, arch, backend, fused_ops))
         self.layers = nn.ModuleList(layers)
         self.weight_stream: LayerWeightStream | None = None  # set when the first layers are offloaded
         with _meta_unless(last):
@@ -390,6 +397,10 @@ class CausalLM(nn.Module):
         self.cpu_logits_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.small_gemm_mode = SmallGemmMode.from_env()
         self.small_gemm = fused_ops and self.small_gemm_mode.enabled
+
+    def build_layer(self, index: int, arch: ModelArch, backend: AttentionBackend, fused_ops: bool) -> nn.Module:
+        """Decoder layer `index` (an MoE model picks each layer's MLP block here)."""
+        return self.layer_class(arch, backend, fused_ops, self.shard, self.group)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: object, intermediate: torch.Tensor | None = None) -> torch.Tensor:
@@ -487,6 +498,10 @@ class CausalLM(nn.Module):
                     raise ValueError(f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}")
                 param.copy_(tensor)
 
+    def dummy_seed(self, seed: int, index: int, name: str) -> int:
+        """The generator seed of the `index`-th parameter `name` in dummy weights (the sharded draw uses it too)."""
+        return seed * 1000 + index
+
     def init_dummy_weights(self, seed: int, device: torch.device | None = None) -> None:
         """Random weights with sane scales (values do not change speed; outputs stay finite). `device`: where the
         values are drawn (default: each parameter's own), so offloaded layers, held in host memory, get the same
@@ -496,7 +511,7 @@ class CausalLM(nn.Module):
                 if param.is_meta:  # another pipeline stage's (the index still counts: the same values there)
                     continue
                 where = param.device if device is None else device
-                gen = torch.Generator(device=where).manual_seed(seed * 1000 + index)
+                gen = torch.Generator(device=where).manual_seed(self.dummy_seed(seed, index, name))
                 if is_norm_weight(name):
                     param.fill_(1.0)
                 elif where == param.device:

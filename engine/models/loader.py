@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from engine.errors import ModelNotAvailable
-from engine.models.arch import ModelArch
+from engine.models.arch import ModelArch, MoEArch
 from engine.models.presets import PRESETS, preset_hf_config
 from engine.models.registry import architecture_of
 
@@ -74,9 +74,37 @@ def arch_from_hf_config(cfg: Any) -> ModelArch:
         rms_norm_eps=float(cfg.rms_norm_eps),
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=cfg.model_type == "qwen3",
+        qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "qkv_bias" if cfg.model_type == "qwen2_moe"
+                                                           else "attention_bias", False)),
+        qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"),
+        moe=moe_arch_from_hf_config(cfg),
     )
+
+
+def moe_arch_from_hf_config(cfg: Any) -> MoEArch | None:
+    """The sparse MLP of an MoE config, with each family's names (None for dense models). Qwen2/3-MoE's dense
+    layers are those in `mlp_only_layers` and those off its `decoder_sparse_step`, as transformers builds them."""
+    layers = range(cfg.num_hidden_layers)
+    if cfg.model_type == "qwen2_moe" and getattr(cfg, "use_sliding_window", False):
+        raise ModelNotAvailable("sliding-window attention (use_sliding_window) is not supported")
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
+        dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+        step = cfg.decoder_sparse_step
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+        sparse = tuple(i for i in layers if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0)
+        moe = MoEArch(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                      bool(cfg.norm_topk_prob), sparse, getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+    elif cfg.model_type == "mixtral":
+        if getattr(cfg, "sliding_window", None) is not None:
+            raise ModelNotAvailable(f"sliding-window attention (sliding_window={cfg.sliding_window}) is not "
+                                    "supported; kvflow runs Mixtral configs with sliding_window null")
+        moe = MoEArch(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, tuple(layers))
+    else:
+        return None
+    if moe.sparse_layers and not 1 <= moe.top_k <= moe.num_experts:
+        raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the {moe.num_experts} experts")
+    return moe
 
 
 def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:

@@ -23,6 +23,9 @@ _MODEL_CLASSES: Mapping[str, tuple[str, str]] = MappingProxyType({
     "LlamaForCausalLM": ("engine.models.llama", "CausalLM"),  # Llama 2/3, SmolLM2
     "Qwen2ForCausalLM": ("engine.models.llama", "CausalLM"),  # Qwen2 / 2.5: q|k|v bias
     "Qwen3ForCausalLM": ("engine.models.llama", "CausalLM"),  # Qwen3: q/k norms
+    "Qwen2MoeForCausalLM": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),  # Qwen2 + experts, a shared one
+    "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),  # Qwen3 + sparse experts
+    "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),  # Llama + sparse experts
 })
 # HF model_type -> the architecture it runs as: the supported families, and the answer for configs that name no
 # architecture (the dummy presets' `AutoConfig.for_model`)
@@ -30,6 +33,9 @@ _ARCHITECTURE_OF_MODEL_TYPE: Mapping[str, str] = MappingProxyType({
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 })
 
 

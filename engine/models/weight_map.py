@@ -5,9 +5,14 @@ the dense loader, the tensor-parallel sharder (engine/parallel/sharding.py) and 
 A model class declares, as class attributes (`DeclaresWeights`):
 - `packed_modules_mapping` (nano-vllm's form): checkpoint module -> (the fused module it loads into, its position
   there). A fused weight is its parts stacked along the output dim in position order (q|k|v, gate|up).
-- `tp_plan`: checkpoint module -> its `TPSplit`; a module the plan does not name is replicated on every rank.
+- `tp_plan`: checkpoint module -> its `TPSplit`; a module the plan does not name is replicated on every rank. A
+  key may name the module with its parent (`shared_expert.gate_proj`), which wins over the leaf alone.
+  `expert_tp_plan` (MoE models) is the same for the modules inside an expert (`experts.{e}.`), whose leaves may
+  repeat a dense MLP's (Qwen3-MoE's `gate_proj`) at another size.
 - `checkpoint_prefix` and `top_level_modules`: the checkpoint stores the parameter `p` as `checkpoint_prefix + p`,
   except under the top-level modules (HF's `model.layers.0. ...` beside `lm_head.weight`).
+- `checkpoint_renames`: a module name (one part of a path) the checkpoint spells otherwise (Mixtral's `mlp` is
+  `block_sparse_moe`).
 - `gguf_tensor_names`: llama.cpp's tensor names (`{}` stands for the block index) -> the model's module paths, and
   `gguf_permuted_heads`: the checkpoint modules whose rows llama.cpp permutes in llama-architecture files (for its
   rotary layout), each with the `ModelArch` field that counts its heads.
@@ -26,9 +31,12 @@ from typing import ClassVar, Literal, Protocol
 from torch import nn
 
 # What tensor parallelism deals out among ranks, in engine/parallel/layout.py's `RankShard` runs: vocabulary rows,
-# query heads, KV heads (whole GQA groups) or MLP intermediate rows.
-SplitUnit = Literal["vocab", "q_heads", "kv_heads", "intermediate"]
+# query heads, KV heads (whole GQA groups), MLP intermediate rows, each MoE expert's intermediate rows or the
+# shared expert's.
+SplitUnit = Literal["vocab", "q_heads", "kv_heads", "intermediate", "expert_intermediate",
+                    "shared_expert_intermediate"]
 _BLOCK_INDEX = re.compile(r"\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -54,8 +62,10 @@ class DeclaresWeights(Protocol):
 
     packed_modules_mapping: ClassVar[Mapping[str, tuple[str, int]]]
     tp_plan: ClassVar[Mapping[str, TPSplit]]
+    expert_tp_plan: ClassVar[Mapping[str, TPSplit]]
     checkpoint_prefix: ClassVar[str]
     top_level_modules: ClassVar[tuple[str, ...]]
+    checkpoint_renames: ClassVar[Mapping[str, str]]
     gguf_tensor_names: ClassVar[Mapping[str, str]]
     gguf_permuted_heads: ClassVar[Mapping[str, str]]
 
@@ -77,6 +87,8 @@ def packed_parts(model: type[DeclaresWeights], module: str) -> list[str]:
 def checkpoint_path(model: type[DeclaresWeights], path: str) -> str:
     """A module or parameter path of the model as the checkpoint spells it."""
     top = path.partition(".")[0]
+    if model.checkpoint_renames:
+        path = ".".join(model.checkpoint_renames.get(part, part) for part in path.split("."))
     return path if top in model.top_level_modules else model.checkpoint_prefix + path
 
 
@@ -92,12 +104,20 @@ def checkpoint_modules(model: type[DeclaresWeights], module: str) -> list[str]:
     return [checkpoint_path(model, part) for part in packed_parts(model, module)]
 
 
+def expert_index(key: str) -> int | None:
+    """The expert an MoE checkpoint tensor belongs to (`...experts.3.gate_proj.weight` -> 3), else None."""
+    match = _EXPERT_INDEX.search(key)
+    return int(match.group(1)) if match else None
+
+
 def tp_split(model: type[DeclaresWeights], key: str) -> TPSplit | None:
     """How tensor parallelism splits the checkpoint tensor `key` (None: replicated). A bias follows its weight's
     column split; a row-parallel bias is replicated, and so is anything else a split module holds (fp8 scales
-    such as `k_proj.k_scale` or `q_proj.weight_scale`)."""
+    such as `k_proj.k_scale` or `q_proj.weight_scale`). An expert's weights split by `expert_tp_plan` (a rank
+    whose shard holds experts whole, under expert parallelism, takes the full run)."""
     module, _, kind = key.rpartition(".")
-    split = model.tp_plan.get(leaf(module))
+    plan = model.expert_tp_plan if expert_index(key) is not None else model.tp_plan
+    split = plan.get(".".join(module.split(".")[-2:])) or plan.get(leaf(module))
     if split is None or kind not in ("weight", "bias") or (kind == "bias" and split.dim != 0):
         return None
     return split

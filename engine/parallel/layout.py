@@ -9,6 +9,10 @@ heads unevenly, it keeps one KV head per query head, so local attention stays a 
 
 MLP intermediate and vocabulary rows are split in contiguous near-even runs (the vocabulary in equal padded runs
 so an all-gather can join the logits; the last rank's run may be shorter).
+
+Experts (MoE models): with expert parallelism each rank holds a contiguous near-even run of whole experts;
+without it every rank holds every expert, each sliced like a dense MLP (a contiguous run of its intermediate rows).
+A shared expert (Qwen2-MoE) is sliced like a dense MLP either way.
 """
 
 from __future__ import annotations
@@ -40,6 +44,17 @@ class RankShard:
     intermediate: tuple[int, int]  # [start, end) of the MLP intermediate rows
     vocab: tuple[int, int]  # [start, end) of the vocabulary rows
     vocab_padded: int  # every rank's run length when gathering logits (>= the local run)
+    experts: tuple[int, int] = (0, 0)  # [start, end) of the experts this rank holds (MoE models)
+    expert_intermediate: tuple[int, int] = (0, 0)  # [start, end) of each held expert's intermediate rows
+    shared_expert_intermediate: tuple[int, int] = (0, 0)  # [start, end) of the shared expert's intermediate rows
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.expert_intermediate[1] - self.expert_intermediate[0]
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.shared_expert_intermediate[1] - self.shared_expert_intermediate[0]
 
     @property
     def num_heads(self) -> int:
@@ -72,7 +87,7 @@ def validate_tp(arch: ModelArch, size: int) -> None:
         raise ValueError(f"tensor_parallel_size={size} is too large for this model")
 
 
-def shard_for(arch: ModelArch, rank: int, size: int) -> RankShard:
+def shard_for(arch: ModelArch, rank: int, size: int, expert_parallel: bool = False) -> RankShard:
     validate_tp(arch, size)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside tensor_parallel_size {size}")
@@ -91,4 +106,11 @@ def shard_for(arch: ModelArch, rank: int, size: int) -> RankShard:
     vocab = (min(rank * padded, arch.vocab_size), min((rank + 1) * padded, arch.vocab_size))
     if vocab[1] <= vocab[0]:
         raise ValueError(f"tensor_parallel_size={size} leaves rank {rank} no vocabulary rows")
-    return RankShard(rank, size, q_heads, kv_heads, _runs(arch.intermediate_size, size)[rank], vocab, padded)
+    num_experts, expert_rows = (arch.moe.num_experts, arch.moe.expert_intermediate_size) if arch.moe else (0, 0)
+    shared_rows = arch.moe.shared_expert_intermediate_size if arch.moe else 0
+    if expert_parallel:
+        experts, expert_intermediate = _runs(num_experts, size)[rank], (0, expert_rows)
+    else:
+        experts, expert_intermediate = (0, num_experts), _runs(expert_rows, size)[rank]
+    return RankShard(rank, size, q_heads, kv_heads, _runs(arch.intermediate_size, size)[rank], vocab, padded,
+                     experts, expert_intermediate, _runs(shared_rows, size)[rank])

@@ -21,7 +21,14 @@ from torch import nn
 from engine.errors import ModelNotAvailable
 from engine.models.arch import ModelArch
 from engine.models.registry import model_class
-from engine.models.weight_map import TPSplit, checkpoint_keys, fused_splits, is_norm_weight, tp_split
+from engine.models.weight_map import (
+    TPSplit,
+    checkpoint_keys,
+    expert_index,
+    fused_splits,
+    is_norm_weight,
+    tp_split,
+)
 from engine.parallel.layout import RankShard
 
 
@@ -44,7 +51,9 @@ def _unit_size(split: TPSplit, arch: ModelArch) -> int:
     """The full length of a split dim."""
     hd = arch.head_dim
     sizes = {"vocab": arch.vocab_size, "q_heads": arch.num_heads * hd, "kv_heads": arch.num_kv_heads * hd,
-             "intermediate": arch.intermediate_size}
+             "intermediate": arch.intermediate_size,
+             "expert_intermediate": arch.moe.expert_intermediate_size if arch.moe is not None else 0,
+             "shared_expert_intermediate": arch.moe.shared_expert_intermediate_size if arch.moe is not None else 0}
     return sizes[split.unit]
 
 
@@ -55,7 +64,8 @@ def _take(source: Any, split: TPSplit, arch: ModelArch, shard: RankShard) -> tor
             raise ValueError("KV heads split the output rows only")
         return _kv_take(source, shard.kv_heads, arch.head_dim)
     runs = {"vocab": shard.vocab, "q_heads": _head_rows(*shard.q_heads, arch.head_dim),
-            "intermediate": shard.intermediate}
+            "intermediate": shard.intermediate, "expert_intermediate": shard.expert_intermediate,
+            "shared_expert_intermediate": shard.shared_expert_intermediate}
     start, end = runs[split.unit]
     return source[start:end] if split.dim == 0 else source[:, start:end]
 
@@ -82,6 +92,9 @@ def load_sharded_state(path: str, arch: ModelArch, shard: RankShard,
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if keys is not None and key not in keys:
                     continue
+                expert = expert_index(key)
+                if expert is not None and not shard.experts[0] <= expert < shard.experts[1]:
+                    continue  # another expert-parallel rank's expert
                 split = tp_split(model, key)
                 if split is None:  # replicated (norms)
                     state[key] = handle.get_tensor(key)
@@ -110,7 +123,8 @@ def _shard_stacked(full: torch.Tensor, splits: list[TPSplit], arch: ModelArch, s
 
 def init_dummy_sharded(model: nn.Module, seed: int, arch: ModelArch, shard: RankShard) -> None:
     """`CausalLM.init_dummy_weights` of the full model, sliced: each split tensor is drawn at full size with the
-    same generator as TP=1 and only this rank's slice kept."""
+    same generator as TP=1 and only this rank's slice kept; a replicated one (an MoE router, a whole expert) is
+    drawn as TP=1 draws it."""
     declarations = type(model)
     with torch.no_grad():
         for index, (name, param) in enumerate(model.named_parameters()):
@@ -120,9 +134,10 @@ def init_dummy_sharded(model: nn.Module, seed: int, arch: ModelArch, shard: Rank
                 param.fill_(1.0)
                 continue
             splits = fused_splits(declarations, name)  # type: ignore[arg-type]
+            gen = torch.Generator(device=param.device).manual_seed(model.dummy_seed(seed, index, name))  # type: ignore[operator]
             if splits is None:
-                raise ValueError(f"{name} is not split across ranks")
-            gen = torch.Generator(device=param.device).manual_seed(seed * 1000 + index)
+                param.normal_(0.0, 0.02, generator=gen)
+                continue
             full = torch.empty(_full_shape(name, splits, arch), dtype=param.dtype, device=param.device)
             full.normal_(0.0, 0.02, generator=gen)
             param.copy_(_shard_stacked(full, splits, arch, shard))

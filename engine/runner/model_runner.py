@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.kv_layout import DTYPES
 from engine.models.llama import CausalLM
 from engine.models.loader import hf_state_dict
+from engine.models.moe import MoECausalLM
 from engine.models.registry import model_class
 from engine.outputs import (
     ModelRunnerOutput,
@@ -176,7 +177,8 @@ class ModelRunner:
         self.tp_group = tp_group
         self.link = link
         self.stage = link.stage if link is not None else PipelineStage.whole(config.model.arch.num_layers)
-        self.shard = shard_for(config.model.arch, tp_group.rank, tp_group.size) if tp_group is not None \
+        self.shard = shard_for(config.model.arch, tp_group.rank, tp_group.size,
+                               config.device.enable_expert_parallel) if tp_group is not None \
             else RankShard.full(config.model.arch)
         self.device = torch.device(config.device.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
@@ -280,6 +282,11 @@ class ModelRunner:
                                            self.config.device.max_seq_len_to_capture, self.block_size, self.device)
         if self.on_cuda:
             warm_up(self)
+        self.take_expert_load()  # the profile, capture and warm-up forwards routed no real token
+
+    def take_expert_load(self) -> np.ndarray | None:
+        """MoE models: tokens routed to each expert [sparse layer, expert] since the last call; None if dense."""
+        return self.model.take_expert_load() if isinstance(self.model, MoECausalLM) else None
 
     def _allocate_kv(self, num_blocks: int) -> None:
         self.kv_caches = []  # drop the old cache before allocating the new one

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (gloo, fp32): TP=2 gives TP=1's greedy ids on the tiny Llama / Qwen2 / Qwen3 presets
 and on SmolLM2 (9 heads, 3 KV heads: uneven GQA split), sharded loading reassembles the full checkpoint, the step
-codec round-trips, ep is refused, and a killed rank makes the engine raise instead of hanging."""
+codec round-trips, ep for a dense model is refused, and a killed rank makes the engine raise instead of hanging."""
 
 from __future__ import annotations
 

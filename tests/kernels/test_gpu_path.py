@@ -16,6 +16,7 @@ import torch
 from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.models.llama import CausalLM, SmallGemmMode
+from engine.models.registry import model_class
 from engine.runner.attention import AttentionBatch, TorchPagedAttention
 from engine.runner.attention_triton import TritonPagedAttention, num_leading_decodes
 from engine.runner.cuda_graphs import DecodeResult, capture_sizes, default_capture_sizes, padded_size
@@ -134,13 +135,14 @@ def test_triton_backend_matches_torch_backend() -> None:
 def test_fused_model_matches_torch_model() -> None:
     """The CUDA path's model (Triton backend, fused norm/rotary/SwiGLU) against the CPU path, fp32: a prefill
     step, then a step mixing two decodes with an extend."""
-    for preset in ("tiny-llama", "tiny-qwen3"):  # qwen3: q/k norms on [T, H, D] views
+    for preset in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"):  # qwen3: q/k norms on [T, H, D] views; MoE
         config = EngineArgs(model=preset, load_format="dummy").create_engine_config()
         arch, hf = config.model.arch, config.model.hf_config
+        model = model_class(arch.architecture)
         torch.manual_seed(0)
-        ref_model = CausalLM(arch, hf, TorchPagedAttention(4), 64)
+        ref_model = model(arch, hf, TorchPagedAttention(4), 64)
         ref_model.init_dummy_weights(0)
-        fused_model = CausalLM(arch, hf, TritonPagedAttention(4), 64, fused_ops=True)
+        fused_model = model(arch, hf, TritonPagedAttention(4), 64, fused_ops=True)
         fused_model.load_state_dict(copy.deepcopy(ref_model.state_dict()))
         shape = (16, 4, arch.num_kv_heads, arch.head_dim)
         caches = {name: [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
