@@ -268,6 +268,8 @@ def test_a_model_class_without_stages_is_refused(monkeypatch: pytest.MonkeyPatch
     class Unsplittable:
         def __init__(self, arch: object, hf_config: object, backend: object, max_positions: int) -> None: ...
 
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported for Qwen3MoeForCausalLM"):
+        EngineArgs(model="tiny-qwen3-moe", load_format="dummy", pipeline_parallel_size=2).create_engine_config()
     monkeypatch.setattr(registry, "model_class", lambda architecture: Unsplittable)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported for LlamaForCausalLM"):
         EngineArgs(model="tiny", load_format="dummy", pipeline_parallel_size=2).create_engine_config()
