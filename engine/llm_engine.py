@@ -172,7 +172,8 @@ class LLMEngine:
         self.abort_request(list(self.outputs.states))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.outputs.pending)
+        return self.scheduler.has_unfinished_requests() or bool(self.outputs.pending) or \
+            (self.batches is not None and self.batches.busy)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs.states)

@@ -42,6 +42,12 @@ class BatchQueue:
         self.in_flight: deque[SchedulerOutput] = deque()
         self.most_in_flight = 0  # the largest number of non-empty batches in flight at once (observability)
 
+    @property
+    def busy(self) -> bool:
+        """Batches are in flight: the engine must keep stepping until they are back, even if every request in them
+        was aborted meanwhile (a stage would otherwise wait in its send until the group's timeout)."""
+        return bool(self.in_flight)
+
     def step(self, scheduler: Scheduler, runner: PipelinedRunner) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         """Fill the pipeline, then collect its oldest batch."""
         self._fill(scheduler, runner)

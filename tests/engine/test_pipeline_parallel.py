@@ -176,6 +176,22 @@ def test_chunked_prefill_and_seeded_sampling_match_pp1(tiny_pp2: LLM) -> None:
     assert _ids(tiny_pp2, PROMPTS, seeded) == _ids(base, PROMPTS, seeded)
 
 
+def test_batches_of_aborted_requests_are_still_collected(tiny_pp2: LLM) -> None:
+    """Aborting every request with batches in flight leaves the engine stepping until they are back (else stage 0
+    would wait in its send until the gloo timeout and the worker would die idle)."""
+    engine = tiny_pp2.llm_engine
+    for rid, prompt in (("x", PROMPTS[0]), ("y", PROMPTS[1])):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, GREEDY)
+    engine.step()
+    assert engine.batches is not None and engine.batches.in_flight  # y's batch is still out
+    engine.abort_request(["x", "y"])
+    assert engine.has_unfinished_requests()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.batches.in_flight
+    assert _ids(tiny_pp2, PROMPTS, GREEDY)  # and the pipeline still runs
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_micro_batches_matches_pp1(mode: str) -> None:
     """A KV pool too small for all four requests: preempted requests (recomputed, or swapped out and back in on
