@@ -76,9 +76,8 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         address = request.disaggregation.prefill_address
         min_tokens = request.disaggregation.min_prompt_tokens or self.disagg_min_prompt_tokens
         resumed = list(request.resume_token_ids)  # migrated here: prefill prompt + resumed tokens locally
-        # A tensor-parallel engine's KV lives on all its ranks: KV transfer (one rank's cache) cannot fill it.
-        remote = (bool(address) and params.n == 1 and params.prompt_logprobs is None and not resumed
-                  and self.engine.engine.config.device.tensor_parallel_size == 1)
+        # (A tensor-parallel engine's ranks each pull their own heads over KV links: cluster/transfer/link/.)
+        remote = bool(address) and params.n == 1 and params.prompt_logprobs is None and not resumed
         extra_keys = tuple(request.cache_salt)
 
         def admit(engine: LLMEngine) -> RemoteSlot | None:

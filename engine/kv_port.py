@@ -12,6 +12,10 @@ Threads and streams (the invariants the callers keep):
   belong to a request waiting for remote KV, which no scheduled step reads or writes. The caller waits for the
   copy to complete (`KVImport.wait`) before it tells the engine the blocks are filled, so the engine's stream
   needs no cross-stream wait, and a hung peer can only ever block the transfer thread.
+
+Tensor parallelism: each rank holds only its KV heads (`KVRanks.heads`); the port wraps rank 0's cache, and a
+transport reaches the other ranks' caches through their own agents (`KVRanks.tell`, in step order). `export` can
+gather a subset of the local heads, so a rank sends each peer rank only the heads it needs.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -58,11 +63,35 @@ class KVImport:
         return True
 
 
+@dataclass(frozen=True)
+class KVRanks:
+    """Where a worker's KV heads live across its tensor-parallel ranks, and how a transport reaches ranks > 0."""
+
+    heads: tuple[tuple[int, ...], ...]  # per rank: the model's KV head behind each local KV head (may repeat)
+    # rank 0 -> every other rank's transfer agent, a frame in step order (None with one rank)
+    tell: Callable[[bytes], None] | None = field(default=None, compare=False)
+    check: Callable[[], None] | None = field(default=None, compare=False)  # raises once a rank is gone
+    store: Any = field(default=None, compare=False)  # the ranks' shared c10d store: ranks > 0 report there
+
+    @property
+    def size(self) -> int:
+        return len(self.heads)
+
+    @staticmethod
+    def single(num_kv_heads: int) -> KVRanks:
+        return KVRanks((tuple(range(num_kv_heads)),))
+
+
 class KVPort:
-    def __init__(self, kv_caches: list[KVCache], dtype: str, kv_scales: tuple[float, ...] = ()) -> None:
+    def __init__(self, kv_caches: list[KVCache], dtype: str, kv_scales: tuple[float, ...] = (),
+                 ranks: KVRanks | None = None, rank: int = 0) -> None:
         key = kv_caches[0][0]
         _, block_size, heads, head_dim = key.shape
         self.layout = KVLayout(dtype, len(kv_caches), block_size, heads, head_dim, kv_scales=kv_scales)
+        self.ranks = ranks if ranks is not None else KVRanks.single(heads)
+        self.rank = rank  # which of `ranks` this port's cache is
+        if len(self.ranks.heads[rank]) != heads:
+            raise ValueError(f"rank {rank} holds {heads} KV heads, but its layout says {self.ranks.heads[rank]}")
         self.device = key.device
         # fp8 caches are moved as bytes: CPU index_copy_ has no float8 kernel.
         self._caches = [(k.view(torch.uint8), v.view(torch.uint8)) if k.dtype == torch.float8_e4m3fn else (k, v)
@@ -83,15 +112,29 @@ class KVPort:
         return torch.as_tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
 
     # ---- engine thread -------------------------------------------------------------------------------------
-    def export(self, block_ids: list[int], part: KVSlice) -> KVExport:
-        """Gather request blocks `block_ids` (the slice's, in order) into one wire tensor."""
+    def heads_layout(self, num_heads: int) -> KVLayout:
+        """The wire layout of a message carrying `num_heads` of the local heads."""
+        return replace(self.layout, num_kv_heads=num_heads)
+
+    def export(self, block_ids: list[int], part: KVSlice, heads: tuple[int, ...] | None = None) -> KVExport:
+        """Gather request blocks `block_ids` (the slice's, in order) into one wire tensor; with `heads`, only those
+        local KV heads, in that order."""
         index = self._index(block_ids, part)
         layers = self._caches[part.first_layer : part.first_layer + part.num_layers]
-        out = torch.empty(self.layout.wire_shape(part), dtype=self.layout.torch_dtype, device=self.device)
+        layout = self.layout if heads is None else self.heads_layout(len(heads))
+        out = torch.empty(layout.wire_shape(part), dtype=layout.torch_dtype, device=self.device)
         raw = out.view(layers[0][0].dtype)
-        for layer, (k, v) in enumerate(layers):
-            torch.index_select(k, 0, index, out=raw[layer, 0])
-            torch.index_select(v, 0, index, out=raw[layer, 1])
+        if heads is None:
+            for layer, (k, v) in enumerate(layers):
+                torch.index_select(k, 0, index, out=raw[layer, 0])
+                torch.index_select(v, 0, index, out=raw[layer, 1])
+        else:
+            if any(h < 0 or h >= self.layout.num_kv_heads for h in heads):
+                raise KVTransferError("bad_stream", f"KV heads {heads} outside this rank's {self.layout.num_kv_heads}")
+            picked = torch.as_tensor(heads, dtype=torch.int64).to(self.device, non_blocking=True)
+            for layer, (k, v) in enumerate(layers):
+                raw[layer, 0].copy_(k.index_select(0, index).index_select(2, picked))
+                raw[layer, 1].copy_(v.index_select(0, index).index_select(2, picked))
         ready = None
         if self.on_cuda:
             ready = torch.cuda.Event()
@@ -111,9 +154,10 @@ class KVPort:
     def new_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.Stream(self.device) if self.on_cuda else None
 
-    def empty_wire(self, part: KVSlice) -> torch.Tensor:
-        """A receive buffer for one slice, on the engine's device."""
-        return torch.empty(self.layout.wire_shape(part), dtype=self.layout.torch_dtype, device=self.device)
+    def empty_wire(self, part: KVSlice, num_heads: int | None = None) -> torch.Tensor:
+        """A receive buffer for one slice (of `num_heads` heads, default all local ones), on the engine's device."""
+        layout = self.layout if num_heads is None else self.heads_layout(num_heads)
+        return torch.empty(layout.wire_shape(part), dtype=layout.torch_dtype, device=self.device)
 
     def wire_from_bytes(self, part: KVSlice, data: bytes) -> torch.Tensor:
         """A host wire tensor viewing received bytes (validated against the layout)."""

@@ -35,7 +35,7 @@ from engine.metrics.busy import BusyMeter
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import PositionLogprobs, RequestOutput, SchedulerOutput
 from engine.parallel.batch_queue import BatchQueue
-from engine.parallel.executor import TPDriverRunner, create_runner
+from engine.parallel.executor import DEFAULT_RANK_MODULE, TPDriverRunner, create_runner, kv_ranks
 from engine.processing.generation_config import resolve_generation_defaults
 from engine.processing.input_processor import InputProcessor, PromptInput, eos_token_id
 from engine.processing.output_processor import OutputKind, OutputProcessor, RequestState
@@ -62,9 +62,11 @@ class EngineLoad:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, enable_kv_events: bool = False) -> None:
+    def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
+                 rank_module: str = DEFAULT_RANK_MODULE) -> None:
         self.config = config
-        self.runner = create_runner(config)  # tensor parallelism: rank 0's runner, the other ranks started
+        # tensor parallelism: rank 0's runner, the other ranks started (`python -m rank_module`)
+        self.runner = create_runner(config, rank_module)
         # pipeline parallelism: one micro-batch in flight per stage (engine/parallel/batch_queue.py)
         pp = config.device.pipeline_parallel_size
         self.batches = BatchQueue(pp) if pp > 1 and isinstance(self.runner, TPDriverRunner) else None
@@ -73,7 +75,8 @@ class LLMEngine:
         num_blocks, num_swap = self._initialize_kv_cache()
         self.num_gpu_blocks = num_blocks
         # what KV transports may touch
-        self.kv_port = KVPort(self.runner.kv_caches, self.runner.kv_dtype_name, self.runner.kv_scales)
+        self.kv_port = KVPort(self.runner.kv_caches, self.runner.kv_dtype_name, self.runner.kv_scales,
+                              kv_ranks(self.runner))
         self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self.hasher,
                                          config.cache.enable_prefix_caching, enable_kv_events)
@@ -103,8 +106,9 @@ class LLMEngine:
         self.num_lease_expired_blocks = 0  # P/D prefill side: held blocks freed because no transfer finished
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, enable_kv_events: bool = False) -> LLMEngine:
-        return cls(args.create_engine_config(), enable_kv_events)
+    def from_engine_args(cls, args: EngineArgs, enable_kv_events: bool = False,
+                         rank_module: str = DEFAULT_RANK_MODULE) -> LLMEngine:
+        return cls(args.create_engine_config(), enable_kv_events, rank_module)
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         """Size the KV cache (shared with a draft model) and the swap space, and allocate them on the runner."""

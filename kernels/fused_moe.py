@@ -55,21 +55,26 @@ def moe_tiles(num_slots: int, num_experts: int) -> MoeTiles:
 def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted slots [P], the expert of each BLOCK_M tile [P / block_m] (-1: unused), the used
-    length [1]). P = roundup(T*k + E*(block_m-1), block_m), a host-known bound."""
+    length [1]). P = roundup(T*k + E*(block_m-1), block_m), a host-known bound. An id outside [0, num_experts)
+    (an expert another expert-parallel rank holds) drops its slot: no tile holds it, so no row is computed."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # bucket num_experts: dropped
     capacity = -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
     padded_start = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)
     experts_in_order = flat[order]
     rank = torch.arange(num_slots, device=device) - start[experts_in_order]
-    sorted_ids = torch.full((capacity,), num_slots, dtype=torch.int32, device=device)
-    sorted_ids[padded_start[experts_in_order] + rank] = order.to(torch.int32)
-    tile_end = torch.cumsum(padded // block_m, 0)  # searchsorted, not repeat_interleave: no size read back
+    dest = torch.where(experts_in_order < num_experts, padded_start[experts_in_order] + rank, capacity)
+    sorted_ids = torch.full((capacity + 1,), num_slots, dtype=torch.int32, device=device)  # + 1: the drop slot
+    sorted_ids[dest] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:capacity]
+    tile_end = torch.cumsum(padded[:num_experts] // block_m, 0)  # searchsorted, not repeat_interleave: no sync
     expert_ids = torch.searchsorted(tile_end, torch.arange(capacity // block_m, device=device), right=True)
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
     return sorted_ids, expert_ids, padded.sum().reshape(1).to(torch.int32)
@@ -150,7 +155,8 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in x's dtype."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in x's dtype. Ids
+    outside [0, E) contribute nothing (expert parallelism: this rank's partial sum)."""
     require_triton("fused_moe")
     _check(x, w13, w2, topk_weights, topk_ids)
     tokens, hidden = x.shape
@@ -163,19 +169,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     gate_up = torch.empty((num_slots, w13.shape[1]), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, aligned, top_k, tiles)
     act = silu_and_mul(gate_up)
-    out = torch.empty((num_slots, hidden), dtype=x.dtype, device=x.device)
+    out = torch.zeros((num_slots, hidden), dtype=x.dtype, device=x.device)  # dropped slots' rows stay zero
     _grouped_gemm(act, w2, out, topk_weights.reshape(-1).contiguous(), aligned, 1, tiles)
     return out.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """Plain torch, fp32 math: a loop over the experts that received tokens."""
+    """Plain torch, fp32 math: a loop over the experts that received tokens (ids outside [0, E) skipped)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     inter = w13.shape[1] // 2
     xf = x.float()
     out = torch.zeros_like(xf)
     for expert in topk_ids.unique().tolist():
+        if not 0 <= expert < w13.shape[0]:
+            continue
         token, which = (topk_ids == expert).nonzero(as_tuple=True)
         gate_up = xf[token] @ w13[expert].float().T
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]

@@ -140,6 +140,25 @@ class ClusterSpec:
     # Workers run `kvflow worker` (both roles; the router moves them between pools) instead of being pinned with
     # `kvflow prefill` / `kvflow decode`; their role above is then their starting pool.
     role_free: bool = False
+    # Each role's --tensor-parallel-size (None: engine_args'); KV moves rank to rank between them (cluster/transfer/).
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
+
+    def tensor_parallel_size(self, role: str) -> int:
+        size = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
+        return self.engine_args.tensor_parallel_size if size is None else size
+
+    def ranks_per_worker(self, role: str) -> int:
+        """One process (and, on GPUs, one GPU) per tensor-parallel rank of each pipeline stage."""
+        return self.tensor_parallel_size(role) * self.engine_args.pipeline_parallel_size
+
+    def parallel_flags(self, role: str) -> str:
+        flags = f"--tensor-parallel-size {self.tensor_parallel_size(role)}"
+        pp = self.engine_args.pipeline_parallel_size
+        return flags + (f" x --pipeline-parallel-size {pp}" if pp > 1 else "")
+
+    def role_engine_args(self, role: str) -> EngineArgs:
+        return dataclasses.replace(self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role))
 
 
 @dataclass(frozen=True)
@@ -181,18 +200,6 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(count)]
 
 
-def ranks_per_worker(args: EngineArgs) -> int:
-    """One process (and, on GPUs, one GPU) per tensor-parallel rank of each pipeline stage."""
-    return args.tensor_parallel_size * args.pipeline_parallel_size
-
-
-def parallel_flags(args: EngineArgs) -> str:
-    flags = f"--tensor-parallel-size {args.tensor_parallel_size}"
-    if args.pipeline_parallel_size > 1:
-        flags += f" x --pipeline-parallel-size {args.pipeline_parallel_size}"
-    return flags
-
-
 def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
     """Which GPU each worker (prefill workers first, then decode) runs on, and its memory share."""
     roles = ["prefill"] * spec.prefill_workers + ["decode"] * spec.decode_workers
@@ -204,14 +211,16 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
         if spec.prefill_gpus or spec.decode_gpus:
             raise ValueError("--prefill-gpus/--decode-gpus need visible GPUs and --device auto or cuda")
         return [Placement(role, None, None) for role in roles]
-    # Tensor and pipeline parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on.
-    tp = ranks_per_worker(spec.engine_args)
-    if tp > num_gpus:
-        raise ValueError(f"{parallel_flags(spec.engine_args)} needs {tp} GPUs per worker, but {num_gpus} are "
-                         "visible")
-    gpus: list[int] = []
+    # Tensor and pipeline parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on; each role has
+    # its own tensor-parallel size.
+    sizes = {role: spec.ranks_per_worker(role) for role in ("prefill", "decode")}
     for role, listed, count in (("prefill", spec.prefill_gpus, spec.prefill_workers),
                                 ("decode", spec.decode_gpus, spec.decode_workers)):
+        tp = sizes[role]
+        if count and tp > num_gpus:
+            raise ValueError(f"{spec.parallel_flags(role)} needs {tp} GPUs per worker, but {num_gpus} are visible"
+                             + ("" if spec.tensor_parallel_size(role) == spec.engine_args.tensor_parallel_size
+                                else f" ({role} workers)"))
         if listed is None:
             continue
         if len(listed) != count:
@@ -219,22 +228,27 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
         if any(g < 0 or g + tp > num_gpus for g in listed):
             raise ValueError(f"--{role}-gpus {list(listed)}: only GPUs 0..{num_gpus - 1} are visible"
                              + (f" (each worker takes {tp} consecutive GPUs from its own)" if tp > 1 else ""))
-    default = iter(range(len(roles)))
-    usable = num_gpus - num_gpus % tp
+    gpus: list[int] = []
+    cursor = 0  # the default: each worker's GPUs right after the previous worker's, wrapping to GPU 0
     for role, listed in (("prefill", spec.prefill_gpus), ("decode", spec.decode_gpus)):
         for i in range(roles.count(role)):
-            gpus.append(listed[i] if listed is not None else next(default) * tp % usable)
+            if listed is not None:
+                gpus.append(listed[i])
+                continue
+            cursor = 0 if cursor + sizes[role] > num_gpus else cursor
+            gpus.append(cursor)
+            cursor += sizes[role]
     sharing = {g: 0 for g in range(num_gpus)}
-    for gpu in gpus:
-        for g in range(gpu, gpu + tp):
+    for role, gpu in zip(roles, gpus, strict=True):
+        for g in range(gpu, gpu + sizes[role]):
             sharing[g] += 1
     placements = []
     for role, gpu in zip(roles, gpus, strict=True):
         share = spec.gpu_memory_utilization
         if share is None:
-            most = max(sharing[g] for g in range(gpu, gpu + tp))
+            most = max(sharing[g] for g in range(gpu, gpu + sizes[role]))
             share = math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / most * 100) / 100
-        placements.append(Placement(role, gpu, share, tp))
+        placements.append(Placement(role, gpu, share, sizes[role]))
     return placements
 
 
@@ -247,7 +261,23 @@ def preflight(spec: ClusterSpec, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Clus
     (engine/process/memory_budget.py) unless --kv-cache-memory-bytes / --num-gpu-blocks-override is set. Returns the spec
     the workers start with."""
     args = spec.engine_args
-    processes = (spec.prefill_workers + spec.decode_workers) * ranks_per_worker(args)
+    processes = spec.prefill_workers * spec.ranks_per_worker("prefill") + \
+        spec.decode_workers * spec.ranks_per_worker("decode")
+    roles = [role for role, count in (("prefill", spec.prefill_workers), ("decode", spec.decode_workers)) if count]
+    # One check per distinct tensor-parallel size (each role's config must be valid); the smaller KV budget wins.
+    sizes = sorted({spec.tensor_parallel_size(role) for role in roles}) or [args.tensor_parallel_size]
+    results = [_preflight_check(dataclasses.replace(args, tensor_parallel_size=size), processes, timeout_s)
+               for size in sizes]
+    if any("worker" not in result for result in results):
+        return spec  # GPU workers: each sizes its KV cache from its share of the GPU
+    worker = min((WorkerMemory(**result["worker"]) for result in results), key=lambda w: w.kv_cache)
+    log_cpu_budget(worker, processes, results[0]["available"])
+    if args.kv_cache_memory_bytes is not None or args.num_gpu_blocks_override is not None:
+        return spec
+    return dataclasses.replace(spec, engine_args=dataclasses.replace(args, kv_cache_memory_bytes=worker.kv_cache))
+
+
+def _preflight_check(args: EngineArgs, processes: int, timeout_s: float) -> dict:
     argv = [sys.executable, "-m", "engine.process.preflight", "--processes", str(processes), *engine_argv(args),
             "--model", args.model, "--device", args.device]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
@@ -259,13 +289,7 @@ def preflight(spec: ClusterSpec, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Clus
     result = json.loads(lines[-1])
     if "error" in result:
         raise ValueError(result["error"])
-    if "worker" not in result:
-        return spec  # GPU workers: each sizes its KV cache from its share of the GPU
-    worker = WorkerMemory(**result["worker"])
-    log_cpu_budget(worker, processes, result["available"])
-    if args.kv_cache_memory_bytes is not None or args.num_gpu_blocks_override is not None:
-        return spec
-    return dataclasses.replace(spec, engine_args=dataclasses.replace(args, kv_cache_memory_bytes=worker.kv_cache))
+    return result
 
 
 def log_cpu_budget(worker: WorkerMemory, processes: int, available: int | None) -> None:
@@ -355,7 +379,8 @@ class WorkerCluster:
         role = placement.role
         # Speculation is a decode worker's: a prefill worker stops at the first token.
         decodes = role == "decode" or spec.role_free
-        args = spec.engine_args if decodes else spec.engine_args.without_speculation()
+        args = spec.role_engine_args(role)
+        args = args if decodes else args.without_speculation()
         command = "worker" if spec.role_free else role
         argv = [sys.executable, "-m", "kvflow.cli", command, "--port", str(port), *engine_argv(args),
                 "--model", spec.engine_args.model, "--index", spec.index, "--host", spec.host,

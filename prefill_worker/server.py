@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.transfer.backends import BACKEND_ENUMS
+from cluster.transfer.backends import BACKEND_ENUMS, BACKEND_NAMES
 from cluster.transfer.contract import DEFAULT_LEASE_S
+from cluster.transfer.link.heads import same_but_heads
 from cluster.transfer.protocols import KVSender
 from cluster.wire import layout_from_proto, layout_to_proto, logprobs_to_proto, sampling_kwargs_from_proto
 from cluster.worker.runtime import WorkerContext, WorkerServicer, admitted, info_response
@@ -185,7 +186,9 @@ class PrefillServicer(WorkerServicer, kvflow_pb2_grpc.PrefillServicer):
             expected = layout_from_proto(request.expected_layout)
             if expected.order and expected.order != KV_ORDER:
                 raise InvalidRequest(f"KV layout order {expected.order!r} is not supported; use {KV_ORDER!r}")
-            if expected != self.layout:
+            # Over a link, tensor-parallel ranks may hold different heads: the link matched them (its HeadPlan).
+            over_link = BACKEND_NAMES.get(request.kv_transfer_backend) in ("nccl", "gloo")
+            if expected != self.layout and not (over_link and same_but_heads(expected, self.layout)):
                 raise InvalidRequest(f"KV layout mismatch: decode expects {expected}, this worker has {self.layout}")
         if request.skip_blocks * self.block_size >= len(request.prompt_token_ids):
             raise InvalidRequest(f"skip_blocks={request.skip_blocks} covers the whole prompt; at least its last "

@@ -15,6 +15,7 @@ import grpc
 
 from cluster.transfer.backends import BACKEND_ENUMS, BACKEND_NAMES
 from cluster.transfer.contract import PullJob, PullResult
+from cluster.transfer.link.heads import same_but_heads
 from cluster.wire import layout_from_proto, layout_to_proto, logprobs_from_proto, sampling_params_to_proto
 from engine.kv_layout import KVTransferError
 from engine.kv_port import KVPort
@@ -91,7 +92,8 @@ class PrefillStreamReader:
     def _check_header(self, header: pb.KVHeader) -> None:
         job = self.job
         remote = layout_from_proto(header.layout)
-        if remote != self.port.layout:
+        # Over a link, tensor-parallel ranks may hold different heads: the link matched them (its HeadPlan).
+        if remote != self.port.layout and not (self.backend != "grpc" and same_but_heads(remote, self.port.layout)):
             raise KVTransferError("layout_mismatch", f"prefill layout {remote} != local {self.port.layout}")
         if BACKEND_NAMES.get(header.backend, "") != self.backend:
             raise KVTransferError("bad_stream", f"prefill worker sends over {BACKEND_NAMES.get(header.backend)}, "

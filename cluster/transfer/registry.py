@@ -6,6 +6,8 @@ the roles use its two ends through the protocols (cluster/transfer/protocols.py)
 - Receive side (`build_receiver`), keyed by `--kv-transfer-backend`: "grpc" never opens links; "nccl" insists on
   the link (on CPU workers it runs the same path over gloo) and recomputes when it fails; "auto" takes the link
   (NCCL) between GPU workers and gRPC bytes otherwise, or when the link to that peer cannot be opened.
+- Tensor-parallel workers move KV over links only, each rank its own heads (cluster/transfer/link/heads.py): "auto"
+  is the link there too (gloo on CPUs), "grpc" is refused on either side.
 
 Every worker has both ends: each serves `KVLink` and Prefill senders, each can pull.
 """
@@ -54,6 +56,9 @@ class SendEndpoint:
         return self._openers[backend](backend, link_id, caller_id)
 
     def _grpc_sender(self, backend: str, link_id: str, caller_id: str) -> KVSender:
+        if self.links.port.ranks.size > 1:  # the stream would carry rank 0's heads only
+            raise InvalidRequest("this worker is tensor-parallel: its KV moves over KV links only (rank to rank), "
+                                 "not in the Prefill stream (--kv-transfer-backend grpc)")
         return GrpcSender(self.serializer)
 
     def _link_sender(self, backend: str, link_id: str, caller_id: str) -> KVSender:
@@ -103,6 +108,10 @@ class LinkOrGrpcReceiver:
 
 
 def _grpc_only(port: KVPort, worker_id: str, channels: ChannelPool) -> KVReceiver:
+    if port.ranks.size > 1:
+        raise ValueError(f"--kv-transfer-backend grpc with --tensor-parallel-size {port.ranks.size}: the Prefill "
+                         "stream carries one rank's KV; tensor-parallel workers move KV rank to rank over KV links "
+                         "(--kv-transfer-backend auto or nccl)")
     return GrpcReceiver(port, worker_id, channels)
 
 
@@ -114,6 +123,8 @@ def _link_only(port: KVPort, worker_id: str, channels: ChannelPool) -> KVReceive
 
 
 def _link_between_gpus(port: KVPort, worker_id: str, channels: ChannelPool) -> KVReceiver:
+    if port.ranks.size > 1:  # rank to rank, or recompute: gRPC bytes would fill rank 0's heads only
+        return _link_only(port, worker_id, channels)
     if port.on_cuda and link_backend_available(port.device):
         return LinkOrGrpcReceiver(port, worker_id, channels)
     return GrpcReceiver(port, worker_id, channels)

@@ -33,7 +33,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-backend", choices=KV_TRANSFER_BACKENDS, default="auto",
                         help="how prompt KV moves from prefill to decode workers: 'nccl' (a torch.distributed link: "
                              "NCCL between GPUs, gloo between CPU workers), 'grpc' (bytes in the gRPC stream), or "
-                             "'auto' (NCCL between GPU workers, gRPC otherwise or when no link can be opened)")
+                             "'auto' (NCCL between GPU workers, gRPC otherwise or when no link can be opened; a "
+                             "tensor-parallel decode worker always pulls over links, rank to rank)")
     parser.add_argument("--kv-transfer-fault-rate", type=float, default=0.0,
                         help="fault testing only: fail this share of KV transfers at a random point (the decode "
                              "side recomputes); 0 in production")

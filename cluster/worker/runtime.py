@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.auth import ClusterAuth, public_info
 from cluster.routing.index import validate_index_url
 from cluster.transfer.faults import FaultInjector
+from cluster.transfer.link import RANK_MODULE
 from cluster.transfer.registry import WorkerTransfer, build_worker_transfer
 from cluster.wire import layout_to_proto
 from cluster.worker.args import server_engine_args
@@ -210,12 +211,14 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
         raise ValueError(f"--pipeline-parallel-size {engine_args.pipeline_parallel_size} is not supported on "
                          f"{role_name} workers: each stage holds only its layers' KV; run pipeline-parallel decode "
                          "workers, which prefill locally (kvflow serve --pipeline-parallel-size N --prefill-workers 0)")
-    if role_name != "decode" and engine_args.tensor_parallel_size > 1:  # before any rank starts
-        raise ValueError(f"--tensor-parallel-size {engine_args.tensor_parallel_size} is not supported on {role_name} "
-                         "workers: KV transfer moves one rank's cache only; run tensor-parallel decode workers, "
-                         "which prefill locally (kvflow serve --tensor-parallel-size N --prefill-workers 0)")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
-    llm_engine = await in_passing_thread(LLMEngine.from_engine_args, engine_args, True)
+    # Tensor parallelism: the other ranks run the KV links' agents too, so each rank moves its own heads. They die
+    # with the thread that starts them (engine/process/lifeline.py): a passing thread would take them along when it
+    # ends, so a tensor-parallel engine is built on this (main, loop) thread, before the server starts.
+    if engine_args.tensor_parallel_size > 1:
+        llm_engine = LLMEngine.from_engine_args(engine_args, True, RANK_MODULE)
+    else:
+        llm_engine = await in_passing_thread(LLMEngine.from_engine_args, engine_args, True, RANK_MODULE)
     if llm_engine.device.type == "cpu":
         # The engine thread gives up the GIL inside every torch op and needs it back between ops; with Python's
         # 5 ms default a busy asyncio/gRPC thread can hold it that long each time. 0.5 ms measured +2-4 % req/s

@@ -498,6 +498,10 @@ class CausalLM(nn.Module):
                     raise ValueError(f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}")
                 param.copy_(tensor)
 
+    def prepare_fused_weights(self) -> None:
+        """After loading, on the fused (CUDA) path: lay weights out as the fused kernels read them. A dense
+        model reads its weights as loaded."""
+
     def dummy_seed(self, seed: int, index: int, name: str) -> int:
         """The generator seed of the `index`-th parameter `name` in dummy weights (the sharded draw uses it too)."""
         return seed * 1000 + index

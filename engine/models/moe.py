@@ -6,10 +6,12 @@ Invariants:
 - Routing is transformers' arithmetic: an fp32 softmax over every expert's logit, the top k, renormalized to sum
   to one when `MoEArch.renormalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral always, which is the same as a softmax
   over the top-k logits), the weights then cast to the activations' dtype. fp32 routes as HF routes.
-- The experts run as the torch reference: a loop over the experts that got tokens (idle experts cost nothing),
-  in ascending expert id, each adding its weighted rows into the output as HF's loop does. While a CUDA graph is
-  captured the active experts cannot be read on the host, so every expert runs on every token, weighted zero
-  where it was not picked: the same sums at dense cost.
+- On the fused (CUDA) path, once `prepare_fused_weights` stacked the experts' weights, the routed experts run as
+  kernels/fused_moe.py's two grouped GEMMs: no host read, so decode steps are graph-captured at sparse cost.
+- Otherwise the experts run as the torch reference: a loop over the experts that got tokens (idle experts cost
+  nothing), in ascending expert id, each adding its weighted rows into the output as HF's loop does. While a CUDA
+  graph is captured the active experts cannot be read on the host, so every expert runs on every token, weighted
+  zero where it was not picked: the same sums at dense cost.
 - A block holds the experts `expert_ids` names (all of them unless expert parallelism deals them out), each whole
   or (tensor parallelism without expert parallelism) a run of its intermediate rows; its output is this rank's
   partial sum, which the decoder layer all-reduces like a row-parallel MLP's.
@@ -35,6 +37,7 @@ from engine.models.llama import CausalLM, Collectives, DecoderLayer
 from engine.models.weight_map import TPSplit, column_parallel, row_parallel
 from engine.parallel.layout import RankShard
 from engine.runner.attention import AttentionBackend
+from kernels.fused_moe import fused_moe
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
@@ -79,10 +82,26 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if self.shared_expert is not None else None
         # tokens routed to each expert since the last take (engine metrics), a buffer: moves with the model
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        # this rank's experts stacked for the fused kernel ([E_local, 2I, H] and [E_local, H, I]); None: the loop
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def stack_experts(self) -> None:
+        """Lay this rank's experts out as the fused kernel reads them. Each expert's own weights become views of
+        the stacked tensors, so the model holds one copy and both paths read the same values."""
+        experts = [self.experts[str(e)] for e in self.expert_ids]
+        with torch.no_grad():
+            self.w13 = torch.stack([expert.gate_up_proj.weight for expert in experts])
+            self.w2 = torch.stack([expert.down_proj.weight for expert in experts])
+        for i, expert in enumerate(experts):
+            expert.gate_up_proj.weight = nn.Parameter(self.w13[i], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(self.w2[i], requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize, x.dtype)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self.w13 is not None:
+            routed = self._fused_experts(x, weights, ids)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             routed = self._all_experts(x, weights, ids)
         else:
             routed = self._routed_experts(x, weights, ids)
@@ -90,6 +109,15 @@ class SparseMoeBlock(nn.Module):
             return routed
         # HF's order: the routed sum plus the gated shared expert (this rank's rows of it: a partial sum too)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _fused_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The fused kernel over this rank's experts: global ids become local ones, and another rank's experts
+        fall outside [0, E_local), which the kernel skips."""
+        assert self.w13 is not None and self.w2 is not None  # the caller checked (forward)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # counted on the eager path only
+            flat = ids.flatten()
+            self.load.scatter_add_(0, flat, torch.ones_like(flat))
+        return fused_moe(x.contiguous(), self.w13, self.w2, weights, ids - self.expert_ids.start)
 
     def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The reference loop over this rank's experts that got tokens."""
@@ -151,6 +179,12 @@ class MoECausalLM(CausalLM):
         for block in blocks:
             block.load.zero_()
         return load
+
+    def prepare_fused_weights(self) -> None:
+        """Stack every sparse block's experts for the fused MoE kernel (the CUDA path, after loading)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.stack_experts()
 
     def build_layer(self, index: int, arch: ModelArch, backend: AttentionBackend, fused_ops: bool) -> nn.Module:
         moe = arch.moe  # never None here (__init__)

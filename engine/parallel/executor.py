@@ -16,6 +16,10 @@ and the worker's health turns NOT_SERVING. A watchdog thread aborts the communic
 step overruns, so a rank blocked in a collective fails at once (NCCL kernels have no timeout of their own). Children
 exit when their stdin closes (the driver stopped) and die with the process that started them (engine/process/lifeline.py).
 `shutdown` (or interpreter exit) stops them.
+
+A caller above the engine (the KV transport) may start the ranks under its own module (`rank_module`, which runs
+`engine.parallel.worker.run` with a `RankExtension`) and `tell` them frames of its own: they go down the same pipe
+as the steps, so each rank handles them in order with the steps (a KV import told before a step lands before it).
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from typing import IO, Any
 import torch
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from engine.kv_port import KVRanks
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.group import tp_timeout_s
-from engine.parallel.layout import validate_tp
+from engine.parallel.layout import shard_for, validate_tp
 from engine.parallel.nccl_env import set_nccl_env_defaults
 from engine.parallel.pipeline import ParallelWorld
 from engine.parallel.stages import validate_pp
@@ -53,6 +58,8 @@ FRAME_HEADER = struct.Struct("<Q")
 MSG_INIT_KV = b"I"
 MSG_STEP = b"S"
 MSG_QUIT = b"Q"
+MSG_EXTENSION = b"X"  # a frame for the rank's extension (engine/parallel/worker.py)
+DEFAULT_RANK_MODULE = "engine.parallel.worker"
 WATCH_INTERVAL_S = 0.2
 STOP_GRACE_S = 5.0
 
@@ -130,8 +137,9 @@ def free_port() -> int:
 
 
 # ---- rank 0 ---------------------------------------------------------------------------------------------------
-def create_runner(config: EngineConfig) -> ModelRunner:
-    """The engine's runner: a plain `ModelRunner` for one rank, else a `TPDriverRunner` with its ranks started."""
+def create_runner(config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE) -> ModelRunner:
+    """The engine's runner: a plain `ModelRunner` for one rank, else a `TPDriverRunner` with its ranks started
+    (each `python -m rank_module`)."""
     tp, pp = config.device.tensor_parallel_size, config.device.pipeline_parallel_size
     size = tp * pp
     if size == 1:
@@ -146,7 +154,19 @@ def create_runner(config: EngineConfig) -> ModelRunner:
                              f"to {last}, but only "
                              f"{torch.cuda.device_count()} are visible")
     config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
-    return TPDriverRunner(config)
+    return TPDriverRunner(config, rank_module)
+
+
+def kv_ranks(runner: ModelRunner) -> KVRanks:
+    """The engine's KV as a transport sees it across ranks: every rank's heads and, with several, the way to them."""
+    group = runner.tp_group
+    if group is None:
+        return KVRanks.single(runner.shard.num_kv_heads)
+    arch = runner.config.model.arch
+    heads = tuple(shard_for(arch, rank, group.size).kv_heads for rank in range(group.size))
+    if not isinstance(runner, TPDriverRunner):
+        return KVRanks(heads, store=group.store)
+    return KVRanks(heads, runner.tell, runner.check_ranks, group.store)
 
 
 def _stop_children(procs: list[subprocess.Popen], keeper_done: threading.Event) -> None:
@@ -196,7 +216,7 @@ def _start_children(argv: list[str], env: dict[str, str], setups: list[bytes], p
 class TPDriverRunner(ModelRunner):
     """Rank 0's runner: starts and feeds the other ranks, then runs its own shard (and stage) of every step."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE) -> None:
         size = config.device.tensor_parallel_size * config.device.pipeline_parallel_size
         timeout_s = tp_timeout_s()
         port = free_port()
@@ -207,6 +227,7 @@ class TPDriverRunner(ModelRunner):
         env = {**os.environ, **lifeline_env()}
         set_nccl_env_defaults(env)
         self._procs: list[subprocess.Popen] = []
+        self._pipe_lock = threading.Lock()  # the engine thread's steps and a transport's `tell` share the pipes
         self._failure: str | None = None
         self._stopped = threading.Event()
         self._timeout_s = timeout_s
@@ -215,7 +236,7 @@ class TPDriverRunner(ModelRunner):
         self._finalizer = weakref.finalize(self, _stop_children, self._procs, keeper_done)
         group: ParallelWorld | None = None
         try:
-            _start_children([sys.executable, "-m", "engine.parallel.worker"], env,
+            _start_children([sys.executable, "-m", rank_module], env,
                             [json.dumps({**doc, "rank": rank}).encode() for rank in range(1, size)], self._procs,
                             keeper_done)
             if not config.device.device.startswith("cuda"):
@@ -262,6 +283,11 @@ class TPDriverRunner(ModelRunner):
         finally:
             self._step_started = None
 
+    def tell(self, body: bytes) -> None:
+        """Any thread: a frame for every other rank's extension, in order with the steps sent so far. Raises
+        TensorParallelError if a rank is gone."""
+        self._send(MSG_EXTENSION + body)
+
     def check_ranks(self) -> None:
         """Raise if any rank is gone (the worker's health probe)."""
         self._raise_if_failed()
@@ -281,12 +307,13 @@ class TPDriverRunner(ModelRunner):
     # -- internals ---------------------------------------------------------------------------------------------
     def _send(self, payload: bytes) -> None:
         self.check_ranks()
-        for rank, proc in enumerate(self._procs, start=1):
-            try:
-                assert proc.stdin is not None
-                write_frame(proc.stdin, payload)
-            except (OSError, ValueError) as exc:
-                self._fail(f"tensor-parallel rank {rank} is unreachable: {exc}")
+        with self._pipe_lock:
+            for rank, proc in enumerate(self._procs, start=1):
+                try:
+                    assert proc.stdin is not None
+                    write_frame(proc.stdin, payload)
+                except (OSError, ValueError) as exc:
+                    self._fail(f"tensor-parallel rank {rank} is unreachable: {exc}")
         self._raise_if_failed()
 
     def _guard(self, fn: Any) -> Any:

@@ -3,6 +3,9 @@
 It reads its setup (config, rank, rendezvous) as the first frame on stdin, joins the group, builds its shard and
 then runs every step rank 0 sends, until stdin ends or says quit. It never schedules, samples for anyone or answers
 requests: rank 0 does. Any error ends the process (rank 0 notices and stops serving).
+
+An upper floor may run `run` with a `RankExtension` (its own `python -m` module): rank 0's extension frames
+(`TPDriverRunner.tell`) reach it in order with the steps, on this main thread.
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from engine.outputs import SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.executor import (
+    MSG_EXTENSION,
     MSG_INIT_KV,
     MSG_QUIT,
     MSG_STEP,
@@ -26,6 +32,7 @@ from engine.parallel.executor import (
     rank_device,
     read_frame,
 )
+from engine.parallel.group import TPGroup
 from engine.parallel.pipeline import ParallelWorld
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
@@ -34,7 +41,20 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("kvflow.tp_worker")
 
 
-def run(stdin: object) -> int:
+class RankExtension(Protocol):
+    def handle(self, body: bytes) -> None:
+        """One frame from rank 0, on the main thread between steps."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+# Built once the rank's runner exists (its KV cache is allocated later, by the first MSG_INIT_KV).
+ExtensionFactory = Callable[[ModelRunner, TPGroup], RankExtension]
+
+
+def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int:
     setup = read_frame(stdin)  # type: ignore[arg-type]
     if setup is None:
         return 1
@@ -50,8 +70,10 @@ def run(stdin: object) -> int:
     world = ParallelWorld(doc["host"], int(doc["port"]), rank, config, torch.device(device), float(doc["timeout_s"]))
     failed = True
     runner: ModelRunner | None = None
+    extension: RankExtension | None = None
     try:
         runner = ModelRunner(config, world.tp, world.link)
+        extension = extension_factory(runner, world.group) if extension_factory is not None else None
         world.min_int(runner.determine_num_blocks())
         while True:
             frame = read_frame(stdin)  # type: ignore[arg-type]
@@ -63,10 +85,14 @@ def run(stdin: object) -> int:
                 runner.initialize_kv_cache(int(num_blocks), int(num_swap))
             elif kind == MSG_STEP:
                 runner.execute_model(without_grammars(codec.decode(body)))
+            elif kind == MSG_EXTENSION and extension is not None:
+                extension.handle(body)
             else:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
         failed = False
     finally:
+        if extension is not None:
+            extension.close()
         if runner is not None and not failed:
             runner.release_graphs()
         world.close(failed=failed)
@@ -90,11 +116,11 @@ def _without_grammar(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def main() -> None:
+def main(extension_factory: ExtensionFactory | None = None) -> None:
     die_with_parent_if_asked()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tp-rank %(name)s: %(message)s")
     try:
-        code = run(sys.stdin.buffer)
+        code = run(sys.stdin.buffer, extension_factory)
     except Exception:
         logger.exception("tensor-parallel rank failed")
         code = 1

@@ -131,6 +131,8 @@ def load_model(config: EngineConfig, device: torch.device, attn_backend: Attenti
     if model.weight_stream is not None:
         model.weight_stream.activate()
         offload.log()
+    if fused:
+        model.prepare_fused_weights()
     if on_cuda:
         model = model.eval()  # already in dtype; the rotary tables stay fp32 as built
         torch.cuda.synchronize(device)  # the load time logged below includes the device work

@@ -48,8 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run router + prefill/decode workers on this machine")
     g = parser.add_argument_group("cluster")
     g.add_argument("--prefill-workers", type=int, default=None,
-                   help="workers that start in the prefill pool (default 1; 0 with --tensor-parallel-size > 1 or "
-                        "--data-parallel-size); with --disagg-policy adaptive the router moves them between pools")
+                   help="workers that start in the prefill pool (default 1; 0 with --data-parallel-size); with "
+                        "--disagg-policy adaptive the router moves them between pools")
     g.add_argument("--decode-workers", type=int, default=None,
                    help="workers that start in the decode pool (default 1; --data-parallel-size sets it)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
@@ -65,9 +65,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="GPU index (among the visible ones) of each prefill worker; default: all workers spread "
                         "over the visible GPUs, prefill workers first")
     g.add_argument("--decode-gpus", type=int, nargs="+", default=None, help="likewise for decode workers")
+    g.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="each prefill worker's tensor-parallel size (default --tensor-parallel-size); KV moves rank "
+                        "to rank, re-sharded when it differs from the decode workers'")
+    g.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="each decode worker's tensor-parallel size (default --tensor-parallel-size)")
     g.add_argument("--kv-transfer-backend", choices=KV_TRANSFER_BACKENDS, default="auto",
                    help="prefill -> decode KV: 'nccl' (torch.distributed link; gloo on CPU workers), 'grpc', or "
-                        "'auto' (NCCL between GPU workers, gRPC otherwise)")
+                        "'auto' (NCCL between GPU workers, gRPC otherwise; the link whenever a role is "
+                        "tensor-parallel)")
     g.add_argument("--kv-transfer-fault-rate", type=float, default=0.0,
                    help="fault testing only: the workers fail this share of KV transfers at a random point")
     g.add_argument("--disable-log-requests", action="store_true", help="no router log line per request")
@@ -106,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
     engine_args.structured_outputs()
     args.prefill_workers = pipeline_prefill_workers(engine_args.pipeline_parallel_size, args.prefill_workers)
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
-                                                              args.data_parallel_size,
-                                                              engine_args.tensor_parallel_size)
+                                                              args.data_parallel_size)
+    prefill_tp, decode_tp = role_tensor_parallel(engine_args.tensor_parallel_size, args.prefill_tensor_parallel_size,
+                                                 args.decode_tensor_parallel_size)
     if args.metrics_require_api_key and not args.api_key:
         raise ValueError("--metrics-require-api-key needs --api-key (or KVFLOW_API_KEY)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any worker starts
@@ -122,15 +129,22 @@ def run(args: argparse.Namespace) -> int:
                           disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
                           **request_limit_kwargs(args), **lifecycle_kwargs(args), **disagg_kwargs(args))
     dataclasses.replace(config, decode=("127.0.0.1:1",)).validate()
+    if args.disagg_policy == "adaptive" and prefill_tp != decode_tp:
+        logger.info("prefill TP %d != decode TP %d: workers are pinned to their pools (role-free workers move "
+                    "between them); the router still picks remote or local prefill per request", prefill_tp,
+                    decode_tp)
     spec = ClusterSpec(engine_args, args.prefill_workers, args.decode_workers, args.index,
                        "127.0.0.1", args.disagg_min_prompt_tokens, args.log_dir,
                        prefill_gpus=tuple(args.prefill_gpus) if args.prefill_gpus else None,
                        decode_gpus=tuple(args.decode_gpus) if args.decode_gpus else None,
-                       kv_transfer_backend=args.kv_transfer_backend, gpu_memory_utilization=share, auth=auth,
+                       kv_transfer_backend=cluster_kv_backend(args.kv_transfer_backend, prefill_tp, decode_tp),
+                       gpu_memory_utilization=share, auth=auth,
                        drain_timeout_s=args.drain_timeout,
-                       # adaptive: role-free workers (tensor-parallel ones cannot serve remote prefill: pinned)
-                       role_free=args.disagg_policy == "adaptive" and engine_args.tensor_parallel_size == 1
+                       # adaptive: role-free workers, which change pools: pinned when the roles' TP sizes differ
+                       # (pipeline-parallel workers are decode workers only: P/D with them is refused)
+                       role_free=args.disagg_policy == "adaptive" and prefill_tp == decode_tp
                        and engine_args.pipeline_parallel_size == 1,
+                       prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
                        worker_extra_args=("--kv-transfer-fault-rate", str(args.kv_transfer_fault_rate))
                        if args.kv_transfer_fault_rate else ())
     spec = preflight(spec)  # the engine config, and CPU workers' memory: refused here, in one line
@@ -185,11 +199,8 @@ def pipeline_prefill_workers(pipeline_parallel: int, prefill: int | None) -> int
     return 0
 
 
-def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None,
-                  tensor_parallel: int) -> tuple[int, int]:
-    """(prefill workers, decode workers) from the flags. Data parallelism is N decode workers with local prefill;
-    tensor-parallel workers prefill locally too (KV transfer moves one rank's cache), so neither has prefill
-    workers."""
+def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None) -> tuple[int, int]:
+    """(prefill workers, decode workers) from the flags. Data parallelism is N decode workers with local prefill."""
     if data_parallel is not None:
         if data_parallel < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel}")
@@ -199,12 +210,24 @@ def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | 
         if prefill:
             raise ValueError("--data-parallel-size runs replicas that prefill locally; drop --prefill-workers")
         return 0, data_parallel
-    if tensor_parallel > 1 and prefill:
-        raise ValueError(f"--tensor-parallel-size {tensor_parallel} with --prefill-workers {prefill}: KV transfer "
-                         "moves one rank's cache only, so tensor-parallel workers prefill locally; use "
-                         "--prefill-workers 0 (the default with tensor parallelism)")
-    default_prefill = 0 if tensor_parallel > 1 else 1
-    return (default_prefill if prefill is None else prefill), (1 if decode is None else decode)
+    return (1 if prefill is None else prefill), (1 if decode is None else decode)
+
+
+def role_tensor_parallel(size: int, prefill: int | None, decode: int | None) -> tuple[int, int]:
+    """(prefill, decode) tensor-parallel sizes: --tensor-parallel-size for both roles unless a role's own flag
+    overrides it."""
+    sizes = (size if prefill is None else prefill, size if decode is None else decode)
+    for flag, value in zip(("--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"), sizes, strict=True):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    return sizes
+
+
+def cluster_kv_backend(choice: str, prefill_tp: int, decode_tp: int) -> str:
+    """`auto` between tensor-parallel workers is the link (gloo on CPUs): the Prefill stream would carry rank 0's
+    heads only, so a TP1 decode worker on CPU (auto: gRPC bytes) would recompute every prompt of a TP prefill
+    worker."""
+    return "nccl" if choice == "auto" and max(prefill_tp, decode_tp) > 1 else choice
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -209,14 +209,21 @@ def test_schema_rejects_wrong_types(chart: Any, bad: dict[str, Any]) -> None:
         ({"redis": {"mode": "external"}}, "redis.external.url"),
         ({"model": {"volume": {"type": "existingClaim"}}}, "existingClaim"),
         ({"engineArgs": {"tensor-parallel-size": 4}}, "tensor-parallel-size 4 needs gpusPerPod >= 4"),
-        ({"prefill": {"engineArgs": {"tensor-parallel-size": 2}, "gpusPerPod": 2}},
-         "tensor-parallel-size 2 is not supported on prefill workers"),
         ({"router": {"metricsRequireApiKey": True}}, "router.metricsRequireApiKey needs router.apiKey"),
     ],
 )
 def test_template_guards(chart: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_tensor_parallel_prefill_and_role_free_workers_render(chart: Any, tmp_path: Path) -> None:
+    """KV moves rank to rank (docs/cluster.md): prefill and role-free workers may be tensor-parallel too."""
+    static = render(chart, {"prefill": {"engineArgs": {"tensor-parallel-size": 2}, "gpusPerPod": 2}})
+    assert flag_value(worker_argv(static, "prefill", tmp_path), "--tensor-parallel-size") == "2"
+    adaptive = render(chart, {"layout": "adaptive", "engineArgs": {"tensor-parallel-size": 2},
+                              "workers": {"gpusPerPod": 2}})
+    assert flag_value(worker_argv(adaptive, "worker", tmp_path), "--tensor-parallel-size") == "2"
 
 
 def test_values_yaml_fully_commented() -> None:
@@ -342,7 +349,7 @@ def test_engine_args_reach_worker_command_line(value_set: tuple[str, Rendered], 
             expected |= {"--max-model-len": "32768", "--load-format": "safetensors"}
             if component == "decode":
                 expected["--tensor-parallel-size"] = "2"
-            else:  # prefill workers send KV: one rank (the chart refuses more, as the worker does)
+            else:
                 assert "--tensor-parallel-size" not in argv
         for flag, value in expected.items():
             assert flag_value(argv, flag) == value, (component, flag)
@@ -1004,8 +1011,6 @@ def test_static_layout_is_the_default_and_unchanged(chart: Any) -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"layout": "adaptive", "engineArgs": {"tensor-parallel-size": 2}, "workers": {"gpusPerPod": 2}},
-         "tensor-parallel-size 2 is not supported on role-free workers"),
         ({"layout": "adaptive", "workers": {"terminationGracePeriodSeconds": 100}},
          "worker: terminationGracePeriodSeconds 100 must be at least"),
     ],

@@ -303,7 +303,7 @@ def test_serve_runs_pipeline_workers_without_prefill_workers() -> None:
     assert pipeline_prefill_workers(1, None) is None and pipeline_prefill_workers(1, 2) == 2
     with pytest.raises(ValueError, match="--pipeline-parallel-size 2 with --prefill-workers 1"):
         pipeline_prefill_workers(2, 1)
-    assert worker_counts(pipeline_prefill_workers(2, None), None, None, 1) == (0, 1)  # one unified worker
+    assert worker_counts(pipeline_prefill_workers(2, None), None, None) == (0, 1)  # one decode worker
 
 
 def test_launcher_places_a_workers_stages_on_consecutive_gpus() -> None:

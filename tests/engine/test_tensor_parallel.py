@@ -4,6 +4,7 @@ codec round-trips, ep for a dense model is refused, and a killed rank makes the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -23,8 +24,8 @@ from engine.parallel.layout import shard_for
 from engine.parallel.sharding import load_sharded_state
 from engine.sampling_params import SamplingParams
 from kvflow import LLM
-from kvflow.commands.serve import worker_counts
-from kvflow.launcher import ClusterSpec, place_workers
+from kvflow.commands.serve import role_tensor_parallel, worker_counts
+from kvflow.launcher import ClusterSpec, WorkerCluster, place_workers
 
 KV = 1 << 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -192,15 +193,16 @@ def test_unsupported_parallel_layouts_are_refused(kwargs: dict, message: str) ->
 
 
 def test_serve_worker_counts_for_data_and_tensor_parallelism() -> None:
-    assert worker_counts(None, None, None, 1) == (1, 1)
-    assert worker_counts(None, None, None, 2) == (0, 1)  # TP workers prefill locally
-    assert worker_counts(None, None, 3, 1) == (0, 3)
-    with pytest.raises(ValueError, match="--prefill-workers 0"):
-        worker_counts(1, 1, None, 2)
+    assert worker_counts(None, None, None) == (1, 1)  # tensor-parallel workers disaggregate too
+    assert worker_counts(None, None, 3) == (0, 3)
     with pytest.raises(ValueError, match="drop --decode-workers"):
-        worker_counts(None, 2, 3, 1)
+        worker_counts(None, 2, 3)
     with pytest.raises(ValueError, match="--data-parallel-size must be >= 1"):
-        worker_counts(None, None, 0, 1)
+        worker_counts(None, None, 0)
+    assert role_tensor_parallel(2, None, None) == (2, 2)  # --tensor-parallel-size applies to both roles
+    assert role_tensor_parallel(2, 1, None) == (1, 2) and role_tensor_parallel(1, None, 4) == (1, 4)
+    with pytest.raises(ValueError, match="--decode-tensor-parallel-size must be >= 1"):
+        role_tensor_parallel(1, None, 0)
 
 
 def test_serve_places_each_workers_ranks_on_consecutive_gpus() -> None:
@@ -214,6 +216,23 @@ def test_serve_places_each_workers_ranks_on_consecutive_gpus() -> None:
         place_workers(ClusterSpec(args, 0, 1), 1)
     with pytest.raises(ValueError, match="consecutive GPUs"):
         place_workers(ClusterSpec(args, 0, 1, decode_gpus=(1,)), 2)
+
+
+def test_serve_places_each_roles_ranks_by_its_own_tensor_parallel_size() -> None:
+    args = EngineArgs(model="tiny", load_format="dummy")
+    spec = ClusterSpec(args, 1, 1, prefill_tensor_parallel_size=2, decode_tensor_parallel_size=1)
+    placed = place_workers(spec, 3)  # prefill on GPUs 0-1, decode on GPU 2
+    assert [(p.role, sorted(p.gpus), p.tensor_parallel_size, p.gpu_memory_utilization) for p in placed] == \
+        [("prefill", [0, 1], 2, 0.9), ("decode", [2], 1, 0.9)]
+    shared = place_workers(dataclasses.replace(spec, decode_tensor_parallel_size=2), 2)  # both on GPUs 0-1
+    assert [(p.gpu, p.tensor_parallel_size, p.gpu_memory_utilization) for p in shared] == [(0, 2, 0.45),
+                                                                                         (0, 2, 0.45)]
+    with pytest.raises(ValueError, match=r"needs 4 GPUs per worker, but 2 are visible \(decode workers\)"):
+        place_workers(dataclasses.replace(spec, decode_tensor_parallel_size=4), 2)
+    cluster = WorkerCluster(spec)
+    argv = cluster.worker_argv(0, placed[0], 1234)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in cluster.worker_argv(1, placed[1], 1235)  # the default, 1
 
 
 def test_a_worker_whose_rank_died_turns_not_serving_and_stops() -> None:

@@ -144,6 +144,7 @@ def test_fused_model_matches_torch_model() -> None:
         ref_model.init_dummy_weights(0)
         fused_model = model(arch, hf, TritonPagedAttention(4), 64, fused_ops=True)
         fused_model.load_state_dict(copy.deepcopy(ref_model.state_dict()))
+        fused_model.prepare_fused_weights()  # an MoE model's experts run as kernels/fused_moe.py
         shape = (16, 4, arch.num_kv_heads, arch.head_dim)
         caches = {name: [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
                   for name in ("ref", "fused")}

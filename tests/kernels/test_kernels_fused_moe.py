@@ -11,7 +11,7 @@ import triton  # noqa: F401  (a test dependency: missing triton must fail, not s
 from kernels.fused_moe import MoeTiles, fused_moe, fused_moe_ref, moe_align
 from tests.helpers.interpreter import interpreter_cases_test
 
-test_fused_moe_under_interpreter = interpreter_cases_test(__file__, at_least=10, at_most=10, timeout=900)
+test_fused_moe_under_interpreter = interpreter_cases_test(__file__, at_least=12, at_most=12, timeout=900)
 
 
 def _routing(tokens: int, experts: int, top_k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,6 +31,24 @@ def test_alignment_groups_slots_by_expert_in_padded_tiles() -> None:
     for tile, expert in enumerate(expert_ids.tolist()[:3]):
         slots = [s for s in sorted_ids[tile * 4:(tile + 1) * 4].tolist() if s < 6]
         assert slots and all(int(flat[s]) == expert for s in slots)
+
+
+def test_alignment_drops_other_ranks_experts() -> None:
+    ids = torch.tensor([[0, 3], [2, 1]])  # this rank holds experts 0 and 1 of 4: slots of 2 and 3 are dropped
+    sorted_ids, expert_ids, used = moe_align(ids, 2, 2)
+    assert int(used) == 4 and expert_ids.tolist()[:2] == [0, 1]
+    assert sorted_ids[:4].tolist() == [0, 4, 3, 4] and set(sorted_ids.tolist()) == {0, 3, 4}  # 4: padding
+
+
+@pytest.mark.triton_interpreter
+def test_fused_moe_skips_experts_this_rank_lacks() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 32, generator=g)
+    w13, w2 = torch.randn(3, 48, 32, generator=g) / 6, torch.randn(3, 32, 24, generator=g) / 5
+    weights, ids = _routing(9, 6, 2, g)  # 6 experts routed, 3 held here: local ids 0..2 kept, 3..5 dropped
+    out = fused_moe(x, w13, w2, weights, ids, MoeTiles(16, 32, 32, group_m=1, num_warps=1, num_stages=1))
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    assert (ids >= 3).any() and float((out - ref).norm() / ref.norm()) < 1e-5
 
 
 @pytest.mark.triton_interpreter

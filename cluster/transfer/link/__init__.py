@@ -11,7 +11,16 @@ decode rank 1), built from the store: no global default group, so a worker can h
 - store.py: a link's store over the `KVLinkStore` RPC (bounded, only the link's own keys);
 - send.py: the prefill end (`SendLink`, the `KVLink` RPC, a request's `LinkSender`);
 - recv.py: the decode end of one link (`RecvLink`);
-- pull.py: the decode worker's links and the `KVReceiver` over them (`LinkReceiver`).
+- pull.py: the decode worker's links and the `KVReceiver` over them (`LinkReceiver`);
+- heads.py: which heads each (prefill rank, decode rank) pair of a link between tensor-parallel workers moves;
+- ranks.py, tell.py: the link agent of a tensor-parallel rank > 0 (its own pair groups) and how rank 0 drives it.
+
+Tensor-parallel workers: a link is one 2-rank group per (prefill rank, decode rank) pair that moves heads (prefill
+TP and decode TP may differ; the receiving rank pulls the heads it holds from the rank that holds them, a replicated
+head from one rank only). Rank 0 of each side runs the KVLink stream and numbers the slices as above; it tells its
+other ranks each slice (export after the step that computed it; receive, then import before the next step), and a
+decode rank > 0 acks each received slice in its worker's TP store before rank 0 counts the slice. Such links
+rendezvous at the prefill worker's TCPStore (ranks > 0 have no gRPC), with the NCCL links' trust caveat below.
 
 Invariants:
 - Message order. The prefill side numbers messages on the engine thread and queues the send and the notice in
@@ -36,3 +45,5 @@ network keeps strangers out: the Helm chart's NetworkPolicies admit only decode 
 elsewhere, run links between hosts on a private network, or use `--kv-transfer-backend grpc` (KV inside the
 authenticated, optionally mTLS, Prefill stream).
 """
+
+RANK_MODULE = "cluster.transfer.link.ranks"  # a tensor-parallel rank > 0 of a worker with KV links

@@ -11,12 +11,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cluster.transfer.link.heads import HeadPair
 from engine.parallel.nccl_env import set_nccl_env_defaults
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
@@ -80,6 +81,40 @@ class PairGroup:
                 return
 
 
+class RankGroups:
+    """One rank's pair groups of a link: one per peer rank it moves heads with (cluster/transfer/link/heads.py),
+    built, greeted and used in the plan's pair order. Blocking: call it on a link thread."""
+
+    def __init__(self, backend: str, store: dist.Store, prefix: str, pairs: tuple[HeadPair, ...], side: int,
+                 timeout_s: float) -> None:
+        self.pairs = pairs
+        self.groups: list[PairGroup] = []
+        for pair in pairs:  # each constructor waits for its peer: in pair order on both sides
+            self.groups.append(PairGroup(backend, store, pair_prefix(prefix, pair), side, timeout_s))
+
+    def hello(self, device: torch.device, broken: threading.Event) -> bool:
+        """The first message of every pair (NCCL builds its communicator there), in pair order."""
+        for group in self.groups:
+            token = torch.ones(1, device=device)
+            work = group.send(token) if group.peer == DECODE_RANK else group.recv(token)
+            if not complete(work, device, broken):
+                return False
+        return True
+
+    def send(self, tensors: list[torch.Tensor], device: torch.device, broken: threading.Event) -> bool:
+        """One tensor per pair, in pair order; False if the link broke first."""
+        return all(complete(group.send(tensor), device, broken) for group, tensor in zip(self.groups, tensors,
+                                                                                          strict=True))
+
+    def recv(self, buffers: list[torch.Tensor], device: torch.device, broken: threading.Event) -> bool:
+        return all(complete(group.recv(buffer), device, broken) for group, buffer in zip(self.groups, buffers,
+                                                                                          strict=True))
+
+    def close(self, failed: bool) -> None:
+        for group in self.groups:
+            group.close(failed)
+
+
 # ---- rendezvous ------------------------------------------------------------------------------------------------
 def link_prefix(link_id: str) -> str:
     """The prefix of the link's keys in its store (the KVLinkStore RPC accepts no other key for the link)."""
@@ -115,23 +150,38 @@ def serve_store(host: str) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def join_group(backend: str, ready: pb.KVLinkReady, rpc_store: dist.Store | None) -> PairGroup:
-    """The decode end: build the pair group as its decode rank (blocking), on `rpc_store` when `ready` says the
+def pair_prefix(prefix: str, pair: HeadPair) -> str:
+    """The pair's keys in the link's store: rank 0 to rank 0 under the link's own prefix (one-rank workers' links
+    rendezvous as before tensor-parallel links existed), the other pairs under their own."""
+    return prefix if (pair.src, pair.dst) == (0, 0) else f"{prefix}{pair.src}-{pair.dst}/"
+
+
+def tcp_store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join_groups(backend: str, ready: pb.KVLinkReady, rpc_store: dist.Store | None, pairs: tuple[HeadPair, ...]
+                ) -> RankGroups:
+    """A decode rank's end: its pair groups as their decode rank (blocking), on `rpc_store` when `ready` says the
     link's store is served over KVLinkStore, else at the TCPStore it names."""
     timeout_s = ready.timeout_s or SETUP_TIMEOUT_S
-    store = rpc_store if ready.rpc_store and rpc_store is not None else dist.TCPStore(
-        ready.store_host, ready.store_port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    return PairGroup(backend, store, ready.store_prefix, DECODE_RANK, timeout_s)
+    store = rpc_store if ready.rpc_store and rpc_store is not None else tcp_store_client(
+        ready.store_host, ready.store_port, timeout_s)
+    return RankGroups(backend, store, ready.store_prefix, pairs, DECODE_RANK, timeout_s)
 
 
 # ---- the KVLink stream -----------------------------------------------------------------------------------------
-async def notices_and_heartbeats(notices: asyncio.Queue[pb.KVLinkChunk | None]) -> AsyncIterator[pb.KVLinkMessage]:
+async def notices_and_heartbeats(notices: asyncio.Queue[pb.KVLinkChunk | None],
+                                 ranks_alive: Callable[[], bool] = lambda: True) -> AsyncIterator[pb.KVLinkMessage]:
     """The prefill side's KVLink messages after `ready`: each notice in order, a heartbeat whenever `HEARTBEAT_S`
-    passes without one; ends at the None that says the link broke (ending the stream tells the decode side)."""
+    passes without one; ends at the None that says the link broke, or once a tensor-parallel rank of this worker
+    is gone (ending the stream tells the decode side)."""
     while True:
         try:
             notice = await asyncio.wait_for(notices.get(), HEARTBEAT_S)
         except asyncio.TimeoutError:
+            if not ranks_alive():
+                return
             yield pb.KVLinkMessage(heartbeat=pb.KVLinkHeartbeat(sent_unix_s=time.time()))
             continue
         if notice is None:

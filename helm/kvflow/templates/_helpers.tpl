@@ -245,16 +245,6 @@ The Service name resolves to its ready pods' IPs, the addresses discovery hands 
 {{- end }}
 {{- end }}
 
-{{/* Prefill and role-free workers send KV, and a transfer moves one rank's cache: tensor-parallel-size 1 (the worker
-refuses more at start, cluster/worker/runtime.py). */}}
-{{- define "kvflow.checkSingleRank" -}}
-{{- $args := include "kvflow.engineArgs" . | fromJson -}}
-{{- $tp := index $args "tensor-parallel-size" | default 1 | int -}}
-{{- if gt $tp 1 }}
-{{- fail (printf "%s: tensor-parallel-size %d is not supported on %s workers (KV transfer moves one rank's cache); use layout static with tensor-parallel decode workers, which prefill locally (prefill.replicaCount 0)" .name $tp (ternary "role-free" "prefill" (eq .name "worker"))) }}
-{{- end }}
-{{- end }}
-
 {{/* NetworkPolicy peer selecting one component's pods (same namespace), as JSON: (dict "ctx" $ "component" "router"). */}}
 {{- define "kvflow.peer" -}}
 {{- toJson (dict "podSelector" (dict "matchLabels" (include "kvflow.componentSelector" . | fromYaml))) }}

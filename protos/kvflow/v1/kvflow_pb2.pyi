@@ -452,30 +452,40 @@ class PrefillDone(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class KVLinkRequest(_message.Message):
-    __slots__ = ("link_id", "decode_worker_id", "backend", "layout")
+    __slots__ = ("link_id", "decode_worker_id", "backend", "layout", "rank_heads")
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    RANK_HEADS_FIELD_NUMBER: _ClassVar[int]
     link_id: str
     decode_worker_id: str
     backend: KVTransferBackend
     layout: KVLayout
-    def __init__(self, link_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[KVTransferBackend, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    rank_heads: _containers.RepeatedCompositeFieldContainer[KVRankHeads]
+    def __init__(self, link_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[KVTransferBackend, str]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rank_heads: _Optional[_Iterable[_Union[KVRankHeads, _Mapping]]] = ...) -> None: ...
+
+class KVRankHeads(_message.Message):
+    __slots__ = ("heads",)
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVLinkReady(_message.Message):
-    __slots__ = ("store_host", "store_port", "store_prefix", "timeout_s", "rpc_store")
+    __slots__ = ("store_host", "store_port", "store_prefix", "timeout_s", "rpc_store", "rank_heads")
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RPC_STORE_FIELD_NUMBER: _ClassVar[int]
+    RANK_HEADS_FIELD_NUMBER: _ClassVar[int]
     store_host: str
     store_port: int
     store_prefix: str
     timeout_s: float
     rpc_store: bool
-    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., timeout_s: _Optional[float] = ..., rpc_store: _Optional[bool] = ...) -> None: ...
+    rank_heads: _containers.RepeatedCompositeFieldContainer[KVRankHeads]
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., timeout_s: _Optional[float] = ..., rpc_store: _Optional[bool] = ..., rank_heads: _Optional[_Iterable[_Union[KVRankHeads, _Mapping]]] = ...) -> None: ...
 
 class KVLinkStoreRequest(_message.Message):
     __slots__ = ("link_id", "op", "key", "value", "expected", "amount", "keys", "timeout_s")
