@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 QUANTIZATION_METHODS = ("gguf", "fp8", "awq", "gptq")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_OFFLOADING_BACKENDS = ("native", "lmcache")  # vLLM's choices; kvflow runs "native"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")
 UsageContext = Literal["llm", "server"]
 USAGE_CONTEXTS: tuple[str, ...] = get_args(UsageContext)
@@ -153,6 +154,8 @@ class EngineArgs:
     itl_target_ms: float | None = None  # None: off (prefill chunks are bounded by max_num_batched_tokens only)
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed to the GPU per layer (CUDA only)
+    kv_offloading_size: float | None = None  # GiB of host memory for evicted prefix-cache blocks; None: off
+    kv_offloading_backend: str | None = None  # "native" (implied by kv_offloading_size); "lmcache" is refused
     load_format: str = "auto"
     generation_config: str = "auto"  # 'auto', 'vllm' or a folder holding generation_config.json
     override_generation_config: dict[str, Any] | None = None  # generation_config.json names, e.g. temperature
@@ -227,6 +230,12 @@ class EngineArgs:
                        help="GiB of the model's weights (whole decoder layers, first layers first) kept in pinned "
                             "CPU memory and copied to the GPU layer by layer in every forward: more room for the KV "
                             "cache, or a model larger than the GPU, at the cost of PCIe traffic per step. CUDA only")
+        g.add_argument("--kv-offloading-size", type=float, default=None,
+                       help="GiB of host memory (pinned beside a GPU) for KV blocks evicted from the prefix cache: "
+                            "they are copied there first, and a later prompt with that prefix loads them back "
+                            "instead of recomputing them; least recently used blocks leave first. Off by default")
+        g.add_argument("--kv-offloading-backend", default=None, metavar="{native}",
+                       help="native (the default once --kv-offloading-size is set): kvflow's own host tier")
         g.add_argument("--load-format", choices=("auto", "safetensors", "gguf", "dummy"), default="auto",
                        help="dummy: random weights (benchmarks, tests)")
         g.add_argument("--generation-config", default=d.generation_config,
@@ -415,6 +424,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=int(self.swap_space * GiB),
             cpu_offload_bytes=int(self.cpu_offload_gb * GiB),
+            kv_offloading_bytes=int(self.kv_offloading_size * GiB) if self.kv_offloading_size is not None else 0,
             kv_cache_dtype="fp8_e4m3" if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.kv_cache_dtype,
         )
 
@@ -481,6 +491,7 @@ class EngineArgs:
                 raise ValueError(message)
         check_generation_config(self.generation_config)
         self.validate_itl_target()
+        self.validate_kv_offloading()
         self.validate_parallel()
 
     def validate_itl_target(self) -> None:
@@ -494,6 +505,31 @@ class EngineArgs:
         if not self.enable_chunked_prefill:
             raise ValueError("--itl-target-ms needs chunked prefill (it caps prefill chunks); drop "
                              "--no-enable-chunked-prefill or --itl-target-ms")
+
+    def validate_kv_offloading(self) -> None:
+        """kv_offloading_size / kv_offloading_backend (cheap: `kvflow serve` checks them before starting a worker)."""
+        size, backend = self.kv_offloading_size, self.kv_offloading_backend
+        if backend is not None and backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend (--kv-offloading-backend) must be 'native', got {backend!r}")
+        if backend == "lmcache":
+            raise ValueError("kv_offloading_backend='lmcache' is not supported by kvflow (LMCache is an external "
+                             "service); use --kv-offloading-backend native")
+        if size is None:
+            if backend is not None:
+                raise ValueError("--kv-offloading-backend needs --kv-offloading-size (GiB of host memory), as in vLLM")
+            return
+        if not 0 < size < float("inf"):
+            raise ValueError(f"kv_offloading_size (--kv-offloading-size) must be a positive number of GiB, got {size:g}")
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size keeps evicted prefix-cache blocks: it needs prefix caching (drop "
+                             "--no-enable-prefix-caching)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"--kv-offloading-size with --tensor-parallel-size {self.tensor_parallel_size} is not "
+                             "supported yet (one host tier per rank); use one of them")
+        spec = self.spec_config()
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("--kv-offloading-size with a draft-model speculative_config is not supported yet (the "
+                             "draft's KV cache has no host tier); use ngram speculation or no offloading")
 
     def validate_cpu_offload(self, device: str | None = None) -> None:
         """cpu_offload_gb against the device (cheap: `kvflow serve` checks it before starting any worker)."""
@@ -527,6 +563,9 @@ class EngineArgs:
         if pp > 1 and self.kv_cache_dtype != "auto":
             raise ValueError(f"--pipeline-parallel-size {pp} with kv_cache_dtype={self.kv_cache_dtype!r} is not "
                              "supported yet (per-stage fp8 KV scales); use --kv-cache-dtype auto")
+        if pp > 1 and self.kv_offloading_size is not None:
+            raise ValueError(f"--kv-offloading-size with --pipeline-parallel-size {pp} is not supported yet (each "
+                             "stage would need a host tier of its own layers); use one of them")
         if pp > 1 and self.cpu_offload_gb:
             raise ValueError(f"--cpu-offload-gb with --pipeline-parallel-size {pp} is not supported (each stage "
                              "already holds only its layers); use one of them")

@@ -50,6 +50,8 @@ class CacheConfig:
     swap_space_bytes: int = 4 * GiB
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8_e4m3" (aliases resolved)
     cpu_offload_bytes: int = 0  # weights kept in pinned host memory, streamed per layer (engine/runner/weight_offload.py)
+    # --kv-offloading-size: the host KV tier's bytes (engine/core/host_tier.py); 0: off. Backend "native" only.
+    kv_offloading_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch
 from engine.arg_utils import EngineArgs
 from engine.config import EngineConfig
 from engine.core.block_hash import BlockHasher
+from engine.core.host_tier import HostKVTier
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
@@ -32,6 +33,7 @@ from engine.core.swap_space import SwapSpace
 from engine.errors import InvalidRequest
 from engine.kv_port import KVPort
 from engine.metrics.busy import BusyMeter
+from engine.metrics.reload_cost import ReloadCost
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import PositionLogprobs, RequestOutput, SchedulerOutput
 from engine.parallel.batch_queue import BatchQueue
@@ -59,6 +61,8 @@ class EngineLoad:
     num_preemptions: int
     busy_fraction: float = 0.0  # share of the last seconds spent in steps (engine/metrics/busy.py)
     prefill_tokens_per_s: float = 0.0  # how fast a prompt admitted now would prefill; 0: not known yet
+    host_reload_cost: float = 0.0  # a host-tier block's load over its recompute time (engine/metrics/reload_cost.py)
+    external_prefix_cache_hits: int = 0  # prompt tokens loaded back from the host tier (cumulative)
 
 
 class LLMEngine:
@@ -79,8 +83,10 @@ class LLMEngine:
                               kv_ranks(self.runner))
         self.hasher = BlockHasher.for_model(config.model.model_id, config.cache.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self.hasher,
-                                         config.cache.enable_prefix_caching, enable_kv_events)
+                                         config.cache.enable_prefix_caching, enable_kv_events,
+                                         self._host_tier())
         self.busy = BusyMeter()
+        self.reload_cost = ReloadCost(config.cache.block_size)
         # --itl-target-ms: the engine times each step and feeds this model; the scheduler asks it for budgets.
         self.step_model = (StepTimeModel(floor_tokens=max(16, config.cache.block_size))
                            if config.scheduler.itl_target_ms is not None else None)
@@ -135,6 +141,19 @@ class LLMEngine:
                     num_blocks, config.cache.block_size, capacity, capacity / config.model.max_model_len,
                     config.model.max_model_len)
         return num_blocks, num_swap
+
+    def _host_tier(self) -> HostKVTier | None:
+        """The host KV tier (--kv-offloading-size): its slots' bookkeeping here, its memory on the runner."""
+        size = self.config.cache.kv_offloading_bytes
+        if not size:
+            return None
+        num_host = size // self.runner.block_bytes
+        if num_host < 1:
+            raise ValueError(f"kv_offloading_size ({size} bytes) holds no KV block of {self.runner.block_bytes} bytes")
+        self.runner.allocate_host_tier(num_host)
+        logger.info("KV offloading (native): %d host blocks (%.2f GiB, %d tokens)", num_host,
+                    num_host * self.runner.block_bytes / 2**30, num_host * self.config.cache.block_size)
+        return HostKVTier(num_host)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams | None = None,
@@ -193,7 +212,13 @@ class LLMEngine:
         or prompt_logprobs (those always prefill locally)."""
         check_remote_params(params)
         state = self._new_state(request_id, prompt, params, output_kind, extra_keys, None, [])
-        return self.remote_prefill.admit(state, min_uncached_tokens)
+        slot = self.remote_prefill.admit(state, min_uncached_tokens)
+        self._run_tier_copies()  # before a transport writes into blocks whose old content is still being saved
+        return slot
+
+    def _run_tier_copies(self) -> None:
+        """Run host-tier copies queued outside a step (a remote admission's evictions and loads) now."""
+        self.runner.run_kv_tier_copies(self.kv_manager.take_tier_copies())  # one runner: TP is refused with a tier
 
     def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
                               sampler_state: bytes = b"") -> None:
@@ -250,7 +275,12 @@ class LLMEngine:
         pool = self.kv_manager.pool
         return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
                           pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions,
-                          self.busy.fraction(time.perf_counter()), self._prefill_rate())
+                          self.busy.fraction(time.perf_counter()), self._prefill_rate(), self._host_reload_cost(),
+                          self.kv_manager.stats.host_hits)
+
+    def _host_reload_cost(self) -> float:
+        tier = self.runner.kv_tier
+        return self.reload_cost.fraction(tier.copy_seconds_per_block) if tier is not None else 0.0
 
     def _prefill_rate(self) -> float:
         if self.step_model is None:
@@ -305,7 +335,11 @@ class LLMEngine:
     def _observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """Feed the --itl-target-ms step-time model: the whole step (schedule, forward, sampling, detokenizing)
         is what a decoding request waits between two tokens. Steps that moved swapped blocks or ran nothing are
-        left out (their time is not the batch's)."""
+        left out (their time is not the batch's). Prefill-only steps without copies also time recomputation for
+        the host tier's reload cost."""
+        if (not scheduler_output.num_decode_seqs and not scheduler_output.kv_tier_copies
+                and not scheduler_output.blocks_to_swap_in and not scheduler_output.blocks_to_swap_out):
+            self.reload_cost.observe_prefill(scheduler_output.num_prefill_tokens, seconds)
         if self.step_model is None:
             return
         self.stats.itl_prefill_token_budget = scheduler_output.prefill_token_cap or 0
@@ -323,6 +357,11 @@ class LLMEngine:
         s.kv_cache_usage = self.kv_manager.usage
         s.prefix_cache_queries = self.kv_manager.stats.queries
         s.prefix_cache_hits = self.kv_manager.stats.hits
+        s.external_prefix_cache_queries = self.kv_manager.stats.host_queries
+        s.external_prefix_cache_hits = self.kv_manager.stats.host_hits
+        s.kv_offloaded_blocks = self.kv_manager.pool.num_offloaded_blocks
+        tier = self.kv_manager.host_tier
+        s.kv_host_cache_usage = tier.usage if tier is not None else 0.0
         s.num_preemptions = self.scheduler.num_preemptions
 
     def take_finished_timings(self) -> list[FinishedRequestTiming]:

@@ -33,6 +33,10 @@ class ScheduledChunk:
     spec_token_ids: list[int] = field(default_factory=list)  # the draft tokens at the chunk's end: verify them
 
 
+# One host KV tier copy (--kv-offloading-size): (to_host, source, destination), device block ids and host slots.
+TierCopy = tuple[bool, int, int]
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData]
@@ -40,6 +44,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    # Host KV tier (--kv-offloading-size): (to_host, source, destination) copies, run in this order before the
+    # step's forward (engine/core/block_pool.py).
+    kv_tier_copies: list[TierCopy] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)  # runner may drop their state
     # The step's make-up, for the step-time model of --itl-target-ms (engine/core/step_budget.py).
     num_decode_seqs: int = 0

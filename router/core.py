@@ -26,7 +26,7 @@ import grpc
 from cluster.request_ids import attempt_request_id
 from cluster.routing.disagg import choose_prefill_path
 from cluster.routing.events import EventBatch
-from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex
+from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex, TierMatch
 from cluster.routing.policy import make_policy
 from cluster.wire import FINISH_REASON_FROM_PROTO, MAX_MESSAGE_BYTES
 from engine.core.block_hash import BlockHasher
@@ -52,9 +52,17 @@ WORKER_FAILURES = ("UNAVAILABLE", "INTERNAL")  # GenerateError codes after which
 class Route:
     decode: Worker
     prefill: Worker | None  # None: the decode worker prefills the prompt itself
-    matched_blocks: int  # cached on the worker that prefills
+    matched_blocks: int  # cached on the worker that prefills (either tier)
     num_prompt_tokens: int
     block_size: int
+    host_blocks: int = 0  # of those, in its host tier (loaded back, not recomputed)
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        """Prompt tokens the index says the prefilling worker will not compute (never the last one, which an
+        engine always computes for its logits)."""
+        last_full = (self.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return min(self.matched_blocks * self.block_size, last_full)
 
     @property
     def uncached_tokens(self) -> int:
@@ -152,13 +160,15 @@ class Router:
         if not decodes:
             raise Unavailable("no healthy decode worker is available")
         prefills = self.pool.workers("prefill")
-        matched = self._matched_blocks(token_ids, cache_salt, prefills, decodes)
+        tiers = self._matched_blocks(token_ids, cache_salt, prefills, decodes)
+        matched = {wid: m.blocks for wid, m in tiers.items()}
+        on_host = {wid: m.host_blocks for wid, m in tiers.items()}
         by_id = {w.worker_id: w for w in prefills}
         prefill = None
         prefill_blocks = 0
         if prefills:
             choice = self.policy.choose_prefill([w.view() for w in prefills], matched, len(token_ids),
-                                                info.block_size)
+                                                info.block_size, on_host)
             prefill, prefill_blocks = by_id[choice.worker.worker_id], choice.matched_blocks
         decode_view = self.policy.choose_decode([w.view() for w in decodes])
         decode = next(w for w in decodes if w.address == decode_view.address)
@@ -169,17 +179,19 @@ class Router:
         self.metrics.prefill_path.labels("remote" if path.remote else "local", path.reason).inc()
         if not path.remote:
             prefill, prefill_blocks = None, local_blocks
+        host_blocks = on_host.get((prefill or decode).worker_id, 0)
         self.metrics.route_decisions.labels(self.policy.name).inc()
         self.metrics.prefix_matched_blocks.inc(prefill_blocks)
+        self.metrics.prefix_matched_host_blocks.inc(host_blocks)
         if prefill_blocks:
             self.metrics.route_prefix_hits.inc()
         self.metrics.route_seconds.observe(time.perf_counter() - start)
-        return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size)
+        return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size, host_blocks)
 
     def _matched_blocks(self, token_ids: Sequence[int], cache_salt: Sequence[str], prefills: list[Worker],
-                        decodes: list[Worker]) -> dict[str, int]:
-        """Leading prompt blocks each candidate caches: the prefill pool's, and (adaptive: they may prefill
-        locally) the decode pool's."""
+                        decodes: list[Worker]) -> dict[str, TierMatch]:
+        """Leading prompt blocks each candidate caches, and how many in its host tier: the prefill pool's, and
+        (adaptive: they may prefill locally) the decode pool's."""
         candidates = [w.worker_id for w in prefills]
         if self.config.disagg_policy == "adaptive":
             candidates += [w.worker_id for w in decodes]
@@ -187,7 +199,7 @@ class Router:
             return {}
         hashes = self.tokenizers.hasher.hash_blocks(token_ids, extra_keys=tuple(cache_salt))
         try:
-            return self.index.match(hashes, candidates)
+            return self.index.match_tiers(hashes, candidates)
         except IndexUnavailable as exc:
             self._on_index_error(exc)
             return {}
@@ -308,6 +320,7 @@ class Router:
                         elif kind == "complete":
                             delivered.complete(response.complete)
                             self._record_complete(response.complete, arrival, first_token_at)
+                            self._check_prediction(route, response.complete, bool(request.resume_token_ids))
                         yield response
                     return
                 except grpc.aio.AioRpcError as exc:
@@ -404,6 +417,18 @@ class Router:
         for choice in complete.choices:
             reason = FINISH_REASON_FROM_PROTO.get(choice.finish_reason, "unspecified")
             m.request_success.labels(reason).inc()
+
+    def _check_prediction(self, route: Route, complete: pb.GenerateComplete, resumed: bool) -> None:
+        """A false hit: the index promised cached blocks on the worker that prefilled, and it recomputed some of
+        them (evicted meanwhile, or advertised but not servable). Not judged: a resumed prompt (not what was
+        routed), and a disaggregated route that fell back to a local prefill (another worker's cache)."""
+        if resumed or (route.prefill is not None and complete.prefill_path != pb.PREFILL_PATH_DISAGGREGATED):
+            return
+        cached_tokens = complete.usage.cached_tokens
+        if cached_tokens < route.predicted_cached_tokens:
+            self.metrics.false_hits.inc()
+            logger.debug("false prefix hit on %s: %d tokens predicted cached, %d were", route.prefills_on.address,
+                         route.predicted_cached_tokens, cached_tokens)
 
     async def close(self) -> None:
         self.pool.stop()

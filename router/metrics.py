@@ -63,6 +63,9 @@ class RouterMetrics:
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from prefix caches.",
                                    registry=r)
+        self.external_prefix_hits = Counter("vllm:external_prefix_cache_hits",
+                                            "Prompt tokens the workers loaded back from their host KV tiers, by the "
+                                            "role of the worker.", ["role"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
                                          registry=r)
@@ -77,6 +80,12 @@ class RouterMetrics:
         self.requests = Counter("kvflow:requests", "Requests by prefill path.", ["path"], registry=r)
         self.prefix_matched_blocks = Counter("kvflow:route_prefix_matched_blocks",
                                              "Cached prefix blocks on the chosen prefill worker.", registry=r)
+        self.prefix_matched_host_blocks = Counter(
+            "kvflow:route_prefix_matched_host_blocks",
+            "Of those, blocks in the worker's host KV tier (loaded back there, not recomputed).", registry=r)
+        self.false_hits = Counter(
+            "kvflow:route_false_hits",
+            "Requests routed for a cached prefix that the worker then recomputed, in part or whole.", registry=r)
         self.route_decisions = Counter("kvflow:route_decisions", "Routing decisions by policy.", ["policy"],
                                        registry=r)
         self.route_prefix_hits = Counter("kvflow:route_prefix_hits",
@@ -106,7 +115,7 @@ class RouterMetrics:
                                   registry=r)
         for source, target in (("prefill", "decode"), ("decode", "prefill")):  # exported at 0 before any move
             self.pool_moves.labels(source, target)
-        self._preemptions_seen: dict[str, int] = {}
+        self._cumulative_seen: dict[str, dict[str, int]] = {}  # counter -> worker -> last cumulative value
 
     def observe_load(self, worker: str, role: str, load: WorkerLoad) -> None:
         labels = (self.worker_name(worker), role)
@@ -114,10 +123,14 @@ class RouterMetrics:
         self.gpu_cache_usage.labels(*labels).set(load.kv_cache_usage)
         self.worker_running.labels(*labels).set(load.num_running)
         self.worker_waiting.labels(*labels).set(load.num_waiting)
-        previous = self._preemptions_seen.get(worker, load.num_preemptions)
-        if load.num_preemptions > previous:
-            self.preemptions.inc(load.num_preemptions - previous)
-        self._preemptions_seen[worker] = load.num_preemptions
+        for counter, name, value in ((self.preemptions, "preemptions", load.num_preemptions),
+                                     (self.external_prefix_hits.labels(role), "external_hits",
+                                      load.external_prefix_cache_hits)):
+            seen = self._cumulative_seen.setdefault(name, {})
+            previous = seen.get(worker, value)  # counted from this router's first sight of the worker
+            if value > previous:
+                counter.inc(value - previous)
+            seen[worker] = value
 
     def set_pool(self, worker: str, pool: str) -> None:
         label = self.worker_name(worker)
@@ -128,7 +141,8 @@ class RouterMetrics:
         for gauge in (self.kv_usage, self.gpu_cache_usage, self.worker_running, self.worker_waiting):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.worker_name(worker), role)
-        self._preemptions_seen.pop(worker, None)
+        for seen in self._cumulative_seen.values():
+            seen.pop(worker, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

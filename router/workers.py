@@ -81,7 +81,8 @@ def batch_from_proto(msg: pb.KVEventBatch) -> events.EventBatch:
     for event in msg.events:
         kind = event.WhichOneof("event")
         if kind == "stored":
-            index_events.append(events.BlocksStored(tuple(event.stored.block_hashes)))
+            tier = events.Tier.HOST if event.stored.tier == pb.KV_TIER_HOST else events.Tier.DEVICE
+            index_events.append(events.BlocksStored(tuple(event.stored.block_hashes), tier))
         elif kind == "removed":
             index_events.append(events.BlocksRemoved(tuple(event.removed.block_hashes)))
         elif kind == "cleared":
@@ -90,7 +91,8 @@ def batch_from_proto(msg: pb.KVEventBatch) -> events.EventBatch:
     if msg.HasField("load"):
         lo = msg.load
         load = events.WorkerLoad(lo.num_running, lo.num_waiting, lo.queued_prefill_tokens, lo.kv_cache_usage,
-                                 lo.num_kv_blocks, lo.num_preemptions, lo.busy_fraction, lo.prefill_tokens_per_s)
+                                 lo.num_kv_blocks, lo.num_preemptions, lo.busy_fraction, lo.prefill_tokens_per_s,
+                                 lo.host_reload_cost, lo.external_prefix_cache_hits)
     return events.EventBatch(msg.worker_id, msg.epoch, msg.sequence, tuple(index_events), load, msg.sent_unix_s)
 
 

@@ -1,4 +1,8 @@
-"""Typed KV-event batches as the index sees them (transports convert their wire messages into these)."""
+"""Typed KV-event batches as the index sees them (transports convert their wire messages into these).
+
+A worker advertises each cached block in one tier, the one it would serve it from: `BlocksStored` on the device,
+`BlocksStored(tier=HOST)` once it moved to the host tier, `BlocksRemoved` when no tier holds it any more.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,15 @@ from dataclasses import dataclass
 from enum import Enum
 
 
+class Tier(Enum):
+    DEVICE = "device"
+    HOST = "host"  # served after a load back to the device: worth less than a device hit, more than a miss
+
+
 @dataclass(frozen=True, slots=True)
 class BlocksStored:
     block_hashes: tuple[bytes, ...]
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +44,8 @@ class WorkerLoad:
     num_preemptions: int = 0  # cumulative
     busy_fraction: float = 0.0  # share of recent time spent in steps
     prefill_tokens_per_s: float = 0.0  # a new prompt's prefill rate there now; 0: not known
+    host_reload_cost: float = 0.0  # a host-tier block's load time over its recompute time; 0: not measured
+    external_prefix_cache_hits: int = 0  # prompt tokens loaded back from the host tier (cumulative)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,11 @@ request, minus the blocks it already caches, plus the KV blocks its running requ
     cost = prefill_load_scale * max(queued_tokens + prompt_tokens - overlap_credit * cached_tokens, 0) / block_size
            + used_kv_blocks
 
+Cached tokens in a worker's host tier (--kv-offloading-size) are loaded back, not recomputed, at a cost: they count
+(1 - reload_cost) each, where reload_cost is the worker's measured load time over recompute time
+(`WorkerLoad.host_reload_cost`), or `CostWeights.host_reload_cost` until it has measured one. So a host hit scores
+between a device hit (1) and a miss (0).
+
 The lowest cost wins; ties are broken at random so routers do not herd onto the first worker.
 """
 
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cluster.routing.events import WorkerLoad
@@ -46,19 +51,34 @@ class WorkerView:
 class CostWeights:
     prefill_load_scale: float = 1.0
     overlap_credit: float = 1.0  # fraction of a cached token's prefill the credit takes off
+    # A host-tier block's load over its recompute, until the worker reports a measured one: a GPU loads a block
+    # over PCIe in a few percent of its prefill time.
+    host_reload_cost: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.host_reload_cost < 1.0:
+            raise ValueError(f"host_reload_cost must be in (0, 1), got {self.host_reload_cost}")
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillChoice:
     worker: WorkerView
-    matched_blocks: int
+    matched_blocks: int  # leading prompt blocks it caches, in either tier
     cost: float
+    host_blocks: int = 0  # of those, the ones in its host tier
+
+
+def reload_cost(worker: WorkerView, weights: CostWeights) -> float:
+    measured = worker.load.host_reload_cost
+    return min(measured, 1.0) if measured > 0 else weights.host_reload_cost
 
 
 def prefill_cost(worker: WorkerView, prompt_tokens: int, matched_blocks: int, block_size: int,
-                 weights: CostWeights) -> float:
+                 weights: CostWeights, host_blocks: int = 0) -> float:
     cached = min(matched_blocks * block_size, prompt_tokens)
-    adjusted = max(worker.queued_prefill_tokens + prompt_tokens - weights.overlap_credit * cached, 0.0)
+    on_host = min(host_blocks * block_size, cached)
+    credit = cached - on_host * reload_cost(worker, weights)
+    adjusted = max(worker.queued_prefill_tokens + prompt_tokens - weights.overlap_credit * credit, 0.0)
     return weights.prefill_load_scale * adjusted / block_size + worker.used_kv_blocks
 
 
@@ -79,10 +99,12 @@ class RoutingPolicy:
         self._rng = random.Random(seed)
 
     def choose_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
-                       block_size: int) -> PrefillChoice:
+                       block_size: int, host_matched: Mapping[str, int] | None = None) -> PrefillChoice:
+        """`matched`: each worker's leading cached blocks in any tier; `host_matched`: how many of those are in
+        its host tier (none when absent)."""
         if not workers:
             raise ValueError("no prefill workers to choose from")
-        return self._pick_prefill(workers, matched, prompt_tokens, block_size)
+        return self._pick_prefill(workers, matched, prompt_tokens, block_size, host_matched or {})
 
     def choose_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         if not workers:
@@ -90,12 +112,13 @@ class RoutingPolicy:
         return self._pick_decode(workers)
 
     def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
-                      block_size: int) -> PrefillChoice:
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
         scored = []
         for w in workers:
-            cached = matched.get(w.worker_id, 0)
+            cached, on_host = matched.get(w.worker_id, 0), host_matched.get(w.worker_id, 0)
             credit = cached if self.uses_index else 0  # load-only policies ignore the cache
-            scored.append(PrefillChoice(w, cached, prefill_cost(w, prompt_tokens, credit, block_size, self.weights)))
+            cost = prefill_cost(w, prompt_tokens, credit, block_size, self.weights, on_host)
+            scored.append(PrefillChoice(w, cached, cost, on_host))
         best = min(c.cost for c in scored)
         return self._rng.choice([c for c in scored if c.cost <= best + 1e-9])
 
@@ -123,9 +146,9 @@ class RoundRobinPolicy(RoutingPolicy):
         self._decode_turn = itertools.count()
 
     def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
-                      block_size: int) -> PrefillChoice:
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
         worker = workers[next(self._prefill_turn) % len(workers)]
-        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0)
+        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0, host_matched.get(worker.worker_id, 0))
 
     def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         return workers[next(self._decode_turn) % len(workers)]
@@ -135,9 +158,9 @@ class RandomPolicy(RoutingPolicy):
     name = "random"
 
     def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
-                      block_size: int) -> PrefillChoice:
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
         worker = self._rng.choice(list(workers))
-        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0)
+        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0, host_matched.get(worker.worker_id, 0))
 
     def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         return self._rng.choice(list(workers))

@@ -1,7 +1,8 @@
 """Cluster-wide prefix-block index in Redis: every router reads it, lookups cost one round trip.
 
 Layout (all keys under `prefix`):
-  b:<hash hex>        SET of members "<worker_id>|<epoch>" caching that block
+  b:<hash hex>        SET of members "<worker_id>|<epoch>" caching that block (in any tier)
+  h:<hash hex>        SET of those members holding it in their host tier only (a subset of b:)
   m:<member>          SET of the member's block hashes (to clear a worker without scanning)
   wm:<worker_id>      SET of the worker's members (old epochs are purged when a new one appears)
   hb:<worker_id>      the worker's live epoch, with a TTL refreshed by every batch (heartbeats every 500 ms)
@@ -18,8 +19,8 @@ from collections.abc import Sequence
 
 import redis
 
-from cluster.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
-from cluster.routing.index import DEFAULT_LIVENESS_TTL_S, IndexUnavailable, validate_index_url
+from cluster.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch, Tier
+from cluster.routing.index import DEFAULT_LIVENESS_TTL_S, IndexUnavailable, TierMatch, validate_index_url
 
 PASSWORD_ENV = "KVFLOW_REDIS_PASSWORD"
 
@@ -32,7 +33,10 @@ if redis.call('GET', hbkey) ~= epoch and ARGV[5] ~= 'C' then
 end
 local function clear_member(m)
   local mkey = p .. 'm:' .. m
-  for _, h in ipairs(redis.call('SMEMBERS', mkey)) do redis.call('SREM', p .. 'b:' .. h, m) end
+  for _, h in ipairs(redis.call('SMEMBERS', mkey)) do
+    redis.call('SREM', p .. 'b:' .. h, m)
+    redis.call('SREM', p .. 'h:' .. h, m)
+  end
   redis.call('DEL', mkey)
 end
 local wmkey = p .. 'wm:' .. wid
@@ -51,12 +55,18 @@ while i <= #ARGV do
     local n = tonumber(ARGV[i + 1])
     for j = i + 2, i + 1 + n do
       local h = ARGV[j]
-      if op == 'S' then
+      if op == 'R' then
+        redis.call('SREM', p .. 'b:' .. h, member)
+        redis.call('SREM', p .. 'h:' .. h, member)
+        redis.call('SREM', mkey, h)
+      else
         redis.call('SADD', p .. 'b:' .. h, member)
         redis.call('SADD', mkey, h)
-      else
-        redis.call('SREM', p .. 'b:' .. h, member)
-        redis.call('SREM', mkey, h)
+        if op == 'H' then
+          redis.call('SADD', p .. 'h:' .. h, member)
+        else
+          redis.call('SREM', p .. 'h:' .. h, member)
+        end
       end
     end
     i = i + 2 + n
@@ -66,23 +76,32 @@ redis.call('SET', hbkey, epoch, 'PX', ttl)
 return 1
 """
 
+# KEYS: b:<hash>, h:<hash> per block in prompt order. Returns per worker (leading blocks, of those on the host).
 _MATCH = """
 local p = ARGV[1]
 local alive, n, result = {}, 0, {}
+local w = #ARGV - 1
 for i = 2, #ARGV do
   result[i - 1] = 0
+  result[w + i - 1] = 0
   local epoch = redis.call('GET', p .. 'hb:' .. ARGV[i])
   if epoch then
     alive[ARGV[i] .. '|' .. epoch] = i - 1
     n = n + 1
   end
 end
-for k = 1, #KEYS do
+for k = 1, #KEYS / 2 do
   if n == 0 then break end
-  local present = {}
-  for _, m in ipairs(redis.call('SMEMBERS', KEYS[k])) do present[m] = true end
+  local present, host = {}, {}
+  for _, m in ipairs(redis.call('SMEMBERS', KEYS[2 * k - 1])) do present[m] = true end
+  for _, m in ipairs(redis.call('SMEMBERS', KEYS[2 * k])) do host[m] = true end
   for m, idx in pairs(alive) do
-    if present[m] then result[idx] = k else alive[m] = nil; n = n - 1 end
+    if present[m] then
+      result[idx] = k
+      if host[m] then result[w + idx] = result[w + idx] + 1 end
+    else
+      alive[m] = nil; n = n - 1
+    end
   end
 end
 return result
@@ -94,12 +113,22 @@ redis.call('DEL', p .. 'hb:' .. wid)
 local wmkey = p .. 'wm:' .. wid
 for _, m in ipairs(redis.call('SMEMBERS', wmkey)) do
   local mkey = p .. 'm:' .. m
-  for _, h in ipairs(redis.call('SMEMBERS', mkey)) do redis.call('SREM', p .. 'b:' .. h, m) end
+  for _, h in ipairs(redis.call('SMEMBERS', mkey)) do
+    redis.call('SREM', p .. 'b:' .. h, m)
+    redis.call('SREM', p .. 'h:' .. h, m)
+  end
   redis.call('DEL', mkey)
 end
 redis.call('DEL', wmkey)
 return 1
 """
+
+
+def _op(event: BlocksStored | BlocksRemoved) -> str:
+    """The apply script's opcode: S stored on the device, H moved to the host tier, R removed."""
+    if isinstance(event, BlocksRemoved):
+        return "R"
+    return "H" if event.tier is Tier.HOST else "S"
 
 
 def redis_client(url: str, timeout_s: float = 0.5) -> redis.Redis:
@@ -145,17 +174,21 @@ class RedisIndex:
             if isinstance(event, AllBlocksCleared):
                 args.append("C")
             elif isinstance(event, (BlocksStored, BlocksRemoved)) and event.block_hashes:
-                args.append("S" if isinstance(event, BlocksStored) else "R")
+                args.append(_op(event))
                 args.append(len(event.block_hashes))
                 args.extend(h.hex() for h in event.block_hashes)
         return bool(self._call(self._apply, [], args))
 
     def match(self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]) -> dict[str, int]:
+        return {wid: m.blocks for wid, m in self.match_tiers(block_hashes, worker_ids).items()}
+
+    def match_tiers(self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]) -> dict[str, TierMatch]:
         if not worker_ids or not block_hashes:
-            return dict.fromkeys(worker_ids, 0)
-        keys = [f"{self.prefix}b:{h.hex()}" for h in block_hashes]
-        counts = self._call(self._match, keys, [self.prefix, *worker_ids])
-        return {wid: int(c) for wid, c in zip(worker_ids, counts, strict=True)}
+            return dict.fromkeys(worker_ids, TierMatch())
+        keys = [f"{self.prefix}{kind}:{h.hex()}" for h in block_hashes for kind in ("b", "h")]
+        counts = [int(c) for c in self._call(self._match, keys, [self.prefix, *worker_ids])]
+        n = len(worker_ids)
+        return {wid: TierMatch(counts[i], counts[n + i]) for i, wid in enumerate(worker_ids)}
 
     def forget_worker(self, worker_id: str) -> None:
         self._call(self._forget, [], [self.prefix, worker_id])

@@ -3,12 +3,21 @@
 Free blocks keep their hash and content until they are handed out again, so a freed prefix stays reusable;
 the free list is ordered by eviction priority (head = evicted first, LRU). Every block object exists from the
 start: allocation moves pointers, it creates nothing.
+
+With a host tier (engine/core/host_tier.py), an evicted cached block is first queued for a copy to a host slot
+(`tier_copies`, in the order the copies must run); its event then says it moved to the host, and a block is
+reported removed only once neither tier holds it. Events describe what the worker can serve: a block is
+advertised in the tier its next lookup will find it in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
+
+from engine.core.host_tier import HostKVTier
+from engine.outputs import TierCopy
 
 
 class KVCacheBlock:
@@ -59,14 +68,24 @@ class FreeBlockQueue:
         self.num_free += 1
 
 
+class KVTier(Enum):
+    DEVICE = "device"  # the engine's own KV cache (GPU memory, or the CPU engine's)
+    HOST = "host"  # the host-memory tier: served after a copy back
+
+
 @dataclass(frozen=True)
 class BlockStored:
+    """The blocks are now served from `tier` (a move to the host tier is a store there)."""
+
     block_hashes: list[bytes]
-    parent_hash: bytes | None
+    parent_hash: bytes | None  # None for a first block, and for moves to the host (the parent is known already)
+    tier: KVTier = KVTier.DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
+    """The worker no longer holds these blocks in any tier."""
+
     block_hashes: list[bytes]
 
 
@@ -76,7 +95,8 @@ KVEvent = BlockStored | BlockRemoved
 class BlockPool:
     """Owns every block. Block 0 is the null block: never allocated, it pads block tables."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool, enable_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, enable_events: bool = False,
+                 host_tier: HostKVTier | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -85,6 +105,9 @@ class BlockPool:
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.enable_events = enable_events
         self.events: list[KVEvent] = []
+        self.host_tier = host_tier
+        self.tier_copies: list[TierCopy] = []  # queued since the last `take_tier_copies`, in order
+        self.num_offloaded_blocks = 0  # blocks copied to the host tier (cumulative)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -106,18 +129,48 @@ class BlockPool:
         if count > self.free_queue.num_free:
             return None
         blocks = []
-        evicted: list[bytes] = []
+        changes: list[tuple[KVTier | None, bytes]] = []  # (new tier, None: removed) in order
         for _ in range(count):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                del self.cached[block.block_hash]
-                block.block_hash = None
+                changes += self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
-        if evicted and self.enable_events:
-            self.events.append(BlockRemoved(evicted))
+        if changes and self.enable_events:
+            self._emit(changes)
         return blocks
+
+    def _evict(self, block: KVCacheBlock) -> list[tuple[KVTier | None, bytes]]:
+        """Drop a free block's hash from the device cache, offering it to the host tier first."""
+        block_hash = block.block_hash
+        assert block_hash is not None  # callers evict cached blocks only
+        del self.cached[block_hash]
+        block.block_hash = None
+        if self.host_tier is None:
+            return [(None, block_hash)]
+        stored = self.host_tier.store(block_hash)
+        if stored.slot is not None:  # the copy runs before this step's forward can overwrite the block
+            self.tier_copies.append((True, block.block_id, stored.slot))
+            self.num_offloaded_blocks += 1
+        if stored.dropped == block_hash:
+            return [(None, block_hash)]
+        changes: list[tuple[KVTier | None, bytes]] = [(KVTier.HOST, block_hash)]
+        if stored.dropped is not None and stored.dropped not in self.cached:  # else still served from the device
+            changes.append((None, stored.dropped))
+        return changes
+
+    def _emit(self, changes: list[tuple[KVTier | None, bytes]]) -> None:
+        """Events for tier changes, consecutive changes of one kind in one event."""
+        run: list[bytes] = []
+        for i, (tier, block_hash) in enumerate(changes):
+            run.append(block_hash)
+            if i + 1 == len(changes) or changes[i + 1][0] is not tier:
+                self.events.append(BlockRemoved(run) if tier is None else BlockStored(run, None, tier))
+                run = []
+
+    def take_tier_copies(self) -> list[TierCopy]:
+        copies, self.tier_copies = self.tier_copies, []
+        return copies
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the eviction queue."""

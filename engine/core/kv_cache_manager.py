@@ -2,30 +2,45 @@
 
 The allocator never decides policy: `allocate_slots` returns None when the pool cannot serve the request, and
 the scheduler chooses whom to preempt.
+
+With a host tier, a prefix lookup takes each block from the device cache, else from the host tier (a `HostHit`);
+`allocate_slots` gives every host hit a fresh device block, registers it in the device cache at once and queues
+its copy back (after any copy out that the allocation itself queued), so the whole prefix is in place before the
+step's forward reads it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.host_tier import HostHit, HostKVTier
 from engine.core.request import Request
+from engine.outputs import TierCopy
+
+PrefixBlock = KVCacheBlock | HostHit
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of those, tokens found cached
+    hits: int = 0  # of those, tokens found in the device cache
+    host_queries: int = 0  # prompt tokens looked up while a host tier is on (vLLM's external prefix cache)
+    host_hits: int = 0  # tokens loaded back from the host tier (counted per load, not per lookup)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher, enable_caching: bool,
-                 enable_events: bool = False) -> None:
+                 enable_events: bool = False, host_tier: HostKVTier | None = None) -> None:
+        if host_tier is not None and not enable_caching:
+            raise ValueError("the host KV tier (kv_offloading_size) needs prefix caching")
         self.block_size = block_size
         self.hasher = hasher
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching, enable_events)
+        self.host_tier = host_tier
+        self.pool = BlockPool(num_blocks, enable_caching, enable_events, host_tier)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         # Blocks of finished requests kept for a KV transfer: request id -> (blocks, monotonic deadline).
@@ -52,43 +67,83 @@ class KVCacheManager:
                                     request.extra_keys)
         )
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in blocks; never the whole prompt (the last token is recomputed
-        to produce logits)."""
+    def get_computed_blocks(self, request: Request) -> tuple[list[PrefixBlock], int]:
+        """Longest cached prefix of the request, in blocks (device blocks, or host hits to load back); never the
+        whole prompt (the last token is recomputed to produce logits)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
+        hits: list[PrefixBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
+            hit = self._lookup(block_hash)
+            if hit is None:
                 break
-            hits.append(block)
+            hits.append(hit)
+        num_host = sum(1 for hit in hits if isinstance(hit, HostHit))
         self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
+        self.stats.hits += (len(hits) - num_host) * self.block_size
+        if self.host_tier is not None:  # host hits are counted when loaded (once per admission, not per lookup)
+            self.stats.host_queries += request.num_tokens
         return hits, len(hits) * self.block_size
 
+    def _lookup(self, block_hash: bytes) -> PrefixBlock | None:
+        block = self.pool.get_cached_block(block_hash)
+        if block is not None or self.host_tier is None:
+            return block
+        slot = self.host_tier.lookup(block_hash)
+        return HostHit(block_hash, slot) if slot is not None else None
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: Sequence[PrefixBlock] | None = None) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones; None if the pool is too full."""
-        computed = new_computed_blocks or []
+        prefix = list(new_computed_blocks or [])
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed)
-        # Hit blocks sitting in the free queue stop being free once touched.
-        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        num_computed = request.num_computed_tokens + len(prefix) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(prefix)
+        # Hit blocks sitting in the free queue stop being free once touched; host hits take a free block each.
+        evictable_hits = sum(1 for b in prefix if isinstance(b, HostHit) or b.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - evictable_hits:
             return None
-        if computed:
-            self.pool.touch(computed)
-            blocks = blocks + computed
+        if prefix:
+            blocks = blocks + self._take_prefix(request, len(blocks), prefix)
             self.num_cached_blocks[request.request_id] = len(blocks)
         new_blocks = self.pool.get_new_blocks(max(needed, 0)) if needed > 0 else []
         assert new_blocks is not None  # checked above
         blocks = blocks + new_blocks
         self.req_to_blocks[request.request_id] = blocks
         return new_blocks
+
+    def _take_prefix(self, request: Request, start: int, prefix: list[PrefixBlock]) -> list[KVCacheBlock]:
+        """Reference the device hits and load the host hits back into fresh blocks, in prefix order."""
+        device = [b for b in prefix if isinstance(b, KVCacheBlock)]
+        self.pool.touch(device)  # before any allocation below, which could otherwise evict them
+        hosts = [b for b in prefix if isinstance(b, HostHit)]
+        if not hosts:
+            return device
+        assert self.host_tier is not None  # only a host tier produces host hits
+        self.host_tier.protect(hit.slot for hit in hosts)  # the allocation's own copies out must not reuse them
+        try:
+            allocated = self.pool.get_new_blocks(len(hosts))
+        finally:
+            self.host_tier.unprotect()
+        assert allocated is not None  # allocate_slots checked the room
+        self.stats.host_hits += len(hosts) * self.block_size
+        fresh = iter(allocated)
+        taken: list[KVCacheBlock] = []
+        for i, hit in enumerate(prefix, start):
+            if isinstance(hit, KVCacheBlock):
+                taken.append(hit)
+                continue
+            block = next(fresh)
+            self.pool.tier_copies.append((False, hit.slot, block.block_id))
+            self.pool.cache_full_block(block, hit.block_hash, request.block_hashes[i - 1] if i else None)
+            taken.append(block)
+        return taken
+
+    def take_tier_copies(self) -> list[TierCopy]:
+        """The host-tier copies queued since the last call, in the order they must run."""
+        return self.pool.take_tier_copies()
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Free the tail blocks beyond those `num_tokens` tokens need (rejected draft tokens' slots); returns how

@@ -259,6 +259,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.tokens,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            kv_tier_copies=self.kv.take_tier_copies(),
             finished_request_ids=finished,
             num_decode_seqs=step.num_decode_seqs,
             num_prefill_tokens=step.num_prefill_tokens,

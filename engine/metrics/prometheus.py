@@ -74,6 +74,14 @@ class EngineMetrics:
         self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "Alias of vllm:kv_cache_usage_perc.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.external_queries = counter("vllm:external_prefix_cache_queries",
+                                        "Prompt tokens looked up while the host KV tier is on (--kv-offloading-size).")
+        self.external_hits = counter("vllm:external_prefix_cache_hits",
+                                     "Prompt tokens loaded back from the host KV tier instead of recomputed.")
+        self.offloaded_blocks = counter("kvflow:kv_offloaded_blocks",
+                                        "KV blocks copied to the host tier when evicted from the device cache.")
+        self.host_cache_usage = gauge("kvflow:kv_host_cache_usage_perc",
+                                      "Host KV tier usage (--kv-offloading-size). 1 means 100 percent usage.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -116,9 +124,13 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_cache_usage.set(stats.kv_cache_usage)
         self.itl_prefill_budget.set(stats.itl_prefill_token_budget)
+        self.host_cache_usage.set(stats.kv_host_cache_usage)
         for metric, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (self.external_queries, stats.external_prefix_cache_queries, last.external_prefix_cache_queries),
+            (self.external_hits, stats.external_prefix_cache_hits, last.external_prefix_cache_hits),
+            (self.offloaded_blocks, stats.kv_offloaded_blocks, last.kv_offloaded_blocks),
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
             (self.generation_tokens, stats.generation_tokens, last.generation_tokens),

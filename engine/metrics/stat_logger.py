@@ -3,7 +3,9 @@
     Engine 000: Avg prompt throughput: 1234.5 tokens/s, Avg generation throughput: 456.7 tokens/s, Running: 12 reqs,
     Swapped: 0 reqs, Waiting: 3 reqs, GPU KV cache usage: 41.2%, Prefix cache hit rate: 63.0%, Preemptions: 0
 
-Throughputs and the hit rate are over the interval since the last line; preemptions are counted since start.
+Throughputs and the hit rate are over the interval since the last line; preemptions are counted since start. With
+a host KV tier (`--kv-offloading-size`) the hit rate is followed, as vLLM's with a KV connector, by
+`External prefix cache hit rate: X%` (tokens loaded back from the host tier, over the interval's lookups).
 `observe` is cheap (a clock read) and may be called every step; it logs at most once per interval.
 """
 
@@ -41,12 +43,16 @@ class StatLogger:
         last = self._last
         queries = stats.prefix_cache_queries - last.prefix_cache_queries
         hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        external_queries = stats.external_prefix_cache_queries - last.external_prefix_cache_queries
+        external_hits = stats.external_prefix_cache_hits - last.external_prefix_cache_hits
+        external = (f", External prefix cache hit rate: {external_hits / external_queries:.1%}"
+                    if external_queries else "")
         line = (f"{self.name}: Avg prompt throughput: {(stats.prompt_tokens - last.prompt_tokens) / elapsed:.1f} "
                 f"tokens/s, Avg generation throughput: "
                 f"{(stats.generation_tokens - last.generation_tokens) / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_requests_running} reqs, Swapped: {stats.num_requests_swapped} reqs, "
                 f"Waiting: {stats.num_requests_waiting} reqs, {self.cache_label}: {stats.kv_cache_usage:.1%}, "
-                f"Prefix cache hit rate: {hits / queries if queries else 0.0:.1%}, "
+                f"Prefix cache hit rate: {hits / queries if queries else 0.0:.1%}{external}, "
                 f"Preemptions: {stats.num_preemptions}")
         self._last_time, self._last = now, _copy(stats)
         self._log(line)

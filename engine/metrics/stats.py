@@ -19,6 +19,11 @@ class EngineStats:
     num_gpu_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
+    # Host KV tier (--kv-offloading-size), as vLLM counts its connector's: tokens looked up, tokens loaded back.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offloaded_blocks: int = 0  # blocks copied to the host tier
+    kv_host_cache_usage: float = 0.0  # 0..1 of the host tier's blocks in use
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     generation_tokens: int = 0

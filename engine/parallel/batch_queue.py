@@ -12,7 +12,7 @@ Invariants:
   dropped request state apply in the order they were scheduled).
 - A request is in at most one batch in flight, and no batch in flight loses its blocks (never preempted).
 - A schedule with nothing to compute ends the fill; it is still submitted when it tells the ranks something
-  (finished ids, swaps) or when nothing else is in flight (the step then returns it, as a step without pipelining
+  (finished ids, swaps, host-tier copies) or when nothing else is in flight (the step then returns it, as a step without pipelining
   would).
 """
 
@@ -74,4 +74,4 @@ class BatchQueue:
 
 def _carries_nothing(so: SchedulerOutput) -> bool:
     return not (so.chunks or so.finished_request_ids or so.blocks_to_swap_in or so.blocks_to_swap_out
-                or so.new_requests)
+                or so.kv_tier_copies or so.new_requests)

@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured.grammar import StructuredOutputsParams
 
 _SO_FIELDS = {"new_requests", "chunks", "total_num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in",
-              "finished_request_ids", "num_decode_seqs", "num_prefill_tokens", "prefill_attention_pairs",
+              "kv_tier_copies", "finished_request_ids", "num_decode_seqs", "num_prefill_tokens", "prefill_attention_pairs",
               "prefill_token_cap"}
 _CHUNK_FIELDS = ("request_id", "token_ids", "start_position", "block_ids", "sample", "prompt_logprobs",
                  "spec_token_ids")
@@ -65,6 +65,7 @@ def encode(so: SchedulerOutput) -> bytes:
         "total": so.total_num_scheduled_tokens,
         "swap_out": so.blocks_to_swap_out,
         "swap_in": so.blocks_to_swap_in,
+        "tier": so.kv_tier_copies,
         "finished": sorted(so.finished_request_ids),
         "mix": [so.num_decode_seqs, so.num_prefill_tokens, so.prefill_attention_pairs, so.prefill_token_cap],
     }
@@ -80,6 +81,7 @@ def decode(data: bytes) -> SchedulerOutput:
         total_num_scheduled_tokens=int(doc["total"]),
         blocks_to_swap_out=[(int(a), int(b)) for a, b in doc["swap_out"]],
         blocks_to_swap_in=[(int(a), int(b)) for a, b in doc["swap_in"]],
+        kv_tier_copies=[(bool(d), int(a), int(b)) for d, a, b in doc["tier"]],
         finished_request_ids=set(doc["finished"]),
         num_decode_seqs=int(doc["mix"][0]),
         num_prefill_tokens=int(doc["mix"][1]),

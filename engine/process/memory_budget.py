@@ -12,8 +12,8 @@ processes it starts:
   sequences at a time, so gigabytes of KV buy it little; the rest of the host stays free. SmolLM2 on a 23 GB host,
   two workers: ~0.45 GB of KV each (~9.8k tokens) instead of vLLM's fixed 4 GiB.
 
-`--kv-cache-memory-bytes` (or `--num-gpu-blocks-override`) overrides the size. Either way the workers' estimated
-total must fit `USABLE_SHARE_OF_AVAILABLE` of MemAvailable, or the launch is refused before any worker starts.
+`--kv-cache-memory-bytes` (or `--num-gpu-blocks-override`) overrides the size. A host KV tier
+(`--kv-offloading-size`) is host memory too and counts in full. Either way the workers' estimated total must fit `USABLE_SHARE_OF_AVAILABLE` of MemAvailable, or the launch is refused before any worker starts.
 Estimates, not measurements: weights from the architecture's parameter count, the runtime from a measured base
 plus the activations of the largest step. Pure functions of an `EngineConfig` (no torch), so they are cheap to test.
 """
@@ -43,14 +43,16 @@ class WorkerMemory:
     kv_cache: int
     runtime: int
     kv_tokens: int  # what `kv_cache` holds
+    host_kv_tier: int = 0  # --kv-offloading-size (engine/core/host_tier.py)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.runtime
+        return self.weights + self.kv_cache + self.runtime + self.host_kv_tier
 
     def describe(self) -> str:
+        tier = f" + host KV tier {_gib(self.host_kv_tier)}" if self.host_kv_tier else ""
         return (f"{_gib(self.total)} (weights {_gib(self.weights)} + KV cache {_gib(self.kv_cache)}, "
-                f"{self.kv_tokens} tokens + runtime {_gib(self.runtime)})")
+                f"{self.kv_tokens} tokens{tier} + runtime {_gib(self.runtime)})")
 
 
 def _gib(n: int) -> str:
@@ -140,7 +142,7 @@ def cpu_worker_memory(config: EngineConfig, processes: int, available: int | Non
         raise ValueError(f"a KV cache of {kv} bytes holds {tokens} tokens, fewer than max_model_len "
                          f"({sched.max_model_len}); raise --kv-cache-memory-bytes to at least "
                          f"{kv_bytes_for_tokens(config, sched.max_model_len)} or lower --max-model-len")
-    worker = WorkerMemory(weight_bytes(config), kv, runtime_bytes(config), tokens)
+    worker = WorkerMemory(weight_bytes(config), kv, runtime_bytes(config), tokens, config.cache.kv_offloading_bytes)
     if available is not None and processes * worker.total > USABLE_SHARE_OF_AVAILABLE * available:
         raise ValueError(f"{processes} CPU worker process(es) of {worker.describe()} each need "
                          f"{_gib(processes * worker.total)}, more than {USABLE_SHARE_OF_AVAILABLE:.0%} of this "

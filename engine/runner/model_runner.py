@@ -10,7 +10,8 @@ engine/runner/graph_execution.py, with decode-ahead in engine/runner/decode_ahea
 (the numerics tested token-exact against transformers).
 
 Invariants:
-- A step first drops finished requests' state and adds the new ones', then swaps blocks, then computes.
+- A step first drops finished requests' state and adds the new ones', then swaps blocks out, runs the host KV
+  tier's copies (engine/runner/kv_tier.py), swaps blocks in, then computes.
 - A step that a decode graph covers gives the same tokens as the eager path would; any other step first drops a
   replay queued ahead.
 - One host sync per step (the sampled ids); on CUDA the wait before it releases the GIL.
@@ -37,6 +38,7 @@ from engine.outputs import (
     PositionLogprobs,
     ScheduledChunk,
     SchedulerOutput,
+    TierCopy,
 )
 from engine.parallel.group import TPGroup
 from engine.parallel.layout import RankShard, shard_for
@@ -57,6 +59,7 @@ from engine.runner.kv_cache import (
     set_kv_scales,
     swap_blocks,
 )
+from engine.runner.kv_tier import KVTierCopier
 from engine.runner.memory import GpuMemory, MemoryProfiler, ProfileShape
 from engine.runner.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
 from engine.runner.warmup import warm_up
@@ -207,6 +210,7 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[KVCache] = []
         self.swap_caches: list[KVCache] = []
+        self.kv_tier: KVTierCopier | None = None  # the host KV tier (--kv-offloading-size)
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs, config.device.cudagraph_capture_sizes,
                                          config.device.enforce_eager) if fused and self.stage.size == 1 else []
         # (pipeline stages run eager: a graph would have to capture the receive and send as well)
@@ -290,6 +294,18 @@ class ModelRunner:
         """MoE models: tokens routed to each expert [sparse layer, expert] since the last call; None if dense."""
         return self.model.take_expert_load() if isinstance(self.model, MoECausalLM) else None
 
+    def allocate_host_tier(self, num_blocks: int) -> None:
+        """The host KV tier's pool (pinned beside a GPU cache; a second CPU pool beside a CPU one)."""
+        self.kv_tier = KVTierCopier(self.kv_spec.allocate_swap(num_blocks, pin=self.on_cuda), self.device)
+
+    @torch.inference_mode()
+    def run_kv_tier_copies(self, copies: list[TierCopy]) -> None:
+        """Host-tier copies queued between steps (a remote admission's), run now and waited for: a KV transport
+        writes the reserved blocks on a stream of its own. A decode replay queued ahead is left alone."""
+        if self.kv_tier is not None and copies:
+            self.kv_tier.run(copies, self.kv_caches)
+            self.kv_tier.wait()
+
     def _allocate_kv(self, num_blocks: int) -> None:
         self.kv_caches = []  # drop the old cache before allocating the new one
         self.kv_caches = self.kv_spec.allocate(num_blocks, self.device)
@@ -299,6 +315,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_requests(so)
         swap_blocks(self.kv_caches, self.swap_caches, so.blocks_to_swap_out, to_host=True)
+        if self.kv_tier is not None:
+            self.kv_tier.run(so.kv_tier_copies, self.kv_caches)
         swap_blocks(self.kv_caches, self.swap_caches, so.blocks_to_swap_in, to_host=False)
         if self.graphs is not None and so.chunks and not so.blocks_to_swap_in and not so.blocks_to_swap_out:
             replayed = self._execute_graphs(so.chunks, self.graphs)

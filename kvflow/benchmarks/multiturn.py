@@ -132,9 +132,12 @@ async def run_conversations(grpc_target: str, workload: Workload) -> tuple[list[
 
 def _metric_sum(text: str, needle: str) -> float | None:
     """The sum over label sets of every sample whose name contains `needle` (None: the servers have no such
-    metric)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#") and needle in line.split("{", 1)[0].split(" ", 1)[0]]
+    metric). A counter's `_created` timestamp is not a sample of it."""
+    values = []
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if line and not line.startswith("#") and needle in name and not name.endswith("_created"):
+            values.append(float(line.rsplit(" ", 1)[1]))
     return sum(values) if values else None
 
 
@@ -146,7 +149,9 @@ def summarize(mode: str, device: str, workload: Workload, results: list[list[Tur
     itl = np.asarray([x for r in ok for x in r.itl_s] or [0.0])
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     digest = hashlib.sha256(repr([[r.output_ids for r in c] for c in results]).encode()).hexdigest()[:16]
-    host_hits = _metric_sum(metrics, "host_hit_tokens")
+    # The router's sums of its workers' counters: vllm:external_prefix_cache_hits_total{role} (tokens loaded back from
+    # host tiers) and kvflow:route_false_hits_total.
+    host_hits = _metric_sum(metrics, "external_prefix_cache_hits")
     return {
         "workload": {**asdict(workload), "working_set_tokens": workload.conversations * workload.max_prompt_tokens()},
         "device": device, "mode": mode,

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args.validate_parallel()  # refused here, before any worker starts
     engine_args.validate_cpu_offload()
     engine_args.validate_itl_target()
+    engine_args.validate_kv_offloading()
     PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_itl_s=args.slo_itl_ms / 1000).validate()  # before workers
     engine_args = adaptive_itl_target(engine_args, args.disagg_policy, args.slo_itl_ms)
     engine_args.structured_outputs()

@@ -23,8 +23,10 @@ def test_the_record_has_the_issue_fields() -> None:
     workload = Workload(conversations=2, turns=2, system_len=4, user_len=2, output_len=2)
     results = [[TurnResult(True, 6, 0, [1, 2], 0.5, [0.1]), TurnResult(True, 10, 8, [3, 4], 0.1, [0.2])],
                [TurnResult(True, 6, 4, [1, 2], 0.3, [0.1]), TurnResult(False, 10, error="boom")]]
-    metrics = 'kvflow:host_hit_tokens_total{worker="a"} 3\nkvflow:host_hit_tokens_total{worker="b"} 1\n' \
-              "kvflow:router_false_hits_total 0\n"
+    metrics = ('vllm:external_prefix_cache_hits_total{role="prefill"} 3\n'
+               'vllm:external_prefix_cache_hits_total{role="decode"} 1\n'
+               'vllm:external_prefix_cache_hits_created{role="decode"} 1.7e9\n'
+               "kvflow:route_false_hits_total 0\nkvflow:route_false_hits_created 1.7e9\n")
     record = summarize("host_tier", "cpu", workload, results, 2.0, metrics)
     assert record["mode"] == "host_tier" and record["device"] == "cpu" and record["workload"]["conversations"] == 2
     assert record["prefix_hit_rate"] == {"total": 12 / 22, "host": 4 / 22}

@@ -27,10 +27,10 @@ SMOLLM2 = ModelArch("LlamaForCausalLM", vocab_size=49152, hidden_size=576, num_l
 
 
 def config(max_model_len: int = 8192, max_num_seqs: int = 256, kv_dtype: str = "auto", tp: int = 1,
-           kv_bytes: int | None = None, blocks: int | None = None) -> EngineConfig:
+           kv_bytes: int | None = None, blocks: int | None = None, host_tier: int = 0) -> EngineConfig:
     model = ModelConfig("smollm2", "smollm2", None, None, SMOLLM2, None, dtype="float32", max_model_len=max_model_len)
     return EngineConfig(model, CacheConfig(kv_cache_memory_bytes=kv_bytes, num_gpu_blocks_override=blocks,
-                                           kv_cache_dtype=kv_dtype),
+                                           kv_cache_dtype=kv_dtype, kv_offloading_bytes=host_tier),
                         SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
                         DeviceConfig(device="cpu", tensor_parallel_size=tp))
 
@@ -91,6 +91,14 @@ def test_workers_the_host_cannot_hold_are_refused_in_one_line() -> None:
         cpu_worker_memory(config(kv_bytes=4 * GiB), 2, 8 * GiB)
     with pytest.raises(ValueError, match="at least one"):
         cpu_worker_memory(config(), 0, 8 * GiB)
+
+
+def test_a_host_kv_tier_counts_in_full() -> None:
+    plain = cpu_worker_memory(config(kv_bytes=GiB), 2, 22 * GiB)
+    tiered = cpu_worker_memory(config(kv_bytes=GiB, host_tier=2 * GiB), 2, 22 * GiB)
+    assert tiered.total == plain.total + 2 * GiB and "host KV tier 2.00 GiB" in tiered.describe()
+    with pytest.raises(ValueError, match="host KV tier 8.00 GiB"):
+        cpu_worker_memory(config(kv_bytes=GiB, host_tier=8 * GiB), 2, 16 * GiB)
 
 
 def test_unknown_available_memory_refuses_nothing_and_takes_one_sequence() -> None:

@@ -82,7 +82,7 @@ def test_step_codec_carries_structured_outputs() -> None:
     constraint = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}},
                                          disable_any_whitespace=True)
     params = SamplingParams(max_tokens=4, structured_outputs=constraint)
-    so = SchedulerOutput([NewRequestData("a", [1, 2], params, [], b"")], [], 0, [], [], set(), 0, 0, 0, None)
+    so = SchedulerOutput([NewRequestData("a", [1, 2], params, [], b"")], [], 0)
     back = codec.decode(codec.encode(so)).new_requests[0].sampling_params
     assert back.structured_outputs == constraint and back == params
 
@@ -270,6 +270,7 @@ def test_a_killed_stage_makes_the_engine_raise_not_hang(tiny_pp2: LLM) -> None:
     ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 exceeds the model's 2 decoder layers"),
     ({"pipeline_parallel_size": 2, "kv_cache_dtype": "fp8"}, "--pipeline-parallel-size 2 with kv_cache_dtype"),
     ({"pipeline_parallel_size": 2, "quantization": "fp8"}, "--pipeline-parallel-size 2 with quantization"),
+    ({"pipeline_parallel_size": 2, "kv_offloading_size": 1.0}, "--kv-offloading-size with --pipeline-parallel-size 2"),
     ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "speculative decoding with pipeline_parallel_size > 1"),
 ])

@@ -28,6 +28,9 @@ def test_line_reports_interval_throughput_state_and_hit_rate() -> None:
     quiet = logger.observe(EngineStats(prompt_tokens=1100, generation_tokens=510, prefix_cache_queries=200,
                                        prefix_cache_hits=126), now=20.0)
     assert quiet is not None and "Avg prompt throughput: 0.0" in quiet and "hit rate: 0.0%" in quiet
+    tiered = logger.observe(EngineStats(prefix_cache_queries=400, prefix_cache_hits=126,
+                                        external_prefix_cache_queries=200, external_prefix_cache_hits=48), now=30.0)
+    assert tiered is not None and "Prefix cache hit rate: 0.0%, External prefix cache hit rate: 24.0%, " in tiered
     assert "CPU KV cache usage" in (StatLogger("cpu", interval_s=0.0, log=lambda _: None).observe(
         EngineStats(), now=0.0) or StatLogger("cpu").cache_label)
 

@@ -46,6 +46,12 @@ class KVLinkStoreOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_LINK_STORE_OP_COMPARE_SET: _ClassVar[KVLinkStoreOp]
     KV_LINK_STORE_OP_DELETE: _ClassVar[KVLinkStoreOp]
     KV_LINK_STORE_OP_NUM_KEYS: _ClassVar[KVLinkStoreOp]
+
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KVTier]
+    KV_TIER_DEVICE: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -71,6 +77,9 @@ KV_LINK_STORE_OP_CHECK: KVLinkStoreOp
 KV_LINK_STORE_OP_COMPARE_SET: KVLinkStoreOp
 KV_LINK_STORE_OP_DELETE: KVLinkStoreOp
 KV_LINK_STORE_OP_NUM_KEYS: KVLinkStoreOp
+KV_TIER_UNSPECIFIED: KVTier
+KV_TIER_DEVICE: KVTier
+KV_TIER_HOST: KVTier
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens_false", "logit_bias", "structured_outputs", "allowed_token_ids", "bad_words")
@@ -572,12 +581,14 @@ class KVEventsRequest(_message.Message):
     def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
 
 class BlockStoredEvent(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash")
+    __slots__ = ("block_hashes", "parent_hash", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+    tier: KVTier
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class BlockRemovedEvent(_message.Message):
     __slots__ = ("block_hashes",)
@@ -600,7 +611,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "busy_fraction", "prefill_tokens_per_s")
+    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "busy_fraction", "prefill_tokens_per_s", "host_reload_cost", "external_prefix_cache_hits")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -609,6 +620,8 @@ class WorkerLoad(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_RELOAD_COST_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     queued_prefill_tokens: int
@@ -617,7 +630,9 @@ class WorkerLoad(_message.Message):
     num_preemptions: int
     busy_fraction: float
     prefill_tokens_per_s: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    host_reload_cost: float
+    external_prefix_cache_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_reload_cost: _Optional[float] = ..., external_prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("worker_id", "epoch", "sequence", "events", "load", "sent_unix_s")
