@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -161,7 +162,7 @@ class EngineArgs:
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1  # accepted for vLLM parity; only 1 runs (refused otherwise)
+    pipeline_parallel_size: int = 1  # contiguous layer ranges per stage (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE models: whole experts dealt out across the TP ranks
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
@@ -253,7 +254,8 @@ class EngineArgs:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="GPUs (or CPU processes) per worker, one process per rank (Megatron-style splits)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="only 1 is supported (refused otherwise)")
+                       help="pipeline stages per worker: contiguous decoder-layer ranges, one process per stage "
+                            "(times --tensor-parallel-size)")
         g.add_argument("--enable-expert-parallel", action="store_true",
                        help="MoE models: deal whole experts out across the --tensor-parallel-size ranks (attention "
                             "stays tensor-parallel; each rank's expert outputs are summed by one all-reduce)")
@@ -318,10 +320,22 @@ class EngineArgs:
                             structured_outputs, structured_output_limits)
 
     def _validate_parallel_for(self, arch: ModelArch, speculative: SpecConfig | None) -> None:
-        """The tensor-parallel size against this model, before any rank starts."""
+        """The tensor- and pipeline-parallel sizes against this model, before any rank starts."""
         from engine.parallel.layout import validate_tp
+        from engine.parallel.stages import validate_pp
 
         validate_tp(arch, self.tensor_parallel_size)
+        validate_pp(arch.num_layers, self.pipeline_parallel_size)
+        if self.pipeline_parallel_size > 1:
+            from engine.models.registry import model_class
+
+            if "stage" not in inspect.signature(model_class(arch.architecture)).parameters:
+                raise ValueError(f"pipeline_parallel_size > 1 is not supported for {arch.architecture} yet (its model "
+                                 "class builds every layer); use --pipeline-parallel-size 1")
+        if self.pipeline_parallel_size > 1 and speculative is not None:
+            raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not supported (the draft "
+                             "model and the verify step run on one rank); drop --pipeline-parallel-size or the "
+                             "speculative config")
         if self.enable_expert_parallel and arch.moe is None:
             raise ValueError(f"enable_expert_parallel is not supported for {arch.architecture}: a dense model has no "
                              "experts to deal out; drop --enable-expert-parallel")
@@ -422,6 +436,7 @@ class EngineArgs:
             device=device,
             enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else None,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
@@ -542,6 +557,18 @@ class EngineArgs:
         """The parallel layout alone (cheap: `kvflow serve` checks it before starting any worker)."""
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: kvflow has "
-                             "tensor parallelism only (--tensor-parallel-size); use --pipeline-parallel-size 1")
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be >= 1, got {pp}")
+        if pp > 1 and self.quantization is not None:
+            raise ValueError(f"--pipeline-parallel-size {pp} with quantization={self.quantization!r} is not "
+                             "supported yet (the quantized loaders build every layer); use one of them")
+        if pp > 1 and self.kv_cache_dtype != "auto":
+            raise ValueError(f"--pipeline-parallel-size {pp} with kv_cache_dtype={self.kv_cache_dtype!r} is not "
+                             "supported yet (per-stage fp8 KV scales); use --kv-cache-dtype auto")
+        if pp > 1 and self.kv_offloading_size is not None:
+            raise ValueError(f"--kv-offloading-size with --pipeline-parallel-size {pp} is not supported yet (each "
+                             "stage would need a host tier of its own layers); use one of them")
+        if pp > 1 and self.cpu_offload_gb:
+            raise ValueError(f"--cpu-offload-gb with --pipeline-parallel-size {pp} is not supported (each stage "
+                             "already holds only its layers); use one of them")

@@ -71,6 +71,7 @@ class DeviceConfig:
     device: str = "cpu"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages of contiguous decoder layers (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE: whole experts dealt out across the tensor-parallel ranks
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_seq_len_to_capture: int = 8192

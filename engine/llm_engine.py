@@ -36,7 +36,8 @@ from engine.metrics.busy import BusyMeter
 from engine.metrics.reload_cost import ReloadCost
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.outputs import PositionLogprobs, RequestOutput, SchedulerOutput
-from engine.parallel.executor import DEFAULT_RANK_MODULE, create_runner, kv_ranks
+from engine.parallel.batch_queue import BatchQueue
+from engine.parallel.executor import DEFAULT_RANK_MODULE, TPDriverRunner, create_runner, kv_ranks
 from engine.processing.generation_config import resolve_generation_defaults
 from engine.processing.input_processor import InputProcessor, PromptInput, eos_token_id
 from engine.processing.output_processor import OutputKind, OutputProcessor, RequestState
@@ -70,6 +71,9 @@ class LLMEngine:
         self.config = config
         # tensor parallelism: rank 0's runner, the other ranks started (`python -m rank_module`)
         self.runner = create_runner(config, rank_module)
+        # pipeline parallelism: one micro-batch in flight per stage (engine/parallel/batch_queue.py)
+        pp = config.device.pipeline_parallel_size
+        self.batches = BatchQueue(pp) if pp > 1 and isinstance(self.runner, TPDriverRunner) else None
         # Speculative decoding (engine/spec/proposer.py); a draft model is loaded before the memory profile.
         self.proposer = build_proposer(config)
         num_blocks, num_swap = self._initialize_kv_cache()
@@ -191,7 +195,8 @@ class LLMEngine:
         self.abort_request(list(self.outputs.states))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.outputs.pending)
+        return self.scheduler.has_unfinished_requests() or bool(self.outputs.pending) or \
+            (self.batches is not None and self.batches.busy)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs.states)
@@ -308,8 +313,11 @@ class LLMEngine:
         self.expire_kv_leases()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        if self.batches is not None:
+            scheduler_output, runner_output = self.batches.step(self.scheduler, self.runner)  # type: ignore[arg-type]
+        else:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute_model(scheduler_output)
         expert_load = self.runner.take_expert_load()
         if expert_load is not None and expert_load.any():  # none: no forward, or one replayed from a CUDA graph
             self.stats.count_expert_load(expert_load)

@@ -148,6 +148,15 @@ class ClusterSpec:
         size = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
         return self.engine_args.tensor_parallel_size if size is None else size
 
+    def ranks_per_worker(self, role: str) -> int:
+        """One process (and, on GPUs, one GPU) per tensor-parallel rank of each pipeline stage."""
+        return self.tensor_parallel_size(role) * self.engine_args.pipeline_parallel_size
+
+    def parallel_flags(self, role: str) -> str:
+        flags = f"--tensor-parallel-size {self.tensor_parallel_size(role)}"
+        pp = self.engine_args.pipeline_parallel_size
+        return flags + (f" x --pipeline-parallel-size {pp}" if pp > 1 else "")
+
     def role_engine_args(self, role: str) -> EngineArgs:
         return dataclasses.replace(self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role))
 
@@ -172,7 +181,7 @@ class Placement:
     role: str
     gpu: int | None  # index among the launcher's visible GPUs (rank 0's with tensor parallelism); None: CPU
     gpu_memory_utilization: float | None  # None: not a GPU worker
-    tensor_parallel_size: int = 1  # ranks on consecutive GPUs gpu, gpu + 1, ...
+    tensor_parallel_size: int = 1  # ranks (tensor x pipeline) on consecutive GPUs gpu, gpu + 1, ...
 
     @property
     def gpus(self) -> set[int]:
@@ -202,14 +211,16 @@ def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
         if spec.prefill_gpus or spec.decode_gpus:
             raise ValueError("--prefill-gpus/--decode-gpus need visible GPUs and --device auto or cuda")
         return [Placement(role, None, None) for role in roles]
-    # Tensor parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on; each role has its own size.
-    sizes = {role: spec.tensor_parallel_size(role) for role in ("prefill", "decode")}
+    # Tensor and pipeline parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on; each role has
+    # its own tensor-parallel size.
+    sizes = {role: spec.ranks_per_worker(role) for role in ("prefill", "decode")}
     for role, listed, count in (("prefill", spec.prefill_gpus, spec.prefill_workers),
                                 ("decode", spec.decode_gpus, spec.decode_workers)):
         tp = sizes[role]
         if count and tp > num_gpus:
-            raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs per worker, but {num_gpus} are visible"
-                             + ("" if tp == spec.engine_args.tensor_parallel_size else f" ({role} workers)"))
+            raise ValueError(f"{spec.parallel_flags(role)} needs {tp} GPUs per worker, but {num_gpus} are visible"
+                             + ("" if spec.tensor_parallel_size(role) == spec.engine_args.tensor_parallel_size
+                                else f" ({role} workers)"))
         if listed is None:
             continue
         if len(listed) != count:
@@ -250,8 +261,8 @@ def preflight(spec: ClusterSpec, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Clus
     (engine/process/memory_budget.py) unless --kv-cache-memory-bytes / --num-gpu-blocks-override is set. Returns the spec
     the workers start with."""
     args = spec.engine_args
-    processes = (spec.prefill_workers * spec.tensor_parallel_size("prefill")
-                 + spec.decode_workers * spec.tensor_parallel_size("decode"))
+    processes = spec.prefill_workers * spec.ranks_per_worker("prefill") + \
+        spec.decode_workers * spec.ranks_per_worker("decode")
     roles = [role for role, count in (("prefill", spec.prefill_workers), ("decode", spec.decode_workers)) if count]
     # One check per distinct tensor-parallel size (each role's config must be valid); the smaller KV budget wins.
     sizes = sorted({spec.tensor_parallel_size(role) for role in roles}) or [args.tensor_parallel_size]

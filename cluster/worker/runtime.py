@@ -101,8 +101,10 @@ def info_response(engine: LLMEngine, role: int, worker_id: str, disagg_min_promp
         vocab_size=config.model.arch.vocab_size, device=str(engine.device), worker_id=worker_id,
         version=VERSION, num_free_kv_blocks=load.num_free_blocks,
         disagg_min_prompt_tokens=disagg_min_prompt_tokens,
-        tensor_parallel_size=config.device.tensor_parallel_size, pipeline_parallel_size=1,
-        rank_devices=[rank_device(str(engine.device), r) for r in range(config.device.tensor_parallel_size)],
+        tensor_parallel_size=config.device.tensor_parallel_size,
+        pipeline_parallel_size=config.device.pipeline_parallel_size,
+        rank_devices=[rank_device(str(engine.device), r) for r in range(
+            config.device.tensor_parallel_size * config.device.pipeline_parallel_size)],
         compute_domain=compute_domain(engine.device),
     )
 
@@ -205,6 +207,10 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     faults = FaultInjector(args.kv_transfer_fault_rate)
+    if role_name != "decode" and engine_args.pipeline_parallel_size > 1:  # before any rank starts
+        raise ValueError(f"--pipeline-parallel-size {engine_args.pipeline_parallel_size} is not supported on "
+                         f"{role_name} workers: each stage holds only its layers' KV; run pipeline-parallel decode "
+                         "workers, which prefill locally (kvflow serve --pipeline-parallel-size N --prefill-workers 0)")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
     # Tensor parallelism: the other ranks run the KV links' agents too, so each rank moves its own heads. They die
     # with the thread that starts them (engine/process/lifeline.py): a passing thread would take them along when it
@@ -268,7 +274,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
         loop.add_signal_handler(sig, on_signal)
     rank_failure: list[BaseException] = []
     watch = asyncio.create_task(_watch_ranks(llm_engine, health, stop, rank_failure)) \
-        if engine_args.tensor_parallel_size > 1 else None
+        if engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size > 1 else None
     await stop.wait()
     if watch is not None:
         watch.cancel()

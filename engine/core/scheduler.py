@@ -4,6 +4,10 @@ Every request simply has `num_computed_tokens` catching up with `num_tokens` (pr
 serves running requests first, then admits waiting ones while budget, sequence slots and blocks last. When
 blocks run out, the most recently admitted running request is preempted (recompute, or swap to CPU).
 
+With pipeline parallelism several scheduled batches are in flight at once (engine/parallel/batch_queue.py):
+`schedule(in_flight=...)` leaves the requests of those batches out (their next tokens are not known yet) and never
+preempts them (their blocks are being written), and `max_seqs` caps the batch's share of the requests.
+
 With `itl_target_ms` set (and chunked prefill on), a step that holds at least one decoding request also caps its
 prefill tokens (running prefill chunks and new admissions together) at the step-time model's budget
 (engine/core/step_budget.py), so the decodes' inter-token gap stays near the target. Decode tokens are never
@@ -172,8 +176,11 @@ class Scheduler:
         self.waiting.append(request)
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset[str] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
+        """The next batch. `in_flight`: ids of requests in batches not yet back (skipped, never preempted);
+        `max_seqs`: at most this many requests in the batch (pipeline micro-batches)."""
         step = _StepBudget(self.config.max_num_batched_tokens, self._prefill_cap())
+        max_seqs = self.config.max_num_seqs if max_seqs is None else max_seqs
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
         swap_out: list[tuple[int, int]] = []
@@ -181,8 +188,11 @@ class Scheduler:
         preempted = False
 
         index = 0
-        while index < len(self.running) and step.tokens > 0:
+        while index < len(self.running) and step.tokens > 0 and len(chunks) < max_seqs:
             request = self.running[index]
+            if request.request_id in in_flight:
+                index += 1
+                continue
             decode = is_decoding(request)
             limit = step.limit(decode)
             if limit == 0:  # a prefill chunk over the ITL cap: it waits; the decodes after it still run
@@ -195,7 +205,7 @@ class Scheduler:
                     request.spec_token_ids = []
                     num_new = min(request.num_tokens - request.num_computed_tokens, limit)
                     continue
-                victim = self.running.pop()
+                victim = self._victim(in_flight)
                 self._preempt(victim, swap_out)
                 preempted = True
                 if victim is request:
@@ -207,7 +217,8 @@ class Scheduler:
             index += 1
 
         skipped: list[Request] = []
-        while not preempted and self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+        while (not preempted and self.waiting and step.tokens > 0 and len(self.running) < self.config.max_num_seqs
+               and len(chunks) < max_seqs):
             request = self.waiting[0]
             if request.wait_for is not None and not request.wait_for.prefill_done:
                 skipped.append(self.waiting.popleft())  # its sibling's prompt blocks are not cached yet
@@ -322,6 +333,14 @@ class Scheduler:
             prompt_logprobs=request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens,
             spec_token_ids=request.spec_token_ids[:num_spec],
         )
+
+    def _victim(self, in_flight: frozenset[str]) -> Request:
+        """The most recently admitted running request that no batch in flight holds (the request being scheduled
+        is one, so there always is one)."""
+        for index in range(len(self.running) - 1, -1, -1):
+            if self.running[index].request_id not in in_flight:
+                return self.running.pop(index)
+        raise RuntimeError("every running request is in flight: nothing to preempt")
 
     def _swap_in(self, request: Request, num_new: int, swap_in: list[tuple[int, int]]) -> bool:
         assert self.swap_space is not None  # only swap mode produces SWAPPED requests

@@ -24,6 +24,7 @@ from torch import nn
 from engine.models.arch import ModelArch
 from engine.models.weight_map import TPSplit, checkpoint_keys, column_parallel, is_norm_weight, row_parallel
 from engine.parallel.layout import RankShard
+from engine.parallel.stages import PipelineStage
 from engine.quant.kv_fp8 import DEFAULT_KV_SCALES, KVScales
 from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.runner.weight_offload import LayerWeightStream
@@ -302,6 +303,11 @@ class DecoderLayer(nn.Module):
         return self._reduce(mode.linear(silu_and_mul(gate_up), mlp.down_proj.weight)[0]), residual
 
 
+def _meta_unless(real: bool) -> contextlib.AbstractContextManager[object]:
+    """Build on the meta device (no memory, never loaded) unless `real`."""
+    return contextlib.nullcontext() if real else torch.device("meta")
+
+
 def uses_small_gemm(x: torch.Tensor) -> bool:
     """Single-token half-precision steps (batch-1 decode) take the fused small-batch GEMMs: with more rows their
     prologues run on a padded tile and lose to cuBLAS (measured, bench/GPU_NOTES.md); fp32 keeps cuBLAS, whose
@@ -359,26 +365,35 @@ class CausalLM(nn.Module):
 
     def __init__(self, arch: ModelArch, hf_config: Any, backend: AttentionBackend, max_positions: int,
                  fused_ops: bool = False, shard: RankShard | None = None, group: Collectives | None = None,
-                 host_layers: int = 0) -> None:
+                 host_layers: int = 0, stage: PipelineStage | None = None) -> None:
         """`host_layers`: the first layers are built on the meta device (no memory), for a `LayerWeightStream`
-        (engine/runner/weight_offload.py) to give them host memory before the weights are loaded."""
+        (engine/runner/weight_offload.py) to give them host memory before the weights are loaded.
+
+        `stage` (pipeline parallelism, engine/parallel/stages.py): what this stage does not run (other stages'
+        layers, the embedding off the first stage, the norm and head off the last) is built on the meta device and
+        never loaded, so parameter names and order stay the full model's (dummy weights draw the same values)."""
         super().__init__()
         self.arch = arch
         self.shard = shard or RankShard.full(arch)
+        self.stage = stage or PipelineStage.whole(arch.num_layers)
         self.group = group if self.shard.size > 1 else None
         if self.shard.size > 1 and group is None:
             raise ValueError("a tensor-parallel shard needs its process group")
         vocab_rows = self.shard.vocab_rows
-        self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
+        last, embeds = self.stage.is_last, self.stage.is_first or (self.stage.is_last and arch.tie_word_embeddings)
+        with _meta_unless(embeds):
+            self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
         layers = []
         for index in range(arch.num_layers):
-            with torch.device("meta") if index < host_layers else contextlib.nullcontext():
+            with _meta_unless(index >= host_layers and self.stage.holds_layer(index)):
                 layers.append(self.build_layer(index, arch, backend, fused_ops))
         self.layers = nn.ModuleList(layers)
         self.weight_stream: LayerWeightStream | None = None  # set when the first layers are offloaded
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_ops)
+        with _meta_unless(last):
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fused_ops)
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, fused_ops)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab_rows, bias=False)
+        with _meta_unless(last):
+            self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         self.cpu_logits_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.small_gemm_mode = SmallGemmMode.from_env()
         self.small_gemm = fused_ops and self.small_gemm_mode.enabled
@@ -388,14 +403,18 @@ class CausalLM(nn.Module):
         return self.layer_class(arch, backend, fused_ops, self.shard, self.group)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: object) -> torch.Tensor:
-        x = self._embed(input_ids)
-        residual: torch.Tensor | None = None
+                meta: object, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """The final normed hidden states [T, H]. A pipeline stage runs its own layers only (`kv_caches` holds
+        theirs): after the first it starts from `intermediate`, the previous stage's [2, T, H] (hidden states,
+        residual); before the last it returns its own in that form. A later stage given no `intermediate` runs on
+        zeros: the memory profile and the kernel warm-up need the shapes, not the values."""
+        x, residual = self._stage_input(input_ids, intermediate)
         stream = self.weight_stream
         offloaded = 0 if stream is None else stream.num_layers
         if stream is not None:
             stream.start()  # the first offloaded layers' weights start landing in the staging buffers
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = self.layers[self.stage.start : self.stage.end]
+        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True), start=self.stage.start):
             if index < offloaded:
                 stream.before_layer(index)  # type: ignore[union-attr]
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)
@@ -403,7 +422,19 @@ class CausalLM(nn.Module):
                 stream.after_layer(index)  # type: ignore[union-attr]
         if stream is not None:
             stream.finish()
+        if not self.stage.is_last:
+            return torch.stack((x, residual))  # type: ignore[arg-type]  # one buffer: one send to the next stage
         return self.norm.add_norm(x, residual)[0]
+
+    def _stage_input(self, input_ids: torch.Tensor, intermediate: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.stage.is_first:
+            return self._embed(input_ids), None
+        if intermediate is None:
+            dtype = self.layers[self.stage.start].input_layernorm.weight.dtype
+            zeros = torch.zeros(len(input_ids), self.arch.hidden_size, dtype=dtype, device=input_ids.device)
+            return zeros, zeros.clone()
+        return intermediate[0], intermediate[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -455,9 +486,12 @@ class CausalLM(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights, stacking the packed ones (q|k|v, gate|up); every parameter must be covered."""
+        """Load HF-named weights, stacking the packed ones (q|k|v, gate|up); every parameter this rank holds (not
+        on the meta device) must be covered."""
         with torch.no_grad():
             for name, param in self.named_parameters():
+                if param.is_meta:
+                    continue
                 parts = [state[key] for key in checkpoint_keys(type(self), name)]
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
                 if param.shape != tensor.shape:
@@ -478,6 +512,8 @@ class CausalLM(nn.Module):
         values as resident ones drawn on the GPU."""
         with torch.no_grad():
             for index, (name, param) in enumerate(self.named_parameters()):
+                if param.is_meta:  # another pipeline stage's (the index still counts: the same values there)
+                    continue
                 where = param.device if device is None else device
                 gen = torch.Generator(device=where).manual_seed(self.dummy_seed(seed, index, name))
                 if is_norm_weight(name):

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.outputs import NewRequestData, ScheduledChunk, SchedulerOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import StructuredOutputsParams
 
 _SO_FIELDS = {"new_requests", "chunks", "total_num_scheduled_tokens", "blocks_to_swap_out", "blocks_to_swap_in",
               "kv_tier_copies", "finished_request_ids", "num_decode_seqs", "num_prefill_tokens", "prefill_attention_pairs",
@@ -38,6 +39,8 @@ def _params_to_json(params: SamplingParams) -> dict[str, Any]:
     out = {name: getattr(params, name) for name in _PARAM_FIELDS}
     if params.logit_bias:
         out["logit_bias"] = [[int(k), float(v)] for k, v in params.logit_bias.items()]
+    if params.structured_outputs is not None:  # a dataclass of JSON values (the schema itself is JSON)
+        out["structured_outputs"] = dataclasses.asdict(params.structured_outputs)
     out["_explicit"] = sorted(params._explicit)
     return out
 
@@ -48,6 +51,8 @@ def _params_from_json(raw: dict[str, Any]) -> SamplingParams:
         setattr(params, name, raw[name])
     if raw["logit_bias"]:
         params.logit_bias = {int(k): float(v) for k, v in raw["logit_bias"]}
+    if raw["structured_outputs"] is not None:
+        params.structured_outputs = StructuredOutputsParams(**raw["structured_outputs"])
     params._explicit = frozenset(raw["_explicit"])
     return params
 

@@ -1,8 +1,10 @@
-"""Tensor-parallel execution: one process per rank, the scheduler on rank 0 only.
+"""Tensor- and pipeline-parallel execution: one process per rank, the scheduler on rank 0 only.
 
-Rank 0 is the engine's own process: `create_runner` starts ranks 1..N-1 as child processes (`python -m
-engine.parallel.worker`), joins them in a process group of their own (NCCL between GPUs, gloo on CPUs; rendezvous
-through a c10d TCPStore on a free local port) and returns a `TPDriverRunner`. Before each step the driver writes
+Rank 0 is the engine's own process: `create_runner` starts ranks 1..N-1 (N = tp x pp) as child processes
+(`python -m engine.parallel.worker`), joins them in process groups of their own (engine/parallel/pipeline.py:
+NCCL between GPUs, gloo on CPUs; rendezvous through a c10d TCPStore on a free local port) and returns a
+`TPDriverRunner`. With pipeline stages, rank 0 runs the last stage (it samples); the others run their stage's
+layers and pass the activations on (engine/parallel/stages.py). Before each step the driver writes
 the step's `SchedulerOutput` to every child's stdin (engine/parallel/codec.py: explicit JSON, length-prefixed
 frames, no pickle); then every rank runs the same `ModelRunner.execute_model`, whose collectives (two all-reduces
 per layer, the embedding's all-reduce and the logits' all-gather) keep them in lockstep. All ranks see the full
@@ -42,9 +44,11 @@ from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConf
 from engine.kv_port import KVRanks
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
-from engine.parallel.group import TPGroup, tp_timeout_s
+from engine.parallel.group import tp_timeout_s
 from engine.parallel.layout import shard_for, validate_tp
 from engine.parallel.nccl_env import set_nccl_env_defaults
+from engine.parallel.pipeline import ParallelWorld
+from engine.parallel.stages import validate_pp
 from engine.process.lifeline import lifeline_env
 from engine.runner.model_runner import ModelRunner
 
@@ -136,15 +140,18 @@ def free_port() -> int:
 def create_runner(config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE) -> ModelRunner:
     """The engine's runner: a plain `ModelRunner` for one rank, else a `TPDriverRunner` with its ranks started
     (each `python -m rank_module`)."""
-    size = config.device.tensor_parallel_size
+    tp, pp = config.device.tensor_parallel_size, config.device.pipeline_parallel_size
+    size = tp * pp
     if size == 1:
         return ModelRunner(config)
-    validate_tp(config.model.arch, size)
+    validate_tp(config.model.arch, tp)
+    validate_pp(config.model.arch.num_layers, pp)
     device = rank_device(config.device.device, 0)
     if device.startswith("cuda"):
         last = rank_device(device, size - 1)
         if torch.device(last).index >= torch.cuda.device_count():  # type: ignore[operator]
-            raise ValueError(f"tensor_parallel_size={size} on {device} needs GPUs up to {last}, but only "
+            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} on {device} needs GPUs up "
+                             f"to {last}, but only "
                              f"{torch.cuda.device_count()} are visible")
     config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
     return TPDriverRunner(config, rank_module)
@@ -162,8 +169,9 @@ def kv_ranks(runner: ModelRunner) -> KVRanks:
     return KVRanks(heads, runner.tell, runner.check_ranks, group.store)
 
 
-def _stop_children(procs: list[subprocess.Popen]) -> None:
-    """Close each child's stdin (it exits), then make sure it is gone. Safe to call twice."""
+def _stop_children(procs: list[subprocess.Popen], keeper_done: threading.Event) -> None:
+    """Close each child's stdin (it exits), make sure it is gone, then let the thread that started them end.
+    Safe to call twice."""
     for proc in procs:
         with contextlib.suppress(Exception):
             if proc.stdin is not None and not proc.stdin.closed:
@@ -175,20 +183,47 @@ def _stop_children(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    keeper_done.set()
+
+
+def _start_children(argv: list[str], env: dict[str, str], setups: list[bytes], procs: list[subprocess.Popen],
+                    keeper_done: threading.Event) -> None:
+    """Start one child per setup frame on a thread of their own that lives until `keeper_done`: PR_SET_PDEATHSIG
+    (engine/process/lifeline.py) follows the thread that started a child, and the caller's may end first (a
+    worker builds its engine on a passing thread, cluster/worker/threads.py), which would SIGTERM every rank."""
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def keep() -> None:
+        try:
+            for setup in setups:
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+                procs.append(proc)
+                assert proc.stdin is not None
+                write_frame(proc.stdin, setup)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            errors.append(exc)
+        finally:
+            started.set()
+        keeper_done.wait()
+
+    threading.Thread(target=keep, name="parallel-ranks", daemon=True).start()
+    started.wait()
+    if errors:
+        raise errors[0]
 
 
 class TPDriverRunner(ModelRunner):
-    """Rank 0's runner: starts and feeds the other ranks, then runs its own shard of every step."""
+    """Rank 0's runner: starts and feeds the other ranks, then runs its own shard (and stage) of every step."""
 
     def __init__(self, config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE) -> None:
-        size = config.device.tensor_parallel_size
+        size = config.device.tensor_parallel_size * config.device.pipeline_parallel_size
         timeout_s = tp_timeout_s()
         port = free_port()
         doc = {"config": encode_config(config), "size": size, "host": "127.0.0.1", "port": port,
                "timeout_s": timeout_s}
-        # The ranks die with this process, even by SIGKILL, so no orphan keeps its GPU memory. Rank 0's thread
-        # that starts them must outlive them (PR_SET_PDEATHSIG follows the thread): the engine is built on the
-        # main thread or a pool thread that lives as long as its event loop.
+        # The ranks die with this process, even by SIGKILL, so no orphan keeps its GPU memory (started on a
+        # thread that lives as long as they should: `_start_children`).
         env = {**os.environ, **lifeline_env()}
         set_nccl_env_defaults(env)
         self._procs: list[subprocess.Popen] = []
@@ -197,21 +232,20 @@ class TPDriverRunner(ModelRunner):
         self._stopped = threading.Event()
         self._timeout_s = timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight (the watchdog's clock)
-        self._finalizer = weakref.finalize(self, _stop_children, self._procs)
-        group: TPGroup | None = None
+        keeper_done = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop_children, self._procs, keeper_done)
+        group: ParallelWorld | None = None
         try:
-            for rank in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", rank_module], stdin=subprocess.PIPE,
-                                        env=env)
-                assert proc.stdin is not None
-                write_frame(proc.stdin, json.dumps({**doc, "rank": rank}).encode())
-                self._procs.append(proc)
+            _start_children([sys.executable, "-m", rank_module], env,
+                            [json.dumps({**doc, "rank": rank}).encode() for rank in range(1, size)], self._procs,
+                            keeper_done)
             if not config.device.device.startswith("cuda"):
                 torch.set_num_threads(cpu_threads_per_rank(size))
-            group = TPGroup("127.0.0.1", port, 0, size, torch.device(config.device.device), timeout_s)
+            group = ParallelWorld("127.0.0.1", port, 0, config, torch.device(config.device.device), timeout_s)
+            self._world = group
             self._watchdog = threading.Thread(target=self._watch, args=(group,), name="tp-watchdog", daemon=True)
             self._watchdog.start()
-            super().__init__(config, group)
+            super().__init__(config, group.tp, group.link)
         except BaseException as exc:
             self._stopped.set()
             if group is not None:
@@ -222,20 +256,29 @@ class TPDriverRunner(ModelRunner):
                 raise TensorParallelError(f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]} during "
                                           "start-up (see its log above)") from exc
             raise
-        logger.info("tensor parallel: %d ranks (%s, %s)", size, group.backend, config.device.device)
+        logger.info("parallel: %d ranks, tensor %d x pipeline %d (%s, %s)", size, config.device.tensor_parallel_size,
+                    config.device.pipeline_parallel_size, group.backend, config.device.device)
 
     # -- the engine's calls ------------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
-        return self._guard(lambda: self._tp_group.min_int(super(TPDriverRunner, self).determine_num_blocks()))
+        return self._guard(lambda: self._world.min_int(super(TPDriverRunner, self).determine_num_blocks()))
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._send(MSG_INIT_KV + json.dumps([num_blocks, num_swap_blocks]).encode())
         self._guard(lambda: super(TPDriverRunner, self).initialize_kv_cache(num_blocks, num_swap_blocks))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(so)
+        return self.collect(so)
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Hand the step to the other ranks (stage 0 starts on it at once); `collect` runs this rank's part."""
+        self._send(MSG_STEP + codec.encode(so))
+
+    def collect(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """This rank's part of a submitted step, in submission order (engine/parallel/batch_queue.py)."""
         self._step_started = time.monotonic()
         try:
-            self._send(MSG_STEP + codec.encode(so))
             return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
         finally:
             self._step_started = None
@@ -259,15 +302,9 @@ class TPDriverRunner(ModelRunner):
         self._finalizer()
         if self._failure is None:  # after a failure the GPU may never finish: do not wait for it
             self.release_graphs()
-        if self.tp_group is not None:
-            self.tp_group.close(failed=self._failure is not None)
+        self._world.close(failed=self._failure is not None)
 
     # -- internals ---------------------------------------------------------------------------------------------
-    @property
-    def _tp_group(self) -> TPGroup:
-        assert self.tp_group is not None
-        return self.tp_group
-
     def _send(self, payload: bytes) -> None:
         self.check_ranks()
         with self._pipe_lock:
@@ -300,7 +337,7 @@ class TPDriverRunner(ModelRunner):
         if self._failure is not None:
             raise TensorParallelError(self._failure)
 
-    def _watch(self, group: TPGroup) -> None:
+    def _watch(self, group: ParallelWorld) -> None:
         """Abort the communicators as soon as a child dies or a step overruns, so a rank blocked in a collective
         fails now."""
         while not self._stopped.wait(WATCH_INTERVAL_S):

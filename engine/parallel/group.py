@@ -1,5 +1,5 @@
 """A tensor-parallel process group of its own (never torch's global default group): the collectives the model
-needs, over NCCL between GPUs (called directly on the caller's stream, engine/parallel/nccl.py, so CUDA graphs
+needs (and the point-to-point sends between pipeline stages), over NCCL between GPUs (called directly on the caller's stream, engine/parallel/nccl.py, so CUDA graphs
 capture them) or gloo on CPUs (each call bounded by a timeout). On GPUs a stuck collective is ended by the driver's
 watchdog aborting the communicator (engine/parallel/executor.py)."""
 
@@ -55,13 +55,16 @@ class TPGroup:
     own server would listen on every interface, open to anyone who reaches the machine)."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, device: torch.device,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, store: Any = None, prefix: str = "kvflow-tp") -> None:
+        """`store`: join through an existing store (a pipeline stage's group on its world's store, under its own
+        `prefix`) instead of a new one at host:port."""
         self.rank, self.size, self.device = rank, size, device
         self.timeout_s = timeout_s if timeout_s is not None else tp_timeout_s()
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout,
-                                   master_listen_fd=_listening_fd(host, port) if rank == 0 else None)
-        prefixed = dist.PrefixStore("kvflow-tp", self.store)
+        self.store = store if store is not None else dist.TCPStore(
+            host, port, size, is_master=rank == 0, timeout=timeout,
+            master_listen_fd=_listening_fd(host, port) if rank == 0 else None)
+        prefixed = dist.PrefixStore(prefix, self.store)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.nccl: NcclCommunicator | None = None
         # Small host-side agreements (the KV block count) go over gloo whatever the device.
@@ -92,6 +95,20 @@ class TPGroup:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.cpu_pg.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point to point (pipeline stages' activations): `tensor` (contiguous) to rank `dst`."""
+        if self.nccl is not None:
+            self.nccl.send(tensor, dst)
+            return
+        self.cpu_pg.send([tensor], dst, 0).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill `tensor` (contiguous) with what rank `src` sends."""
+        if self.nccl is not None:
+            return self.nccl.recv(tensor, src)
+        self.cpu_pg.recv([tensor], src, 0).wait()
+        return tensor
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value (host side)."""

@@ -65,10 +65,14 @@ class NcclLibrary:
                                       ctypes.c_void_p, ctypes.c_void_p]
         lib.ncclAllGather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p]
+        # ncclSend(sendbuff, count, datatype, peer, comm, stream) and ncclRecv(recvbuff, ...): pipeline stages
+        lib.ncclSend.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_void_p]
+        lib.ncclRecv.argtypes = lib.ncclSend.argtypes
         lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
         lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
         for name in ("ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclAllGather",
-                     "ncclCommAbort", "ncclCommDestroy"):
+                     "ncclSend", "ncclRecv", "ncclCommAbort", "ncclCommDestroy"):
             getattr(lib, name).restype = ctypes.c_int
         self.lib = lib
 
@@ -124,6 +128,21 @@ class NcclCommunicator:
         self.library.check(self.library.lib.ncclAllGather(tensor.data_ptr(), out.data_ptr(), tensor.numel(), dtype,
                                                           self._handle(), stream), "ncclAllGather")
         return out
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        """`tensor` (contiguous, on this rank's GPU) to rank `peer`, on the current stream."""
+        dtype = _nccl_dtype(tensor)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.library.check(self.library.lib.ncclSend(tensor.data_ptr(), tensor.numel(), dtype, peer,
+                                                     self._handle(), stream), "ncclSend")
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        """Fill `tensor` (contiguous, on this rank's GPU) from rank `peer`, on the current stream."""
+        dtype = _nccl_dtype(tensor)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.library.check(self.library.lib.ncclRecv(tensor.data_ptr(), tensor.numel(), dtype, peer,
+                                                     self._handle(), stream), "ncclRecv")
+        return tensor
 
     def close(self, abort: bool, wait_s: float = CLOSE_WAIT_S) -> bool:
         """Abort (pending kernels stop; peers may be gone) or destroy (every rank finished); safe to call twice.

@@ -21,7 +21,14 @@ from torch import nn
 from engine.errors import ModelNotAvailable
 from engine.models.arch import ModelArch
 from engine.models.registry import model_class
-from engine.models.weight_map import TPSplit, expert_index, fused_splits, is_norm_weight, tp_split
+from engine.models.weight_map import (
+    TPSplit,
+    checkpoint_keys,
+    expert_index,
+    fused_splits,
+    is_norm_weight,
+    tp_split,
+)
 from engine.parallel.layout import RankShard
 
 
@@ -63,9 +70,16 @@ def _take(source: Any, split: TPSplit, arch: ModelArch, shard: RankShard) -> tor
     return source[start:end] if split.dim == 0 else source[:, start:end]
 
 
-def load_sharded_state(path: str, arch: ModelArch, shard: RankShard) -> dict[str, torch.Tensor]:
+def held_checkpoint_keys(model: nn.Module) -> set[str]:
+    """The checkpoint keys behind the parameters this rank holds (a pipeline stage's: not on the meta device)."""
+    return {key for name, param in model.named_parameters() if not param.is_meta
+            for key in checkpoint_keys(type(model), name)}  # type: ignore[arg-type]
+
+
+def load_sharded_state(path: str, arch: ModelArch, shard: RankShard,
+                       keys: set[str] | None = None) -> dict[str, torch.Tensor]:
     """HF-named tensors of this rank's shard, read slice by slice from the safetensors files (no full tensor of a
-    split weight is ever read)."""
+    split weight is ever read); only `keys` when given (a pipeline stage's, `held_checkpoint_keys`)."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -76,6 +90,8 @@ def load_sharded_state(path: str, arch: ModelArch, shard: RankShard) -> dict[str
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if keys is not None and key not in keys:
+                    continue
                 expert = expert_index(key)
                 if expert is not None and not shard.experts[0] <= expert < shard.experts[1]:
                     continue  # another expert-parallel rank's expert
@@ -112,6 +128,8 @@ def init_dummy_sharded(model: nn.Module, seed: int, arch: ModelArch, shard: Rank
     declarations = type(model)
     with torch.no_grad():
         for index, (name, param) in enumerate(model.named_parameters()):
+            if param.is_meta:  # another pipeline stage's
+                continue
             if is_norm_weight(name):
                 param.fill_(1.0)
                 continue

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank > 0: `python -m engine.parallel.worker`, started by rank 0 (engine/parallel/executor.py).
+"""A tensor- or pipeline-parallel rank > 0: `python -m engine.parallel.worker`, started by rank 0 (engine/parallel/executor.py).
 
 It reads its setup (config, rank, rendezvous) as the first frame on stdin, joins the group, builds its shard and
 then runs every step rank 0 sends, until stdin ends or says quit. It never schedules, samples for anyone or answers
@@ -10,6 +10,7 @@ An upper floor may run `run` with a `RankExtension` (its own `python -m` module)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -19,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from engine.outputs import SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.executor import (
     MSG_EXTENSION,
@@ -31,8 +33,10 @@ from engine.parallel.executor import (
     read_frame,
 )
 from engine.parallel.group import TPGroup
+from engine.parallel.pipeline import ParallelWorld
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.tp_worker")
 
@@ -63,14 +67,14 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
         torch.cuda.set_device(torch.device(device))
     else:
         torch.set_num_threads(cpu_threads_per_rank(size))
-    group = TPGroup(doc["host"], int(doc["port"]), rank, size, torch.device(device), float(doc["timeout_s"]))
+    world = ParallelWorld(doc["host"], int(doc["port"]), rank, config, torch.device(device), float(doc["timeout_s"]))
     failed = True
     runner: ModelRunner | None = None
     extension: RankExtension | None = None
     try:
-        runner = ModelRunner(config, group)
-        extension = extension_factory(runner, group) if extension_factory is not None else None
-        group.min_int(runner.determine_num_blocks())
+        runner = ModelRunner(config, world.tp, world.link)
+        extension = extension_factory(runner, world.group) if extension_factory is not None else None
+        world.min_int(runner.determine_num_blocks())
         while True:
             frame = read_frame(stdin)  # type: ignore[arg-type]
             if frame is None or frame[:1] == MSG_QUIT:
@@ -80,7 +84,7 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
                 num_blocks, num_swap = json.loads(body)
                 runner.initialize_kv_cache(int(num_blocks), int(num_swap))
             elif kind == MSG_STEP:
-                runner.execute_model(codec.decode(body))
+                runner.execute_model(without_grammars(codec.decode(body)))
             elif kind == MSG_EXTENSION and extension is not None:
                 extension.handle(body)
             else:
@@ -91,8 +95,25 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
             extension.close()
         if runner is not None and not failed:
             runner.release_graphs()
-        group.close(failed=failed)
+        world.close(failed=failed)
     return 0
+
+
+def without_grammars(so: SchedulerOutput) -> SchedulerOutput:
+    """The step with its new requests' grammars dropped: this rank's samples are never used (rank 0 samples for
+    the engine, with its StructuredOutputManager), so it needs no grammar matcher, and has no tokenizer for one."""
+    if not any(new.sampling_params.structured_outputs is not None for new in so.new_requests):
+        return so
+    return dataclasses.replace(so, new_requests=[
+        new if new.sampling_params.structured_outputs is None
+        else dataclasses.replace(new, sampling_params=_without_grammar(new.sampling_params))
+        for new in so.new_requests])
+
+
+def _without_grammar(params: SamplingParams) -> SamplingParams:
+    params = copy.copy(params)  # as sent: already validated on rank 0 (no __init__ again)
+    params.structured_outputs = None
+    return params
 
 
 def main(extension_factory: ExtensionFactory | None = None) -> None:

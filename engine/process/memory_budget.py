@@ -60,10 +60,11 @@ def _gib(n: int) -> str:
 
 
 def kv_bytes_per_token(config: EngineConfig) -> int:
-    """K and V of one token over all layers, this rank's KV heads only."""
+    """K and V of one token over this rank's layers (the largest pipeline stage's), its KV heads only."""
     arch, tp = config.model.arch, config.device.tensor_parallel_size
     dtype_bytes = 1 if config.cache.kv_cache_dtype == "fp8_e4m3" else DTYPE_BYTES[config.model.dtype]
-    return 2 * arch.num_layers * max(arch.num_kv_heads // tp, 1) * arch.head_dim * dtype_bytes
+    layers = -(-arch.num_layers // config.device.pipeline_parallel_size)
+    return 2 * layers * max(arch.num_kv_heads // tp, 1) * arch.head_dim * dtype_bytes
 
 
 def kv_bytes_for_tokens(config: EngineConfig, tokens: int) -> int:
@@ -91,7 +92,7 @@ def weight_bytes(config: EngineConfig) -> int:
     else:
         linear = arch.num_params - embedding * (1 if arch.tie_word_embeddings else 2)
         total = int(linear * QUANTIZED_BYTES_PER_PARAM) + 2 * embedding * dtype_bytes
-    return total // config.device.tensor_parallel_size
+    return total // (config.device.tensor_parallel_size * config.device.pipeline_parallel_size)
 
 
 def runtime_bytes(config: EngineConfig) -> int:

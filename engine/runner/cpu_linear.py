@@ -62,12 +62,14 @@ def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> bool:
         return False
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and not child.weight.is_meta:
                 setattr(parent, name, PackedLinear(child, batch_hint))
     if getattr(model, "cpu_logits_head", None) is not None:  # a quantized head (engine/quant) keeps its own
         return True
     # the model names its own logits module (lm_head, or the tied embedding): no architecture's names here; an
     # lm_head packed above is its own logits head (its plain weight is gone)
     head = model.head_module()  # type: ignore[operator]
+    if head.weight.is_meta:  # a pipeline stage before the last computes no logits
+        return True
     model.cpu_logits_head = head if isinstance(head, PackedLinear) else PackedHead(head.weight, batch_hint)
     return True

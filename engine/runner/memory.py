@@ -116,8 +116,9 @@ class MemoryProfiler:
     """Runs the profiled steps on one rank's model and turns their peaks into its KV budget."""
 
     def __init__(self, model: DecodeModel, attn_backend: AttentionBackend, sampler: Sampler,
-                 device: torch.device) -> None:
+                 device: torch.device, computes_logits: bool = True) -> None:
         self.model = model
+        self.computes_logits = computes_logits  # False: a pipeline stage before the last (no head, no sampler)
         self.attn_backend = attn_backend
         self.sampler = sampler
         self.device = device
@@ -137,6 +138,8 @@ class MemoryProfiler:
     def _largest_step(self, kv_caches: list[KVCache], shape: ProfileShape, block_size: int) -> None:
         """A max_num_batched_tokens prefill, then the logits and the sampler's sort for max_num_seqs rows."""
         hidden = self._forward(kv_caches, list(shape.prefill_lens), block_size)
+        if not self.computes_logits:
+            return
         num_rows = shape.num_sample_rows
         logits = self.model.compute_logits(hidden[torch.arange(num_rows, device=self.device) % len(hidden)])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1)

@@ -42,7 +42,9 @@ from engine.outputs import (
 )
 from engine.parallel.group import TPGroup
 from engine.parallel.layout import RankShard, shard_for
-from engine.parallel.sharding import init_dummy_sharded, load_sharded_state
+from engine.parallel.pipeline import StageLink
+from engine.parallel.sharding import held_checkpoint_keys, init_dummy_sharded, load_sharded_state
+from engine.parallel.stages import PipelineStage
 from engine.process.cpu_memory import keep_freed_memory_for_reuse, release_freed_memory
 from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention
 from engine.runner.cpu_linear import pack_linears_for_cpu
@@ -92,10 +94,10 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(config: EngineConfig, device: torch.device, attn_backend: AttentionBackend, shard: RankShard,
-               tp_group: TPGroup | None, fused: bool) -> CausalLM:
-    """This rank's model, built in place (on CUDA: on the GPU, in the model dtype), its weights loaded or
-    initialized, the leading layers `cpu_offload_gb` names streamed from pinned host memory, and the fp8 KV scales
-    set."""
+               tp_group: TPGroup | None, fused: bool, stage: PipelineStage | None = None) -> CausalLM:
+    """This rank's model (its pipeline `stage`'s part), built in place (on CUDA: on the GPU, in the model dtype),
+    its weights loaded or initialized, the leading layers `cpu_offload_gb` names streamed from pinned host memory,
+    and the fp8 KV scales set."""
     dtype = DTYPES[config.model.dtype]
     on_cuda = device.type == "cuda"
     arch = config.model.arch
@@ -104,10 +106,12 @@ def load_model(config: EngineConfig, device: torch.device, attn_backend: Attenti
     # On CUDA every tensor is created on the GPU in the model dtype (an 8B model never touches the CPU).
     build_dtype = dtype if on_cuda else torch.get_default_dtype()
     offload = _offload_plan(config, dtype, attn_backend, shard, fused, single_gpu=on_cuda and tp_group is None)
+    # `stage` only when the model is split: a model class without pipeline support still builds unsplit
+    split = {"stage": stage} if stage is not None and stage.size > 1 else {}
     with torch.device(device), default_dtype(build_dtype):
         model = model_class(arch.architecture)(
             arch, config.model.hf_config, attn_backend, config.model.max_model_len, fused_ops=fused, shard=shard,
-            group=tp_group, host_layers=offload.num_layers)
+            group=tp_group, host_layers=offload.num_layers, **split)
     if offload.num_layers:  # before loading: the offloaded layers' weights go straight to pinned host memory
         model.weight_stream = LayerWeightStream(model.layers[: offload.num_layers], device)
     if config.model.quantization is not None:
@@ -118,9 +122,10 @@ def load_model(config: EngineConfig, device: torch.device, attn_backend: Attenti
         init_dummy_sharded(model, config.model.seed, arch, shard)
     elif config.model.load_format == "dummy":
         model.init_dummy_weights(config.model.seed, device)
-    elif tp_group is not None:
+    elif tp_group is not None or (stage is not None and stage.size > 1):  # read only this rank's tensors
         assert config.model.model_path is not None
-        model.load_hf_state_dict(load_sharded_state(config.model.model_path, arch, shard))
+        model.load_hf_state_dict(load_sharded_state(config.model.model_path, arch, shard,
+                                                    held_checkpoint_keys(model)))
     else:
         assert config.model.model_path is not None
         model.load_hf_state_dict(hf_state_dict(config.model.model_path))
@@ -168,11 +173,15 @@ def _pinned_to(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class ModelRunner:
     """One rank's runner; with `tp_group` (tensor parallelism, engine/parallel/) it holds and computes only this
-    rank's shard, and every rank runs the same steps (engine/parallel/executor.py)."""
+    rank's shard, and every rank runs the same steps (engine/parallel/executor.py). With `link` (pipeline
+    parallelism, engine/parallel/pipeline.py) it holds its stage's layers and their KV only; a stage before the
+    last passes its activations on and samples nothing."""
 
-    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None, link: StageLink | None = None) -> None:
         self.config = config
         self.tp_group = tp_group
+        self.link = link
+        self.stage = link.stage if link is not None else PipelineStage.whole(config.model.arch.num_layers)
         self.shard = shard_for(config.model.arch, tp_group.rank, tp_group.size,
                                config.device.enable_expert_parallel) if tp_group is not None \
             else RankShard.full(config.model.arch)
@@ -184,7 +193,7 @@ class ModelRunner:
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
         self.block_size = config.cache.block_size
         arch = config.model.arch
-        self.kv_spec = KVCacheSpec(arch.num_layers, self.block_size, self.shard.num_kv_heads, arch.head_dim,
+        self.kv_spec = KVCacheSpec(self.stage.num_layers, self.block_size, self.shard.num_kv_heads, arch.head_dim,
                                    self.kv_dtype)
         self.on_cuda = self.device.type == "cuda"
         self.memory_at_start: GpuMemory | None = None
@@ -195,7 +204,7 @@ class ModelRunner:
                 self.memory_at_start.check_share(config.cache.gpu_memory_utilization, self.device)
         self.attn_backend = select_attention_backend(self.device, self.block_size)
         fused = self.on_cuda and HAS_TRITON
-        self.model = load_model(config, self.device, self.attn_backend, self.shard, tp_group, fused)
+        self.model = load_model(config, self.device, self.attn_backend, self.shard, tp_group, fused, self.stage)
         self.sampler = Sampler(config.model.seed, self.device)
         self.structured_output: StructuredOutputManager | None = None  # the engine sets it (it owns the tokenizer)
         self.requests: dict[str, RunnerRequestState] = {}
@@ -203,7 +212,8 @@ class ModelRunner:
         self.swap_caches: list[KVCache] = []
         self.kv_tier: KVTierCopier | None = None  # the host KV tier (--kv-offloading-size)
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs, config.device.cudagraph_capture_sizes,
-                                         config.device.enforce_eager) if fused else []
+                                         config.device.enforce_eager) if fused and self.stage.size == 1 else []
+        # (pipeline stages run eager: a graph would have to capture the receive and send as well)
         self.graphs: DecodeGraphs | None = None
         self._step_done = torch.cuda.Event() if self.on_cuda else None
         self.decode_ahead = DecodeAhead(self.block_size, config.model.max_model_len)
@@ -213,7 +223,8 @@ class ModelRunner:
         """fp8 cache: each layer's k_scale, v_scale in order (part of the KV layout P/D peers must share)."""
         if self.kv_dtype != torch.float8_e4m3fn:
             return ()
-        return tuple(s for layer in self.model.layers for s in layer.self_attn.kv_scales)
+        layers = self.model.layers[self.stage.start : self.stage.end]
+        return tuple(s for layer in layers for s in layer.self_attn.kv_scales)
 
     def check_ranks(self) -> None:
         """Raise if a tensor-parallel rank is gone (a single rank has none to lose)."""
@@ -262,7 +273,7 @@ class ModelRunner:
         assert self.memory_at_start is not None  # set in __init__ on CUDA
         shape = ProfileShape.largest(sched.max_num_batched_tokens, sched.max_num_seqs,
                                      self.config.model.max_model_len, max(self.graph_sizes, default=0))
-        profiler = MemoryProfiler(self.model, self.attn_backend, self.sampler, self.device)
+        profiler = MemoryProfiler(self.model, self.attn_backend, self.sampler, self.device, self.stage.is_last)
         return profiler.kv_budget(self.kv_spec, shape, self.memory_at_start, cache.gpu_memory_utilization)
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
@@ -316,6 +327,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         rows = step_rows(so.chunks, self.block_size, decode_first=self.on_cuda)
         hidden = self._forward(rows)
+        if not self.stage.is_last:  # the activations went on to the next stage
+            return ModelRunnerOutput({})
         prompt_logprobs = self._prompt_logprobs(hidden, rows.prompt_logprob_spans)
         if rows.spec_spans:
             return self._verify_and_sample(hidden, rows.spec_spans, rows.sample_rows, rows.sample_ids,
@@ -348,6 +361,9 @@ class ModelRunner:
             input_ids = torch.as_tensor(rows.input_ids, dtype=torch.int64, device=device)
             positions = torch.as_tensor(rows.positions, dtype=torch.int64, device=device)
         meta = self.attn_backend.build_metadata(rows.attention, device)
+        if self.link is not None:
+            return self.link.forward(lambda inter: self.model(input_ids, positions, self.kv_caches, meta, inter),
+                                     len(rows.input_ids), device)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _sample_step(self, hidden: torch.Tensor, rows: StepRows,

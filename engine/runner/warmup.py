@@ -166,6 +166,8 @@ def run_batch(runner: ModelRunner, batch: WarmupBatch, head_rows: tuple[int, ...
     ids = torch.zeros(len(positions), dtype=torch.int64, device=device)
     meta = runner.attn_backend.build_metadata(attention, device)
     hidden = runner.model(ids, torch.as_tensor(positions, dtype=torch.int64, device=device), runner.kv_caches, meta)
+    if not runner.stage.is_last:  # a pipeline stage before the last has no head
+        return
     for rows in head_rows:
         if rows <= len(hidden):
             runner.model.compute_logits(hidden[:rows])

@@ -82,7 +82,8 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "num_kv_blocks": llm.llm_engine.num_gpu_blocks, "num_preemptions": llm.stats.num_preemptions,
-        "tensor_parallel_size": config.device.tensor_parallel_size, **host_context(), "ignore_eos": ignore_eos,
+        "tensor_parallel_size": config.device.tensor_parallel_size,
+        "pipeline_parallel_size": config.device.pipeline_parallel_size, **host_context(), "ignore_eos": ignore_eos,
     }
     llm.close()  # the other tensor-parallel ranks, if any
     return result, context

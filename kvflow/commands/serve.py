@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_itl_s=args.slo_itl_ms / 1000).validate()  # before workers
     engine_args = adaptive_itl_target(engine_args, args.disagg_policy, args.slo_itl_ms)
     engine_args.structured_outputs()
+    args.prefill_workers = pipeline_prefill_workers(engine_args.pipeline_parallel_size, args.prefill_workers)
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
                                                               args.data_parallel_size)
     prefill_tp, decode_tp = role_tensor_parallel(engine_args.tensor_parallel_size, args.prefill_tensor_parallel_size,
@@ -141,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
                        gpu_memory_utilization=share, auth=auth,
                        drain_timeout_s=args.drain_timeout,
                        # adaptive: role-free workers, which change pools: pinned when the roles' TP sizes differ
-                       role_free=args.disagg_policy == "adaptive" and prefill_tp == decode_tp,
+                       # (pipeline-parallel workers are decode workers only: P/D with them is refused)
+                       role_free=args.disagg_policy == "adaptive" and prefill_tp == decode_tp
+                       and engine_args.pipeline_parallel_size == 1,
                        prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
                        worker_extra_args=("--kv-transfer-fault-rate", str(args.kv_transfer_fault_rate))
                        if args.kv_transfer_fault_rate else ())
@@ -183,6 +186,18 @@ def adaptive_itl_target(engine_args: EngineArgs, policy: str, slo_itl_ms: float)
     if engine_args.device not in ("auto", "cuda") or not visible_gpus():
         return engine_args
     return dataclasses.replace(engine_args, itl_target_ms=PlannerConfig().itl_headroom * slo_itl_ms)
+
+
+def pipeline_prefill_workers(pipeline_parallel: int, prefill: int | None) -> int | None:
+    """--prefill-workers under pipeline parallelism: none. P/D with pipeline-parallel workers is refused for now
+    (each stage holds only its layers' KV, and KV transfer moves one rank's cache): its workers prefill locally."""
+    if pipeline_parallel == 1:
+        return prefill
+    if prefill:
+        raise ValueError(f"--pipeline-parallel-size {pipeline_parallel} with --prefill-workers {prefill}: P/D with "
+                         "pipeline-parallel workers is not supported yet (each stage holds only its layers' KV); "
+                         "use --prefill-workers 0 (the default with pipeline parallelism)")
+    return 0
 
 
 def worker_counts(prefill: int | None, decode: int | None, data_parallel: int | None) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (gloo, fp32): TP=2 gives TP=1's greedy ids on the tiny Llama / Qwen2 / Qwen3 presets
 and on SmolLM2 (9 heads, 3 KV heads: uneven GQA split), sharded loading reassembles the full checkpoint, the step
-codec round-trips, pp (and ep for a dense model) are refused, and a killed rank makes the engine raise instead of hanging."""
+codec round-trips, ep for a dense model is refused, and a killed rank makes the engine raise instead of hanging."""
 
 from __future__ import annotations
 
@@ -183,7 +183,6 @@ def test_a_killed_rank_makes_the_engine_raise_not_hang(tiny_tp2: LLM) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
     ({"enable_expert_parallel": True}, "enable_expert_parallel is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
     ({"tensor_parallel_size": 5}, "exceeds the model's 4 attention heads"),
@@ -191,15 +190,6 @@ def test_a_killed_rank_makes_the_engine_raise_not_hang(tiny_tp2: LLM) -> None:
 def test_unsupported_parallel_layouts_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="tiny", load_format="dummy", **kwargs).create_engine_config()
-
-
-def test_serve_refuses_pipeline_parallel_before_starting_workers() -> None:
-    done = subprocess.run([sys.executable, "-m", "kvflow.cli", "serve", "--model", "tiny", "--load-format", "dummy",
-                           "--pipeline-parallel-size", "2", "--port", "0"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode != 0
-    assert "pipeline_parallel_size=2 is not supported" in done.stderr
-    assert "started" not in done.stderr  # no worker was launched
 
 
 def test_serve_worker_counts_for_data_and_tensor_parallelism() -> None:
