@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.request_ids import attempt_request_id
-from cluster.routing.disagg import choose_prefill_path
+from cluster.routing.disagg import PrefillPath, choose_fetch, choose_prefill_path
 from cluster.routing.events import EventBatch
 from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex, TierMatch
 from cluster.routing.policy import make_policy
@@ -56,6 +56,7 @@ class Route:
     num_prompt_tokens: int
     block_size: int
     host_blocks: int = 0  # of those, in its host tier (loaded back, not recomputed)
+    fetch: bool = False  # `prefill` holds more of the prompt than the planned prefiller: its cached blocks are pulled
 
     @property
     def predicted_cached_tokens(self) -> int:
@@ -176,9 +177,13 @@ class Router:
         path = choose_prefill_path(self.config.disagg_policy, prefill.view() if prefill is not None else None,
                                    decode_view, _uncached(len(token_ids), prefill_blocks, info.block_size),
                                    _uncached(len(token_ids), local_blocks, info.block_size))
-        self.metrics.prefill_path.labels("remote" if path.remote else "local", path.reason).inc()
         if not path.remote:
             prefill, prefill_blocks = None, local_blocks
+        holder = self._fetch_holder(decode, prefill, prefill_blocks, matched, len(token_ids), info.block_size)
+        if holder is not None:
+            prefill, prefill_blocks = holder, matched[holder.worker_id]
+            path = PrefillPath(True, "fetch")
+        self.metrics.prefill_path.labels("remote" if path.remote else "local", path.reason).inc()
         host_blocks = on_host.get((prefill or decode).worker_id, 0)
         self.metrics.route_decisions.labels(self.policy.name).inc()
         self.metrics.prefix_matched_blocks.inc(prefill_blocks)
@@ -186,7 +191,30 @@ class Router:
         if prefill_blocks:
             self.metrics.route_prefix_hits.inc()
         self.metrics.route_seconds.observe(time.perf_counter() - start)
-        return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size, host_blocks)
+        return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size, host_blocks,
+                     fetch=holder is not None)
+
+    def _fetch_holder(self, decode: Worker, planned: Worker | None, planned_blocks: int, matched: dict[str, int],
+                      num_tokens: int, block_size: int) -> Worker | None:
+        """The worker to pull the prompt's cached prefix from, or None to keep the plan (`planned` prefills, or
+        the decode worker itself when None): the one serving `Prefill` that caches the most leading blocks, more
+        than the planned prefiller, when `choose_fetch` finds that faster (cluster/routing/disagg.py)."""
+        if not self.config.prefix_fetch:
+            return None
+        holders = [w for w in self.pool.all_workers() if w.healthy and w.serves_prefill and w is not decode
+                   and matched.get(w.worker_id, 0) > planned_blocks]
+        if not holders:
+            return None
+        holder = max(holders, key=lambda w: (matched[w.worker_id], -w.view().queued_prefill_tokens))
+        decode_view = decode.view()
+        choice = choose_fetch(
+            holder.view(), (planned or decode).view(), planned is not None,
+            _uncached(num_tokens, matched[holder.worker_id], block_size),
+            _uncached(num_tokens, planned_blocks, block_size),
+            _uncached(num_tokens, matched.get(decode.worker_id, 0), block_size),
+            decoding=decode_view.load.num_running > 0 or decode_view.pending_requests > 0)
+        self.metrics.fetch_decisions.labels("fetch" if choice.remote else "recompute", choice.reason).inc()
+        return holder if choice.remote else None
 
     def _matched_blocks(self, token_ids: Sequence[int], cache_salt: Sequence[str], prefills: list[Worker],
                         decodes: list[Worker]) -> dict[str, TierMatch]:
@@ -195,6 +223,8 @@ class Router:
         candidates = [w.worker_id for w in prefills]
         if self.config.disagg_policy == "adaptive":
             candidates += [w.worker_id for w in decodes]
+        elif self.config.prefix_fetch:  # static: the decode pool's role-free workers may be fetched from
+            candidates += [w.worker_id for w in decodes if w.role_free]
         if not candidates or not self.policy.uses_index or self.tokenizers is None:
             return {}
         hashes = self.tokenizers.hasher.hash_blocks(token_ids, extra_keys=tuple(cache_salt))
@@ -376,7 +406,8 @@ class Router:
         migrated request resumes with a local prefill. Adaptive: the router's choice is final (min 1 token)."""
         if route.prefill is None or resumed:
             return pb.DisaggregationParams(prefill_address="")
-        final = 1 if self.config.disagg_policy == "adaptive" else 0  # static: the decode worker's threshold
+        # Adaptive, or a fetch: the router's choice is final; static: the decode worker's threshold.
+        final = 1 if self.config.disagg_policy == "adaptive" or route.fetch else 0
         return pb.DisaggregationParams(prefill_address=route.prefill.address, min_prompt_tokens=final)
 
     def _observe_gap(self, seconds: float, num_tokens: int) -> None:
