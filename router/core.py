@@ -161,7 +161,8 @@ class Router:
         if not decodes:
             raise Unavailable("no healthy decode worker is available")
         prefills = self.pool.workers("prefill")
-        tiers = self._matched_blocks(token_ids, cache_salt, prefills, decodes)
+        holders = self._fetch_candidates(exclude_decode)
+        tiers = self._matched_blocks(token_ids, cache_salt, prefills, decodes, holders)
         matched = {wid: m.blocks for wid, m in tiers.items()}
         on_host = {wid: m.host_blocks for wid, m in tiers.items()}
         by_id = {w.worker_id: w for w in prefills}
@@ -179,7 +180,8 @@ class Router:
                                    _uncached(len(token_ids), local_blocks, info.block_size))
         if not path.remote:
             prefill, prefill_blocks = None, local_blocks
-        holder = self._fetch_holder(decode, prefill, prefill_blocks, matched, len(token_ids), info.block_size)
+        holder = self._fetch_holder([w for w in holders if w is not decode], decode, prefill, prefill_blocks,
+                                    matched, len(token_ids), info.block_size)
         if holder is not None:
             prefill, prefill_blocks = holder, matched[holder.worker_id]
             path = PrefillPath(True, "fetch")
@@ -194,15 +196,19 @@ class Router:
         return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size, host_blocks,
                      fetch=holder is not None)
 
-    def _fetch_holder(self, decode: Worker, planned: Worker | None, planned_blocks: int, matched: dict[str, int],
-                      num_tokens: int, block_size: int) -> Worker | None:
-        """The worker to pull the prompt's cached prefix from, or None to keep the plan (`planned` prefills, or
-        the decode worker itself when None): the one serving `Prefill` that caches the most leading blocks, more
-        than the planned prefiller, when `choose_fetch` finds that faster (cluster/routing/disagg.py)."""
+    def _fetch_candidates(self, exclude: frozenset[str]) -> list[Worker]:
+        """Workers another may pull a cached prefix from (healthy, serving `Prefill`, not a failed decode
+        attempt's); none with --no-prefix-fetch."""
         if not self.config.prefix_fetch:
-            return None
-        holders = [w for w in self.pool.all_workers() if w.healthy and w.serves_prefill and w is not decode
-                   and matched.get(w.worker_id, 0) > planned_blocks]
+            return []
+        return [w for w in self.pool.all_workers() if w.healthy and w.serves_prefill and w.address not in exclude]
+
+    def _fetch_holder(self, candidates: list[Worker], decode: Worker, planned: Worker | None, planned_blocks: int,
+                      matched: dict[str, int], num_tokens: int, block_size: int) -> Worker | None:
+        """The worker to pull the prompt's cached prefix from, or None to keep the plan (`planned` prefills, or
+        the decode worker itself when None): of the candidates, the one caching the most leading blocks, more
+        than the planned prefiller, when `choose_fetch` finds that faster (cluster/routing/disagg.py)."""
+        holders = [w for w in candidates if matched.get(w.worker_id, 0) > planned_blocks]
         if not holders:
             return None
         holder = max(holders, key=lambda w: (matched[w.worker_id], -w.view().queued_prefill_tokens))
@@ -217,14 +223,13 @@ class Router:
         return holder if choice.remote else None
 
     def _matched_blocks(self, token_ids: Sequence[int], cache_salt: Sequence[str], prefills: list[Worker],
-                        decodes: list[Worker]) -> dict[str, TierMatch]:
-        """Leading prompt blocks each candidate caches, and how many in its host tier: the prefill pool's, and
-        (adaptive: they may prefill locally) the decode pool's."""
+                        decodes: list[Worker], holders: list[Worker]) -> dict[str, TierMatch]:
+        """Leading prompt blocks each candidate caches, and how many in its host tier: the prefill pool's,
+        (adaptive: they may prefill locally) the decode pool's, and the workers a prefix may be fetched from."""
         candidates = [w.worker_id for w in prefills]
         if self.config.disagg_policy == "adaptive":
             candidates += [w.worker_id for w in decodes]
-        elif self.config.prefix_fetch:  # static: the decode pool's role-free workers may be fetched from
-            candidates += [w.worker_id for w in decodes if w.role_free]
+        candidates = list(dict.fromkeys(candidates + [w.worker_id for w in holders]))
         if not candidates or not self.policy.uses_index or self.tokenizers is None:
             return {}
         hashes = self.tokenizers.hasher.hash_blocks(token_ids, extra_keys=tuple(cache_salt))
