@@ -20,6 +20,8 @@ import pytest
 
 from cluster.auth import ClusterAuth
 from cluster.routing.index import TierMatch
+from kvflow.cli import build_parser
+from kvflow.commands.router import config_from_args
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.config import RouterConfig
 from router.core import Route, Router
@@ -195,3 +197,10 @@ def test_a_short_cached_prefix_is_recomputed_and_fetch_can_be_turned_off(
         assert not route.fetch and route.prefill is None
     finally:
         router.config = config
+
+
+def test_the_flag_reaches_the_router_config() -> None:
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["router", "--decode", "127.0.0.1:1"])).prefix_fetch
+    args = parser.parse_args(["router", "--decode", "127.0.0.1:1", "--no-prefix-fetch"])
+    assert config_from_args(args).prefix_fetch is False
