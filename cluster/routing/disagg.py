@@ -76,12 +76,13 @@ def choose_prefill_path(policy: str, prefill: WorkerView | None, decode: WorkerV
     return PrefillPath(True, "cheaper_remote") if remote < local else PrefillPath(False, "cheaper_local")
 
 
-def choose_fetch(holder: WorkerView, planned: WorkerView, planned_remote: bool, holder_uncached: int,
-                 planned_uncached: int, shipped_tokens: int, decoding: bool,
+def choose_fetch(holder: WorkerView, planned: WorkerView, planned_remote: bool, holder_uncached: float,
+                 planned_uncached: float, shipped_tokens: int, decoding: bool,
                  weights: PrefillPathWeights = PrefillPathWeights()) -> PrefillPath:
     """Prefill on `holder` (it caches more of the prompt) and ship to the decode worker (remote True), or keep the
     plan: `planned` prefills `planned_uncached` tokens, remotely (shipping too) or on the decode worker itself,
-    which is `decoding` already. `shipped_tokens`: the prompt tokens the decode worker does not cache."""
+    which is `decoding` already. `*_uncached`: the tokens each would compute (host-tier loads counted at their
+    reload cost); `shipped_tokens`: the prompt tokens the decode worker does not cache."""
     transfer = shipped_tokens * weights.fetch_transfer_cost  # in tokens of recompute
     holder_rate, planned_rate = holder.load.prefill_tokens_per_s, planned.load.prefill_tokens_per_s
     if holder_rate > 0 and planned_rate > 0:
