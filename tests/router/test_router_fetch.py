@@ -3,7 +3,7 @@ from the other, a host KV tier on each), the router in-process. A conversation's
 turn is routed to B (A is busier), which pulls A's cached blocks instead of recomputing them: A prefills only the
 new tokens (from its device cache, and again after the prefix was evicted to its host tier), B computes no prompt
 token, the output equals a recompute with no cache anywhere, A's leased blocks are all freed, and no request is a
-false hit."""
+false hit; over gRPC bytes and over a KV link (gloo between CPU workers, NCCL's code path)."""
 
 from __future__ import annotations
 
@@ -45,23 +45,26 @@ def tokens(seed: int, blocks: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(blocks * BLOCK)]
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Worker]]:
+@pytest.fixture(scope="module", params=["grpc", "nccl"])  # bytes in the Prefill stream; a link (gloo on CPU)
+def workers(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+            ) -> Iterator[tuple[Worker, Worker, str]]:
+    """A, B and the backend label their KV bytes are counted under."""
     tmp: Path = tmp_path_factory.mktemp("fetch")
     ports = free_port(), free_port()
     started = [start_worker("worker", tmp, *FLAGS, "--prefill-allowlist", f"127.0.0.1:{ports[1 - i]}",
-                            port=ports[i], env={"KVFLOW_CLUSTER_TOKEN": TOKEN}, model="tiny") for i in range(2)]
+                            "--kv-transfer-backend", request.param, port=ports[i],
+                            env={"KVFLOW_CLUSTER_TOKEN": TOKEN}, model="tiny") for i in range(2)]
     try:
         for worker in started:
             wait_healthy(worker, auth=AUTH)
-        yield started[0], started[1]
+        yield started[0], started[1], "grpc" if request.param == "grpc" else "gloo"
     finally:
         for worker in started:
             worker.stop()
 
 
 @pytest.fixture(scope="module")
-def router(workers: tuple[Worker, Worker]) -> Iterator[Router]:
+def router(workers: tuple[Worker, Worker, str]) -> Iterator[Router]:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
@@ -69,7 +72,7 @@ def router(workers: tuple[Worker, Worker]) -> Iterator[Router]:
         return Router(RouterConfig(decode=("unused",), routing="prefix", cluster=AUTH, index="memory"))
 
     router = asyncio.run_coroutine_threadsafe(make(), loop).result(60)
-    router.pool.set_addresses("decode", [w.address for w in workers])
+    router.pool.set_addresses("decode", [w.address for w in workers[:2]])
     wait_until(lambda: len(router.pool.workers("decode")) == 2 and router.is_ready(), 60, "both workers")
     asyncio.run_coroutine_threadsafe(router.ensure_tokenizers(), loop).result(60)
     router.test_loop = loop  # type: ignore[attr-defined]
@@ -120,8 +123,10 @@ def matched(router: Router, worker: Worker, token_ids: list[int]) -> TierMatch:
     return router.index.match_tiers(router.tokenizers.hasher.hash_blocks(token_ids), [wid])[wid]
 
 
-def fetch_turn(router: Router, a: Worker, b: Worker, history: list[int], cached_blocks: int, host: int) -> None:
+def fetch_turn(router: Router, workers: tuple[Worker, Worker, str], history: list[int], cached_blocks: int,
+               host: int) -> None:
     """The next turn of `history` (cached on A, `host` of its blocks in A's host tier) goes to B, fetched."""
+    a, b, wire = workers
     turn = history + tokens(len(history) + 7, 2)
     route = route_away(router, a, turn)
     assert route.decode.address == b.address
@@ -132,6 +137,7 @@ def fetch_turn(router: Router, a: Worker, b: Worker, history: list[int], cached_
     fetched, hits = metric(b, "kvflow:kv_fetched_tokens_total"), metric(a, "vllm:prefix_cache_hits_total")
     freed = metric(a, "kvflow:kv_blocks_freed_total")
     loaded = metric(a, "vllm:external_prefix_cache_hits_total")
+    moved = metric(b, "kvflow:kv_transfer_bytes_total", f'backend="{wire}"')
     done = on(router, a, turn)
     assert done.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
     assert done.usage.cached_tokens == cached_blocks * BLOCK  # A computed only the new turn's tokens
@@ -141,6 +147,7 @@ def fetch_turn(router: Router, a: Worker, b: Worker, history: list[int], cached_
     settled_metric(a, "vllm:prompt_tokens_total")
     assert settled_metric(b, "vllm:prompt_tokens_total") - b_prompt == len(turn)  # the reference's alone
     assert metric(b, "kvflow:kv_fetched_tokens_total") - fetched == cached_blocks * BLOCK
+    assert metric(b, "kvflow:kv_transfer_bytes_total", f'backend="{wire}"') - moved > 0  # over the path asked for
     # A served the prefix from its device cache and its host tier, and computed only the rest.
     assert metric(a, "vllm:prompt_tokens_total") - a_prompt == len(turn) - cached_blocks * BLOCK
     served = metric(a, "vllm:prefix_cache_hits_total") - hits
@@ -154,32 +161,32 @@ def fetch_turn(router: Router, a: Worker, b: Worker, history: list[int], cached_
 
 
 def test_the_next_turn_pulls_the_prefix_from_the_device_cache_of_the_worker_holding_it(
-        router: Router, workers: tuple[Worker, Worker]) -> None:
-    a, b = workers
+        router: Router, workers: tuple[Worker, Worker, str]) -> None:
+    a, b, _ = workers
     first = tokens(0, HISTORY_BLOCKS)
     on(router, b, first)  # B busy: turn one runs on A
     wait_until(lambda: matched(router, a, first) == TierMatch(HISTORY_BLOCKS, 0), 5, "A's blocks in the index")
     assert matched(router, b, first).blocks == 0
-    fetch_turn(router, a, b, first, cached_blocks=HISTORY_BLOCKS, host=0)
+    fetch_turn(router, workers, first, cached_blocks=HISTORY_BLOCKS, host=0)
     fetch = router.metrics.registry.get_sample_value
     assert fetch("kvflow:prefix_fetch_decisions_total", {"path": "fetch", "reason": "cheaper_fetch"}) >= 1
 
 
 def test_the_prefix_is_pulled_from_the_host_tier_of_the_worker_holding_it(
-        router: Router, workers: tuple[Worker, Worker]) -> None:
-    a, b = workers
+        router: Router, workers: tuple[Worker, Worker, str]) -> None:
+    a, b, _ = workers
     first = tokens(100, HISTORY_BLOCKS)
     on(router, b, first)
     for seed in (101, 102, 103, 104):  # 64 more blocks through A's 47: the first turn's go to its host tier
         on(router, b, tokens(seed, 16))
     wait_until(lambda: matched(router, a, first) == TierMatch(HISTORY_BLOCKS, HISTORY_BLOCKS), 5,
                "A's blocks on its host tier")
-    fetch_turn(router, a, b, first, cached_blocks=HISTORY_BLOCKS, host=HISTORY_BLOCKS)
+    fetch_turn(router, workers, first, cached_blocks=HISTORY_BLOCKS, host=HISTORY_BLOCKS)
 
 
 def test_a_short_cached_prefix_is_recomputed_and_fetch_can_be_turned_off(
-        router: Router, workers: tuple[Worker, Worker]) -> None:
-    a, b = workers
+        router: Router, workers: tuple[Worker, Worker, str]) -> None:
+    a, b, _ = workers
     short, long = tokens(200, 1), tokens(300, HISTORY_BLOCKS)
     on(router, b, short)
     on(router, b, long)
