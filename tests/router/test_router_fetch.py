@@ -198,8 +198,11 @@ def test_a_short_cached_prefix_is_recomputed_and_fetch_can_be_turned_off(
     # A failed decode attempt's worker is no holder either.
     assert not router.route(long + tokens(301, 2), exclude_decode=frozenset({a.address})).fetch
     config = router.config
-    router.config = dataclasses.replace(config, prefix_fetch=False)
     try:
+        router.config = dataclasses.replace(config, disagg_policy="static")  # role-free holders are fetched from too
+        route = route_away(router, a, long + tokens(301, 2))
+        assert route.fetch and router._disaggregation(route, resumed=False).min_prompt_tokens == 1  # final
+        router.config = dataclasses.replace(config, prefix_fetch=False)
         route = route_away(router, a, long + tokens(301, 2))
         assert not route.fetch and route.prefill is None
     finally:
