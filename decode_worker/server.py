@@ -201,6 +201,9 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             self._pulls.pop(request_id, None)
             self._aborted_pulls.discard(request_id)
         self.ctx.metrics.record_transfer(result.backend, result.num_bytes, result.seconds)
+        # Tokens the prefill worker served from its cache (not the ones this worker had: those were not sent).
+        own_cached = slot.num_cached_blocks * self.ctx.kv_port.layout.block_size
+        self.ctx.metrics.fetched_tokens.inc(max(result.remote_cached_tokens - own_cached, 0))
         await self.engine.call(
             lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs,
                                               result.sampler_state))

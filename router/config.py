@@ -30,6 +30,7 @@ class RouterConfig:
     cluster: ClusterAuth = ClusterAuth()  # the credential the router presents to workers
     routing: str = "prefix"
     disagg_policy: str = "adaptive"  # cluster/routing/disagg.py; "static": the pools and the split stay fixed
+    prefix_fetch: bool = True  # pull a cached prefix from the worker holding it when cheaper (cluster/routing/disagg.py)
     slo_ttft_ms: float = 1000.0  # the pool planner's targets (cluster/routing/planner.py)
     slo_itl_ms: float = 40.0
     discovery: str = "static"

@@ -3,7 +3,9 @@
 Routing hashes the prompt's full blocks with the engine's own `BlockHasher`, asks the index (one lookup) how
 many leading blocks each prefill worker caches, and lets the policy weigh that against load. The request goes to
 the chosen decode worker's `Generate` with `disaggregation.prefill_address` naming the prefill worker; the decode
-worker falls back to local prefill by itself if that prefill fails. A decode failure before the first token is
+worker falls back to local prefill by itself if that prefill fails. When another worker serving `Prefill` caches
+more of the prompt than the planned prefiller, it may be named the prefill worker instead (a fetch: it computes
+only its uncached tail and ships its cached blocks; cluster/routing/disagg.py `choose_fetch`). A decode failure before the first token is
 retried on another decode worker; one after it migrates the request to another decode worker (the prompt plus
 the tokens already streamed), up to `--max-migrations` times.
 
@@ -24,10 +26,10 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.request_ids import attempt_request_id
-from cluster.routing.disagg import choose_prefill_path
+from cluster.routing.disagg import PrefillPath, choose_fetch, choose_prefill_path
 from cluster.routing.events import EventBatch
 from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex, TierMatch
-from cluster.routing.policy import make_policy
+from cluster.routing.policy import make_policy, reload_cost
 from cluster.wire import FINISH_REASON_FROM_PROTO, MAX_MESSAGE_BYTES
 from engine.core.block_hash import BlockHasher
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -56,6 +58,7 @@ class Route:
     num_prompt_tokens: int
     block_size: int
     host_blocks: int = 0  # of those, in its host tier (loaded back, not recomputed)
+    fetch: bool = False  # `prefill` holds more of the prompt than the planned prefiller: its cached blocks are pulled
 
     @property
     def predicted_cached_tokens(self) -> int:
@@ -160,7 +163,8 @@ class Router:
         if not decodes:
             raise Unavailable("no healthy decode worker is available")
         prefills = self.pool.workers("prefill")
-        tiers = self._matched_blocks(token_ids, cache_salt, prefills, decodes)
+        holders = self._fetch_candidates(exclude_decode)
+        tiers = self._matched_blocks(token_ids, cache_salt, prefills, decodes, holders)
         matched = {wid: m.blocks for wid, m in tiers.items()}
         on_host = {wid: m.host_blocks for wid, m in tiers.items()}
         by_id = {w.worker_id: w for w in prefills}
@@ -176,9 +180,14 @@ class Router:
         path = choose_prefill_path(self.config.disagg_policy, prefill.view() if prefill is not None else None,
                                    decode_view, _uncached(len(token_ids), prefill_blocks, info.block_size),
                                    _uncached(len(token_ids), local_blocks, info.block_size))
-        self.metrics.prefill_path.labels("remote" if path.remote else "local", path.reason).inc()
         if not path.remote:
             prefill, prefill_blocks = None, local_blocks
+        holder = self._fetch_holder([w for w in holders if w is not decode], decode, prefill, tiers,
+                                    len(token_ids), info.block_size)
+        if holder is not None:
+            prefill, prefill_blocks = holder, matched[holder.worker_id]
+            path = PrefillPath(True, "fetch")
+        self.metrics.prefill_path.labels("remote" if path.remote else "local", path.reason).inc()
         host_blocks = on_host.get((prefill or decode).worker_id, 0)
         self.metrics.route_decisions.labels(self.policy.name).inc()
         self.metrics.prefix_matched_blocks.inc(prefill_blocks)
@@ -186,15 +195,53 @@ class Router:
         if prefill_blocks:
             self.metrics.route_prefix_hits.inc()
         self.metrics.route_seconds.observe(time.perf_counter() - start)
-        return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size, host_blocks)
+        return Route(decode, prefill, prefill_blocks, len(token_ids), info.block_size, host_blocks,
+                     fetch=holder is not None)
+
+    def _fetch_candidates(self, exclude: frozenset[str]) -> list[Worker]:
+        """Workers another may pull a cached prefix from (healthy, serving `Prefill`, not a failed decode
+        attempt's); none with --no-prefix-fetch."""
+        if not self.config.prefix_fetch:
+            return []
+        return [w for w in self.pool.all_workers() if w.healthy and w.serves_prefill and w.address not in exclude]
+
+    def _fetch_holder(self, candidates: list[Worker], decode: Worker, planned: Worker | None,
+                      tiers: dict[str, TierMatch], num_tokens: int, block_size: int) -> Worker | None:
+        """The worker to pull the prompt's cached prefix from, or None to keep the plan (`planned` prefills, or
+        the decode worker itself when None): of the candidates, the one caching the most leading blocks, more
+        than the planned prefiller, when `choose_fetch` finds that faster (cluster/routing/disagg.py)."""
+        planner = planned or decode
+        none = TierMatch(0, 0)
+        holders = [w for w in candidates if tiers.get(w.worker_id, none).blocks > tiers.get(planner.worker_id,
+                                                                                             none).blocks]
+        if not holders:
+            return None
+        holder = max(holders, key=lambda w: (tiers[w.worker_id].blocks, -w.view().queued_prefill_tokens))
+
+        def work(worker: Worker) -> float:
+            """Tokens `worker` computes for the prompt, its host-tier loads counted at their measured cost."""
+            match, view = tiers.get(worker.worker_id, none), worker.view()
+            host_tokens = min(match.host_blocks * block_size, num_tokens)
+            return _uncached(num_tokens, match.blocks, block_size) + host_tokens * reload_cost(view,
+                                                                                               self.policy.weights)
+
+        decode_view = decode.view()
+        choice = choose_fetch(
+            holder.view(), planner.view(), planned is not None, work(holder), work(planner),
+            _uncached(num_tokens, tiers.get(decode.worker_id, none).blocks, block_size),
+            decoding=decode_view.load.num_running > 0 or decode_view.pending_requests > 0)
+        self.metrics.fetch_decisions.labels("fetch" if choice.remote else "recompute", choice.reason).inc()
+        return holder if choice.remote else None
 
     def _matched_blocks(self, token_ids: Sequence[int], cache_salt: Sequence[str], prefills: list[Worker],
-                        decodes: list[Worker]) -> dict[str, TierMatch]:
-        """Leading prompt blocks each candidate caches, and how many in its host tier: the prefill pool's, and
-        (adaptive: they may prefill locally) the decode pool's."""
+                        decodes: list[Worker], holders: list[Worker]) -> dict[str, TierMatch]:
+        """Leading prompt blocks each candidate caches, and how many in its host tier: the prefill pool's, the
+        decode pool's (adaptive: they may prefill locally; a fetch: what they lack is shipped), and the workers a
+        prefix may be fetched from."""
         candidates = [w.worker_id for w in prefills]
-        if self.config.disagg_policy == "adaptive":
+        if self.config.disagg_policy == "adaptive" or holders:  # a fetch weighs what the decode worker caches
             candidates += [w.worker_id for w in decodes]
+        candidates = list(dict.fromkeys(candidates + [w.worker_id for w in holders]))
         if not candidates or not self.policy.uses_index or self.tokenizers is None:
             return {}
         hashes = self.tokenizers.hasher.hash_blocks(token_ids, extra_keys=tuple(cache_salt))
@@ -376,7 +423,8 @@ class Router:
         migrated request resumes with a local prefill. Adaptive: the router's choice is final (min 1 token)."""
         if route.prefill is None or resumed:
             return pb.DisaggregationParams(prefill_address="")
-        final = 1 if self.config.disagg_policy == "adaptive" else 0  # static: the decode worker's threshold
+        # Adaptive, or a fetch: the router's choice is final; static: the decode worker's threshold.
+        final = 1 if self.config.disagg_policy == "adaptive" or route.fetch else 0
         return pb.DisaggregationParams(prefill_address=route.prefill.address, min_prompt_tokens=final)
 
     def _observe_gap(self, seconds: float, num_tokens: int) -> None:

@@ -109,6 +109,9 @@ class RouterMetrics:
         self.prefill_path = Counter("kvflow:prefill_path_decisions", "Per-request prefill choices: remote (a "
                                     "prefill-pool worker) or local (the decode worker), by reason.",
                                     ["path", "reason"], registry=r)
+        self.fetch_decisions = Counter("kvflow:prefix_fetch_decisions", "Requests whose prompt another worker "
+                                       "caches more of than the planned prefiller: pulled from it (fetch) or "
+                                       "recomputed, by reason.", ["path", "reason"], registry=r)
         self.worker_pool = Gauge("kvflow:worker_pool", "1 for the pool each worker serves now (prefill or decode), "
                                  "0 for the other.", ["worker", "pool"], registry=r)
         self.pool_moves = Counter("kvflow:pool_moves", "Workers moved between pools by the planner.", ["from", "to"],

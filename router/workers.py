@@ -70,6 +70,11 @@ class Worker:
         """It serves both roles (its `Info` says so), so the planner may move it between pools."""
         return self.info is not None and self.info.role == pb.WORKER_ROLE_UNIFIED
 
+    @property
+    def serves_prefill(self) -> bool:
+        """It answers `Prefill` (a prefill or role-free worker), so another worker may pull KV from it."""
+        return self.role == "prefill" or self.role_free
+
     def view(self) -> WorkerView:
         return WorkerView(self.worker_id or self.address, self.address, self.load, self.pending_prefill_tokens,
                           self.pending_requests, self.info.compute_domain if self.info is not None else "")

@@ -12,6 +12,14 @@ a prompt admitted now, so D's counts its decodes and the --itl-target-ms cap on 
 and in prompt tokens otherwise, with D's local prefill taken at half speed while it decodes. A prefill worker that
 shares D's compute (the same GPU, or the same host's cores) is never used for D: prefilling there adds no
 capacity, only the transfer.
+
+The fetch (`choose_fetch`): when another worker H (one that serves `Prefill`) caches more leading blocks of the
+prompt than the planned prefiller, the decode worker may pull them from H instead of recomputing them: H prefills
+the prompt, which computes only its tail past H's cached blocks (loaded back first if they are in H's host tier),
+and ships every block the decode worker lacks, cached ones included, leased on H until exported (the Prefill RPC).
+The same weighing decides it, H in place of the prefill worker, plus the transfer of the shipped tokens
+(`fetch_transfer_cost` of their recompute each). A shared compute domain does not rule it out: the fetch saves the
+cached tokens' compute, wherever the tail runs.
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ class PrefillPathWeights:
     # TTFT measured 1.19x local on H100: ~190 tokens).
     remote_overhead_tokens: int = 192
     remote_overhead_s: float = 0.006  # the same, measured: 39.1 vs 32.9 ms TTFT at 1k tokens
+    # A shipped token's transfer over its recompute, for the fetch (not yet measured per link: NVLink moves a
+    # Llama-8B token's KV in ~1 % of its H100 prefill time, gRPC bytes on a CPU pair in ~2 % of SmolLM2's).
+    fetch_transfer_cost: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fetch_transfer_cost < 1.0:
+            raise ValueError(f"fetch_transfer_cost must be in [0, 1), got {self.fetch_transfer_cost}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +74,27 @@ def choose_prefill_path(policy: str, prefill: WorkerView | None, decode: WorkerV
     slowdown = weights.local_slowdown_while_decoding if decoding else 1.0
     local = (decode.queued_prefill_tokens + local_uncached) * slowdown
     return PrefillPath(True, "cheaper_remote") if remote < local else PrefillPath(False, "cheaper_local")
+
+
+def choose_fetch(holder: WorkerView, planned: WorkerView, planned_remote: bool, holder_uncached: float,
+                 planned_uncached: float, shipped_tokens: int, decoding: bool,
+                 weights: PrefillPathWeights = PrefillPathWeights()) -> PrefillPath:
+    """Prefill on `holder` (it caches more of the prompt) and ship to the decode worker (remote True), or keep the
+    plan: `planned` prefills `planned_uncached` tokens, remotely (shipping too) or on the decode worker itself,
+    which is `decoding` already. `*_uncached`: the tokens each would compute (host-tier loads counted at their
+    reload cost); `shipped_tokens`: the prompt tokens the decode worker does not cache."""
+    transfer = shipped_tokens * weights.fetch_transfer_cost  # in tokens of recompute
+    holder_rate, planned_rate = holder.load.prefill_tokens_per_s, planned.load.prefill_tokens_per_s
+    if holder_rate > 0 and planned_rate > 0:
+        fetch_s = (holder.queued_prefill_tokens + holder_uncached + transfer) / holder_rate + weights.remote_overhead_s
+        plan_s = (planned.queued_prefill_tokens + planned_uncached) / planned_rate
+        if planned_remote:
+            plan_s += transfer / planned_rate + weights.remote_overhead_s
+        return PrefillPath(True, "faster_fetch") if fetch_s < plan_s else PrefillPath(False, "faster_recompute")
+    fetch = holder.queued_prefill_tokens + holder_uncached + transfer + weights.remote_overhead_tokens
+    plan = planned.queued_prefill_tokens + planned_uncached
+    if planned_remote:
+        plan += transfer + weights.remote_overhead_tokens
+    elif decoding:
+        plan *= weights.local_slowdown_while_decoding
+    return PrefillPath(True, "cheaper_fetch") if fetch < plan else PrefillPath(False, "cheaper_recompute")

@@ -103,6 +103,9 @@ class EngineMetrics:
                                         "is still learning).")
         self.blocks_freed = counter("kvflow:kv_blocks_freed",
                                     "KV blocks freed after a transfer finished, was cancelled or its lease expired.")
+        self.fetched_tokens = counter("kvflow:kv_fetched_tokens",
+                                      "Prompt tokens received from the worker that prefilled them and had them "
+                                      "cached (pulled from its prefix cache or host tier, computed nowhere).")
         self.fallback = Counter("kvflow:disagg_fallback", "Disaggregated prefills that fell back to local "
                                 "recompute.", ["model_name", "reason"], registry=r)
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")

@@ -7,14 +7,18 @@ t of every conversation (at most `max_concurrency` at once) before turn t + 1, s
 the others' pass through the cache, as they do between a user's messages.
 
 Modes (each a fresh `kvflow serve` with the same other flags):
-- `no_tier`: prefix-aware routing, device KV only;
-- `host_tier`: plus `--kv-offloading-backend native --kv-offloading-size <GiB>`;
-- `round_robin`: `--routing round-robin`, no tier (what a user without kvflow's router has).
+- `no_tier`: prefix-aware routing, device KV only, `--no-prefix-fetch`;
+- `host_tier`: plus `--kv-offloading-backend native --kv-offloading-size <GiB>`, still `--no-prefix-fetch`;
+- `host_tier_fetch`: the host tier plus the cross-worker fetch (`kvflow serve`'s default: a turn routed to a worker
+  that misses the conversation's prefix pulls it from the worker holding it, when cheaper; docs/cluster.md);
+- `round_robin`: `--routing round-robin`, no tier (what a user without kvflow's router has; with no index it never
+  fetches).
 
 Invariants: prompts are token ids drawn from a seeded generator, identical across modes; every answer is greedy,
 so each mode's outputs must agree (the record carries a digest of them). Records: `workload`, `device`, `mode`,
 `ttft_p50_s`, `ttft_p99_s`, `prefix_hit_rate` (`total` from the requests' cached tokens, and the host tier's share
-where the workers count it), `false_hits`, `itl_p99_s`, `out_tok_s`.
+where the workers count it), `false_hits`, `fetches` (turns whose prefix was pulled from another worker), `itl_p99_s`,
+`out_tok_s`.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ import numpy as np
 from kvflow.benchmarks.server import ServerProcess
 from kvflow.launcher import free_port
 
+HOST_TIER = ("--kv-offloading-backend", "native", "--kv-offloading-size", "{host_gib}")
 MODES: dict[str, tuple[str, ...]] = {
-    "no_tier": (),
-    "host_tier": ("--kv-offloading-backend", "native", "--kv-offloading-size", "{host_gib}"),
+    "no_tier": ("--no-prefix-fetch",),
+    "host_tier": (*HOST_TIER, "--no-prefix-fetch"),
+    "host_tier_fetch": HOST_TIER,
     "round_robin": ("--routing", "round-robin"),
 }
 
@@ -130,13 +136,14 @@ async def run_conversations(grpc_target: str, workload: Workload) -> tuple[list[
     return results, time.perf_counter() - start
 
 
-def _metric_sum(text: str, needle: str) -> float | None:
-    """The sum over label sets of every sample whose name contains `needle` (None: the servers have no such
-    metric). A counter's `_created` timestamp is not a sample of it."""
+def _metric_sum(text: str, needle: str, label: str = "") -> float | None:
+    """The sum over label sets (those holding `label`) of every sample whose name contains `needle` (None: the
+    servers have no such sample). A counter's `_created` timestamp is not a sample of it."""
     values = []
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if line and not line.startswith("#") and needle in name and not name.endswith("_created"):
+        if line and not line.startswith("#") and needle in name and not name.endswith("_created") \
+                and label in line:
             values.append(float(line.rsplit(" ", 1)[1]))
     return sum(values) if values else None
 
@@ -159,6 +166,7 @@ def summarize(mode: str, device: str, workload: Workload, results: list[list[Tur
         "prefix_hit_rate": {"total": sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
                             "host": host_hits / prompt_tokens if host_hits is not None and prompt_tokens else None},
         "false_hits": _metric_sum(metrics, "false_hits"),
+        "fetches": _metric_sum(metrics, "prefix_fetch_decisions", 'path="fetch"'),  # turns pulled from a holder
         "itl_p99_s": float(np.percentile(itl, 99)),
         "out_tok_s": sum(len(r.output_ids) for r in ok) / duration_s,
         "completed": len(ok), "failed": len(flat) - len(ok),
@@ -203,6 +211,6 @@ def run_multiturn(serve_flags: list[str], modes: list[str], workload: Workload, 
 
 def format_line(record: dict[str, Any]) -> str:
     hit = record["prefix_hit_rate"]
-    return (f"{record['mode']:>12}: TTFT p50 {record['ttft_p50_s'] * 1e3:8.1f} ms  p99 {record['ttft_p99_s'] * 1e3:8.1f}"
+    return (f"{record['mode']:>15}: TTFT p50 {record['ttft_p50_s'] * 1e3:8.1f} ms  p99 {record['ttft_p99_s'] * 1e3:8.1f}"
             f" ms  hit rate {hit['total']:.2f}  ITL p99 {record['itl_p99_s'] * 1e3:7.1f} ms  "
             f"{record['out_tok_s']:7.1f} tok/s  failed {record['failed']}  outputs {record['outputs_sha256']}")

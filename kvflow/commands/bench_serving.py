@@ -72,7 +72,7 @@ def _register_multiturn(kinds: argparse._SubParsersAction) -> None:
     multiturn.add_argument("--seed", type=int, default=defaults.seed)
     multiturn.add_argument("--vocab", type=int, default=defaults.vocab, help="prompt ids are drawn below this")
     multiturn.add_argument("--host-tier-gib", type=float, default=1.0,
-                           help="--kv-offloading-size of the host_tier mode")
+                           help="--kv-offloading-size of the host_tier modes")
     multiturn.add_argument("--timeout", type=float, default=900.0, help="seconds each server may take to start")
     multiturn.add_argument("--log-dir", type=Path, default=Path("kvflow-bench-multiturn-logs"))
     multiturn.add_argument("--output-json", type=Path, default=None, help="a JSON list of the records")

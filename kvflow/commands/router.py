@@ -97,6 +97,10 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
                         "whichever is cheaper now, and move role-free workers between the pools to meet the SLOs; "
                         "static: every request uses the prefill worker (the decode worker's "
                         "--disagg-min-prompt-tokens aside) and the pools never change")
+    g.add_argument("--prefix-fetch", action=argparse.BooleanOptionalAction, default=d.prefix_fetch,
+                   help="when another worker that serves Prefill caches more of a prompt than the planned prefiller "
+                        "(device or host tier), prefill on it and pull its cached blocks to the decode worker "
+                        "instead of recomputing them, when the cost model says that is faster")
     g.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
                    help="time-to-first-token target the pool planner keeps the p90 under (adaptive)")
     g.add_argument("--slo-itl-ms", type=float, default=d.slo_itl_ms,
@@ -105,7 +109,7 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
 
 def disagg_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags of `add_disagg_args`."""
-    return {"disagg_policy": args.disagg_policy, "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms}
+    return {"disagg_policy": args.disagg_policy, "prefix_fetch": args.prefix_fetch, "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms}
 
 
 def lifecycle_kwargs(args: argparse.Namespace) -> dict[str, Any]:

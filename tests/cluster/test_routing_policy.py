@@ -1,9 +1,11 @@
-"""Routing policies: the prefix cost prefers the worker with the cached prefix unless it is overloaded."""
+"""Routing policies: the prefix cost prefers the worker with the cached prefix unless it is overloaded; the fetch
+choice pulls a long cached prefix from its holder and recomputes a short one."""
 
 from __future__ import annotations
 
 import pytest
 
+from cluster.routing.disagg import PrefillPath, PrefillPathWeights, choose_fetch
 from cluster.routing.events import WorkerLoad
 from cluster.routing.policy import CostWeights, WorkerView, decode_cost, make_policy, prefill_cost
 
@@ -60,3 +62,31 @@ def test_bad_policy_and_empty_pools() -> None:
         make_policy("prefix").choose_prefill([], {}, 10, 16)
     with pytest.raises(ValueError, match="no decode workers"):
         make_policy("round-robin").choose_decode([])
+
+
+def rated(wid: str, rate: float, queued: int = 0) -> WorkerView:
+    return WorkerView(wid, f"{wid}:1", WorkerLoad(queued_prefill_tokens=queued, prefill_tokens_per_s=rate))
+
+
+def test_fetch_pulls_a_long_cached_prefix_and_recomputes_a_short_one() -> None:
+    # The holder caches 1024 of a 1100-token prompt; the decode worker caches none and would prefill it all.
+    holder, decode = view("a"), view("b")
+    assert choose_fetch(holder, decode, False, 76, 1100, 1100, decoding=False) == PrefillPath(True, "cheaper_fetch")
+    # 32 cached tokens do not pay the hop and the transfer of 1100.
+    assert choose_fetch(holder, decode, False, 1068, 1100, 1100, decoding=False).remote is False
+    # A busy holder loses: its queue comes first.
+    assert choose_fetch(view("a", queued=4000), decode, False, 76, 1100, 1100, decoding=False).remote is False
+
+
+def test_fetch_in_seconds_weighs_the_transfer_against_the_recompute() -> None:
+    weights = PrefillPathWeights(fetch_transfer_cost=0.5)
+    # 1000 cached tokens save 1 s at 1000 tok/s; shipping 1100 costs 0.55 s of recompute plus the hop.
+    choice = choose_fetch(rated("a", 1000), rated("b", 1000), False, 100, 1100, 1100, False, weights)
+    assert choice == PrefillPath(True, "faster_fetch")
+    # Against a remote plan that ships too, a holder twice as slow still wins: 200 tokens at 500/s vs 1100 at 1000/s.
+    assert choose_fetch(rated("a", 500), rated("p", 1000), True, 200, 1100, 1100, False, weights).remote
+    # A transfer as dear as half the recompute, with only 100 tokens cached: recompute.
+    assert choose_fetch(rated("a", 1000), rated("b", 1000), False, 1000, 1100, 1100, False, weights) == \
+        PrefillPath(False, "faster_recompute")
+    with pytest.raises(ValueError, match="fetch_transfer_cost"):
+        PrefillPathWeights(fetch_transfer_cost=1.0)
