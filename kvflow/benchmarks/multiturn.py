@@ -183,11 +183,14 @@ def _serve(serve_flags: list[str], mode: str, host_gib: float, log_path: Path) -
     return ServerProcess(argv, port, log_path=log_path), f"127.0.0.1:{grpc_port}"
 
 
-def _device(grpc_target: str) -> str:
-    from kvflow.client import Client
+def _device(base_url: str) -> str:
+    """The workers' devices, as the router's /v1/models lists them ("cpu" is named by the host's CPU model)."""
+    from kvflow.benchmarks.throughput import host_context
 
-    with Client(grpc_target) as client:
-        return client.info().device or "unknown"
+    data = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
+    devices = sorted({d for worker in data["parallel"]["workers"] for d in worker["devices"]})
+    cpu = host_context()["cpu_model"]
+    return ", ".join(f"cpu ({cpu})" if d == "cpu" else d for d in devices) or "unknown"
 
 
 def run_multiturn(serve_flags: list[str], modes: list[str], workload: Workload, host_gib: float,
@@ -205,7 +208,7 @@ def run_multiturn(serve_flags: list[str], modes: list[str], workload: Workload, 
             server.wait_ready(timeout_s)
             results, duration = asyncio.run(run_conversations(target, workload))
             metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-            records.append(summarize(mode, _device(target), workload, results, duration, metrics))
+            records.append(summarize(mode, _device(server.url), workload, results, duration, metrics))
     return records
 
 
