@@ -453,7 +453,8 @@ EVERY_FIELD: dict[str, Any] = dict(
     repetition_penalty=1.25, seed=11, stop=["x", "yz"], stop_token_ids=[5, 9], include_stop_str_in_output=True,
     ignore_eos=True, max_tokens=40, min_tokens=2, logprobs=3, prompt_logprobs=1, skip_special_tokens=False,
     logit_bias={3: -100.0, 70: 2.5},
-    structured_outputs=StructuredOutputsParams(json='{"type":"object"}', disable_any_whitespace=True))
+    structured_outputs=StructuredOutputsParams(json='{"type":"object"}', disable_any_whitespace=True),
+    allowed_token_ids=[4, 8], bad_words=["darn it", "heck"])
 SAMPLING_FIELDS = sorted(f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_"))
 
 
