@@ -20,9 +20,11 @@ The token never appears in a repr, a log line or a command line built here; it t
 environment only.
 
 Not covered here: an NCCL KV link's rendezvous (a c10d TCPStore on the prefill worker's advertised address; gloo
-links rendezvous over the authenticated `KVLinkStore` RPC) and the NCCL/gloo sockets behind every link have no
-authentication of their own; their addresses are only handed out over the authenticated `KVLink` stream, and the network must keep strangers away from the workers' ports (the Helm chart's
-NetworkPolicies admit only decode pods to prefill pods). Workers' `--metrics-port` is plain Prometheus HTTP.
+links rendezvous over the authenticated `KVLinkStore` RPC, tensor-parallel ranks included: a worker hands its rank
+processes this credential with `env`, and they read it with `from_env`) and the NCCL/gloo sockets behind every link
+have no authentication of their own; their addresses are only handed out over the authenticated `KVLink` stream,
+and the network must keep strangers away from the workers' ports (the Helm chart's NetworkPolicies admit only
+decode pods to prefill pods). Workers' `--metrics-port` is plain Prometheus HTTP.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import grpc
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
 TOKEN_ENV = "KVFLOW_CLUSTER_TOKEN"
+# mTLS file paths handed to a worker's own child processes (its tensor-parallel ranks), with the token
+TLS_ENV = ("KVFLOW_TLS_CERT", "KVFLOW_TLS_KEY", "KVFLOW_TLS_CA", "KVFLOW_TLS_SERVER_NAME")
 TOKEN_METADATA = "x-kvflow-cluster-token"
 # Readable without the token: probes (kubelet gRPC probes, the launcher) and a role/version `Info`.
 PUBLIC_METHODS = frozenset(
@@ -107,16 +111,23 @@ class ClusterAuth:
 
     @classmethod
     def from_env(cls) -> ClusterAuth:
-        """The token of `KVFLOW_CLUSTER_TOKEN` (what tools calling an existing cluster's workers present)."""
-        return cls(os.environ.get(TOKEN_ENV) or None)
+        """The token of `KVFLOW_CLUSTER_TOKEN` (what tools calling an existing cluster's workers present), and the
+        mTLS files of `TLS_ENV` where all three are set (what a worker hands its tensor-parallel ranks)."""
+        cert, key, ca, server_name = (os.environ.get(name) or None for name in TLS_ENV)
+        tls = TLSFiles(Path(cert), Path(key), Path(ca), server_name) if cert and key and ca else None
+        return cls(os.environ.get(TOKEN_ENV) or None, tls)
 
     def with_token(self) -> ClusterAuth:
         """This credential, with a fresh random token if it has none (a cluster started here owns its token)."""
         return self if self.token else dataclasses.replace(self, token=secrets.token_urlsafe(32))
 
     def env(self) -> dict[str, str]:
-        """Environment handing the token to a child process."""
-        return {TOKEN_ENV: self.token} if self.token else {}
+        """Environment handing this credential to a child process (the token, and the mTLS files' paths)."""
+        out = {TOKEN_ENV: self.token} if self.token else {}
+        if self.tls is not None:
+            paths = (str(self.tls.cert), str(self.tls.key), str(self.tls.ca), self.tls.server_name or "")
+            out.update(zip(TLS_ENV, paths, strict=True))
+        return out
 
     def accepts(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         """Whether call metadata carries this token (True when there is none to check: mTLS alone, or no auth)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,10 +68,10 @@ class EngineLoad:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
-                 rank_module: str = DEFAULT_RANK_MODULE) -> None:
+                 rank_module: str = DEFAULT_RANK_MODULE, rank_env: Mapping[str, str] | None = None) -> None:
         self.config = config
         # tensor parallelism: rank 0's runner, the other ranks started (`python -m rank_module`)
-        self.runner = create_runner(config, rank_module)
+        self.runner = create_runner(config, rank_module, rank_env)
         # pipeline parallelism: one micro-batch in flight per stage (engine/parallel/batch_queue.py)
         pp = config.device.pipeline_parallel_size
         self.batches = BatchQueue(pp) if pp > 1 and isinstance(self.runner, TPDriverRunner) else None
@@ -113,8 +114,9 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, enable_kv_events: bool = False,
-                         rank_module: str = DEFAULT_RANK_MODULE) -> LLMEngine:
-        return cls(args.create_engine_config(), enable_kv_events, rank_module)
+                         rank_module: str = DEFAULT_RANK_MODULE, rank_env: Mapping[str, str] | None = None
+                         ) -> LLMEngine:
+        return cls(args.create_engine_config(), enable_kv_events, rank_module, rank_env)
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         """Size the KV cache (shared with a draft model) and the swap space, and allocate them on the runner."""

@@ -40,9 +40,9 @@ from protos.kvflow.v1 import kvflow_pb2 as pb
 class SendEndpoint:
     """A worker's send side: serves decode workers' `KVLink` RPCs and opens the sender of each Prefill request."""
 
-    def __init__(self, choice: str, port: KVPort, link_host: str) -> None:
+    def __init__(self, choice: str, port: KVPort, address: str) -> None:
         self.choice = choice
-        self.links = LinkServer(port, link_host)
+        self.links = LinkServer(port, address)
         self.serializer = StreamSerializer(port)
         self._openers: Mapping[str, Callable[[str, str, str], KVSender]] = MappingProxyType(
             {"grpc": self._grpc_sender, "nccl": self._link_sender, "gloo": self._link_sender})
@@ -162,9 +162,10 @@ class WorkerTransfer:
         self.sender.close()
 
 
-def build_worker_transfer(choice: str, port: KVPort, worker_id: str, link_host: str, channels: ChannelPool,
+def build_worker_transfer(choice: str, port: KVPort, worker_id: str, address: str, channels: ChannelPool,
                           faults: FaultInjector) -> WorkerTransfer:
-    """Both ends for a worker whose `--kv-transfer-backend` is `choice` and whose KV-link rendezvous is reached at
-    `link_host` (its advertised host)."""
+    """Both ends for a worker whose `--kv-transfer-backend` is `choice` and whose peers reach it at `address` (its
+    advertised host:port: its tensor-parallel ranks dial it for a gloo link's store, NCCL links' TCPStore binds its
+    host)."""
     receiver = build_receiver(choice, port, worker_id, channels, faults)
-    return WorkerTransfer(SendEndpoint(choice, port, link_host), receiver, faults)
+    return WorkerTransfer(SendEndpoint(choice, port, address), receiver, faults)

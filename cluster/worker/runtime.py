@@ -212,11 +212,12 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
                          f"{role_name} workers: each stage holds only its layers' KV; run pipeline-parallel decode "
                          "workers, which prefill locally (kvflow serve --pipeline-parallel-size N --prefill-workers 0)")
     worker_id = args.worker_id or f"{role_name}-{os.uname().nodename}-{args.port}"
-    # Tensor parallelism: the other ranks run the KV links' agents too, so each rank moves its own heads. They die
+    # Tensor parallelism: the other ranks run the KV links' agents too, so each rank moves its own heads (gloo links
+    # rendezvous over this worker's or the peer's KVLinkStore RPC: the ranks get the credential in their env). They die
     # with the thread that starts them (engine/process/lifeline.py): a passing thread would take them along when it
     # ends, so a tensor-parallel engine is built on this (main, loop) thread, before the server starts.
     if engine_args.tensor_parallel_size > 1:
-        llm_engine = LLMEngine.from_engine_args(engine_args, True, RANK_MODULE)
+        llm_engine = LLMEngine.from_engine_args(engine_args, True, RANK_MODULE, auth.env())
     else:
         llm_engine = await in_passing_thread(LLMEngine.from_engine_args, engine_args, True, RANK_MODULE)
     if llm_engine.device.type == "cpu":
@@ -239,8 +240,8 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
     address = f"{args.host}:{args.port}"
     advertised = args.advertise_address or address
     channels = ChannelPool(auth)
-    transfer = build_worker_transfer(args.kv_transfer_backend, llm_engine.kv_port, worker_id,
-                                     advertised.rsplit(":", 1)[0], channels, faults)
+    transfer = build_worker_transfer(args.kv_transfer_backend, llm_engine.kv_port, worker_id, advertised, channels,
+                                     faults)
     context = WorkerContext(engine, llm_engine.kv_port, metrics, events, worker_id, model_name, channels, transfer,
                             role=ROLES[role_name], auth=auth)
 

@@ -18,7 +18,8 @@ exit when their stdin closes (the driver stopped) and die with the process that 
 `shutdown` (or interpreter exit) stops them.
 
 A caller above the engine (the KV transport) may start the ranks under its own module (`rank_module`, which runs
-`engine.parallel.worker.run` with a `RankExtension`) and `tell` them frames of its own: they go down the same pipe
+`engine.parallel.worker.run` with a `RankExtension`), with environment of its own (`rank_env`: a credential, never
+in argv) and `tell` them frames of its own: they go down the same pipe
 as the steps, so each rank handles them in order with the steps (a KV import told before a step lands before it).
 """
 
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from typing import IO, Any
 
 import torch
@@ -137,9 +139,10 @@ def free_port() -> int:
 
 
 # ---- rank 0 ---------------------------------------------------------------------------------------------------
-def create_runner(config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE) -> ModelRunner:
+def create_runner(config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE,
+                  rank_env: Mapping[str, str] | None = None) -> ModelRunner:
     """The engine's runner: a plain `ModelRunner` for one rank, else a `TPDriverRunner` with its ranks started
-    (each `python -m rank_module`)."""
+    (each `python -m rank_module`, with `rank_env` added to this process's environment)."""
     tp, pp = config.device.tensor_parallel_size, config.device.pipeline_parallel_size
     size = tp * pp
     if size == 1:
@@ -154,7 +157,7 @@ def create_runner(config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE) 
                              f"to {last}, but only "
                              f"{torch.cuda.device_count()} are visible")
     config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
-    return TPDriverRunner(config, rank_module)
+    return TPDriverRunner(config, rank_module, rank_env)
 
 
 def kv_ranks(runner: ModelRunner) -> KVRanks:
@@ -216,7 +219,8 @@ def _start_children(argv: list[str], env: dict[str, str], setups: list[bytes], p
 class TPDriverRunner(ModelRunner):
     """Rank 0's runner: starts and feeds the other ranks, then runs its own shard (and stage) of every step."""
 
-    def __init__(self, config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE) -> None:
+    def __init__(self, config: EngineConfig, rank_module: str = DEFAULT_RANK_MODULE,
+                 rank_env: Mapping[str, str] | None = None) -> None:
         size = config.device.tensor_parallel_size * config.device.pipeline_parallel_size
         timeout_s = tp_timeout_s()
         port = free_port()
@@ -224,7 +228,7 @@ class TPDriverRunner(ModelRunner):
                "timeout_s": timeout_s}
         # The ranks die with this process, even by SIGKILL, so no orphan keeps its GPU memory (started on a
         # thread that lives as long as they should: `_start_children`).
-        env = {**os.environ, **lifeline_env()}
+        env = {**os.environ, **(rank_env or {}), **lifeline_env()}
         set_nccl_env_defaults(env)
         self._procs: list[subprocess.Popen] = []
         self._pipe_lock = threading.Lock()  # the engine thread's steps and a transport's `tell` share the pipes

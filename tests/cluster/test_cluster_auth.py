@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.auth import TOKEN_ENV, TOKEN_METADATA, ClusterAuth, TLSFiles
+from cluster.auth import TLS_ENV, TOKEN_ENV, TOKEN_METADATA, ClusterAuth, TLSFiles
 from cluster.routing.index import MemoryIndex
 from decode_worker.allowlist import PrefillAllowlist, split_host_port
 from kvflow.client import Client, UnauthenticatedError
@@ -260,6 +260,23 @@ def test_credential_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
                 dict(tls_cert=str(tmp_path / "c.pem")), dict(tls_server_name="x")):
         with pytest.raises(ValueError):
             ClusterAuth.from_args(_auth_args(**bad))
+
+
+
+def test_a_credential_reaches_a_child_process_through_its_environment(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """What a worker hands its tensor-parallel rank processes (`env`) is what they present (`from_env`)."""
+    for name in (TOKEN_ENV, *TLS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    tls = TLSFiles(tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "ca.pem", "kvflow-worker")
+    for auth in (ClusterAuth(TOKEN, tls), ClusterAuth(TOKEN), ClusterAuth(tls=TLSFiles(*(tmp_path / n for n in
+                                                                                      ("c", "k", "ca"))))):
+        with monkeypatch.context() as child:
+            for name, value in auth.env().items():
+                child.setenv(name, value)
+            assert ClusterAuth.from_env() == auth
+    assert ClusterAuth().env() == {} and ClusterAuth.from_env() == ClusterAuth()
+    assert TOKEN not in " ".join(ClusterAuth(tls=tls).env().values())
 
 
 # ---- mTLS --------------------------------------------------------------------------------------------------------

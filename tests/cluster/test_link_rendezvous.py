@@ -1,6 +1,8 @@
 """A gloo KV link's rendezvous store over the prefill worker's authenticated gRPC port (cluster/transfer/link/store.py):
-a pair group forms through it, and a peer cannot reach another link's keys nor grow the store (issue 27); and the
-NCCL links' TCPStore listens on the worker's advertised address alone."""
+a pair group forms through it, the 16 pair groups of a fully crossed link between TP4 workers form through it within
+its bounds, a tensor-parallel rank process without the cluster credential is refused, and a peer cannot reach
+another link's keys nor grow the store (issue 27); and the NCCL links' TCPStore listens on the worker's advertised
+address alone."""
 
 from __future__ import annotations
 
@@ -13,8 +15,18 @@ import psutil
 import pytest
 import torch
 
-from cluster.transfer.link.group import DECODE_RANK, PREFILL_RANK, PairGroup, link_prefix, serve_store
-from cluster.transfer.link.store import MAX_KEYS, MAX_VALUE_BYTES, LinkStores, RpcLinkStore
+from cluster.auth import TOKEN_ENV, ClusterAuth
+from cluster.transfer.link.group import (
+    DECODE_RANK,
+    PREFILL_RANK,
+    PairGroup,
+    RankGroups,
+    link_prefix,
+    serve_store,
+)
+from cluster.transfer.link.heads import plan_heads
+from cluster.transfer.link.ranks import _link_store
+from cluster.transfer.link.store import MAX_KEYS, MAX_VALUE_BYTES, LinkStores, RpcLinkStore, dial_link_store
 from kvflow.launcher import free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
@@ -28,25 +40,40 @@ class _StoreOnly(kvflow_pb2_grpc.PrefillServicer):
         return await self.stores.serve(request, context)
 
 
-@pytest.fixture()
-def served() -> Iterator[tuple[LinkStores, kvflow_pb2_grpc.PrefillStub, asyncio.AbstractEventLoop]]:
+TOKEN = "link-store-test-token-0123456789"
+Served = tuple[LinkStores, kvflow_pb2_grpc.PrefillStub, asyncio.AbstractEventLoop]
+
+
+def _serve(auth: ClusterAuth) -> Iterator[tuple[Served, str]]:
+    """A `KVLinkStore` server demanding `auth` (its address, and a stub presenting `auth`), on a loop thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    stores, port = LinkStores(timeout_s=20), free_port()
+    stores, address = LinkStores(timeout_s=20), f"127.0.0.1:{free_port()}"
 
     async def start() -> tuple[grpc.aio.Server, kvflow_pb2_grpc.PrefillStub]:
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=auth.server_interceptors())
         kvflow_pb2_grpc.add_PrefillServicer_to_server(_StoreOnly(stores), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        auth.add_port(server, address)
         await server.start()
-        return server, kvflow_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+        return server, kvflow_pb2_grpc.PrefillStub(auth.aio_channel(address))
 
     server, stub = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    yield stores, stub, loop
+    yield (stores, stub, loop), address
     asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
+
+
+@pytest.fixture()
+def served() -> Iterator[Served]:
+    for server, _ in _serve(ClusterAuth()):
+        yield server
+
+
+@pytest.fixture()
+def served_with_token() -> Iterator[tuple[Served, str]]:
+    yield from _serve(ClusterAuth(TOKEN))
 
 
 def test_a_gloo_pair_forms_through_the_rpc_store(served) -> None:  # noqa: ANN001
@@ -110,3 +137,66 @@ def test_the_nccl_links_tcp_store_listens_on_the_workers_address_alone() -> None
     listening = [c.laddr.ip for c in psutil.net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
     assert listening == ["127.0.0.1"], listening
+
+
+def _rank_doc(link_id: str, address: str) -> dict:
+    """What rank 0 tells a tensor-parallel rank's agent about a gloo link's store (cluster/transfer/link/send.py)."""
+    return {"link": link_id, "rpc_store": True, "address": address, "host": "", "port": 0, "timeout_s": 20}
+
+
+def test_a_rank_process_reaches_the_link_store_only_with_the_cluster_credential(
+        served_with_token, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    (stores, _, _), address = served_with_token
+    stores.open("link-t", link_prefix("link-t"))
+    key = link_prefix("link-t") + "k"
+    channels: list[grpc.Channel] = []
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    without = _link_store(_rank_doc("link-t", address), channels)
+    with pytest.raises(RuntimeError, match="UNAUTHENTICATED"):
+        without.set(key, b"v")
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # what the worker hands its ranks (ClusterAuth.env)
+    with_token = _link_store(_rank_doc("link-t", address), channels)
+    with_token.set(key, b"v")
+    assert with_token.get(key) == b"v"
+    for channel in channels:
+        channel.close()
+
+
+def test_a_tp4_links_sixteen_pair_groups_form_within_the_store_bounds(served_with_token) -> None:  # noqa: ANN001
+    """Every prefill rank of TP4 sends heads to every decode rank of TP4 (the most pairs a TP4 x TP4 link can
+    have): all 16 pair groups rendezvous through one link's store, prefill rank 0 on the store itself, the 7 other
+    ranks over the RPC, each on its own thread (like rank processes), and greet in pair order."""
+    (stores, _, _), address = served_with_token
+    prefix = link_prefix("link-tp4")
+    local = stores.open("link-tp4", prefix)
+    plan = plan_heads(tuple(tuple(range(4 * r, 4 * r + 4)) for r in range(4)),
+                      tuple(tuple(range(r, 16, 4)) for r in range(4)))
+    assert len(plan.pairs) == 16
+    failures: list[BaseException] = []
+    channels: list[grpc.Channel] = []
+
+    def rank(side: int, index: int) -> None:
+        try:
+            store = local
+            if (side, index) != (PREFILL_RANK, 0):
+                store, channel = dial_link_store(address, "link-tp4", 20, ClusterAuth(TOKEN))
+                channels.append(channel)
+            pairs = plan.sending(index) if side == PREFILL_RANK else plan.receiving(index)
+            groups = RankGroups("gloo", store, prefix, pairs, side, 20)
+            if not groups.hello(torch.device("cpu"), threading.Event()):
+                raise RuntimeError("hello failed")
+            groups.close(failed=False)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(side, index)) for side in (PREFILL_RANK, DECODE_RANK)
+               for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    assert not any(thread.is_alive() for thread in threads)
+    assert 16 <= local.num_keys() <= MAX_KEYS
+    for channel in channels:
+        channel.close()

@@ -4,7 +4,8 @@ and a prefill TP that differs from the decode TP is re-sharded on the receive si
 Greedy outputs equal the unified TP1 engine's for TP2 -> TP2, TP2 -> TP1 and TP1 -> TP2 on the tiny Llama (2 KV
 heads) and for TP2 -> TP1 / TP1 -> TP2 on SmolLM2 (3 KV heads: an uneven split); every block's bytes cross exactly
 once (a replicated head from one rank only); a prefill rank killed mid-transfer is noticed within 2 s and the decode
-side recomputes.
+side recomputes. Every gloo link, tensor-parallel ranks included, rendezvouses over the prefill worker's
+authenticated KVLinkStore RPC (never a TCPStore), also between workers holding a cluster token.
 """
 
 from __future__ import annotations
@@ -19,20 +20,23 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from cluster.auth import TOKEN_ENV, ClusterAuth
 from cluster.transfer.link.heads import assemble, plan_heads
 from engine.kv_layout import KVSlice
 from engine.kv_port import KVPort, KVRanks
 from protos.kvflow.v1 import kvflow_pb2 as pb
-from tests.helpers.pd import Worker, generate, metric, start_worker, wait_healthy, wait_until
+from tests.helpers.pd import Worker, free_port, generate, metric, start_worker, wait_healthy, wait_until
 
 TINY = ("--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20),
         "--kv-transfer-backend", "nccl")
 # tiny: 2 layers x 2 KV heads x 16 dims, float32: one block's K and V over every layer
 TINY_BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4
 PAIRS = [(2, 2), (2, 1), (1, 2)]
+TOKEN = "tensor-parallel-pd-token-0123456789"
 
 
 def tiny_prompts(first: int) -> list[list[int]]:
@@ -147,6 +151,45 @@ def test_tensor_parallel_pd_greedy_equals_unified_tp1(tiny_workers, tiny_referen
     wait_until(lambda: _gloo_bytes(decode) - before >= blocks * TINY_BLOCK_BYTES, 30.0, "the bytes counted")
     time.sleep(0.7)
     assert _gloo_bytes(decode) - before == blocks * TINY_BLOCK_BYTES
+
+
+def test_tensor_parallel_gloo_links_rendezvous_over_the_authenticated_rpc_store(tiny_reference,  # noqa: ANN001
+                                                                                tmp_path: Path) -> None:
+    """TP2 -> TP2 between workers holding a cluster token (the prefill worker's from --cluster-token alone, so its
+    ranks get it only from their worker, cluster/auth.py `env`): every rank's pair groups rendezvous over the
+    prefill worker's KVLinkStore RPC, presenting it. A decode worker opening a link is told so (`rpc_store`, no
+    TCPStore port: none is opened for gloo links), and a call without the token is refused."""
+    from protos.kvflow.v1 import kvflow_pb2_grpc
+
+    auth, port = ClusterAuth(TOKEN), free_port()
+    tp2 = (*TINY, "--tensor-parallel-size", "2")
+    prefill = start_worker("prefill", tmp_path, *tp2, "--cluster-token", TOKEN, port=port, model="tiny",
+                           env={TOKEN_ENV: ""})
+    decode = start_worker("decode", tmp_path, *tp2, "--prefill-allowlist", f"127.0.0.1:{port}", model="tiny",
+                          env={TOKEN_ENV: TOKEN})
+    try:
+        for worker in (prefill, decode):
+            wait_healthy(worker, auth=auth)
+        prompt = PROMPTS[(2, 2)][0]
+        result = generate(decode, prompt, prefill, MAX_TOKENS, "authenticated", auth=auth)
+        assert result.prefill_path == pb.PREFILL_PATH_DISAGGREGATED
+        assert list(result.choices[0].token_ids) == tiny_reference[tuple(prompt)]
+        with auth.channel(prefill.address) as channel:
+            stub = kvflow_pb2_grpc.PrefillStub(channel)
+            layout = stub.Info(pb.InfoRequest(), timeout=10).kv_layout
+            stream = stub.KVLink(pb.KVLinkRequest(link_id="probe-link", decode_worker_id="test", layout=layout,
+                                                  backend=pb.KV_TRANSFER_BACKEND_GLOO), timeout=20)
+            ready = next(iter(stream)).ready
+            stream.cancel()
+        assert ready.rpc_store and ready.store_port == 0 and not ready.store_host, ready
+        assert len(ready.rank_heads) == 2
+        with ClusterAuth().channel(prefill.address) as channel, pytest.raises(grpc.RpcError) as caught:
+            kvflow_pb2_grpc.PrefillStub(channel).KVLinkStore(
+                pb.KVLinkStoreRequest(link_id="probe-link", op=pb.KV_LINK_STORE_OP_NUM_KEYS), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 @pytest.fixture(scope="module")

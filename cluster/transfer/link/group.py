@@ -1,6 +1,7 @@
-"""What both ends of a KV link share: the pair's own 2-rank process group, the rendezvous through the prefill
-worker's c10d TCPStore, the heartbeat of the `KVLink` stream, and waiting for a send or receive without blocking
-past the link's death (see cluster/transfer/link/__init__.py for the link's invariants)."""
+"""What both ends of a KV link share: the pair's own 2-rank process group, the rendezvous (a gloo link's store over
+the KVLinkStore RPC, store.py; an NCCL link's c10d TCPStore on the prefill worker), the heartbeat of the `KVLink`
+stream, and waiting for a send or receive without blocking past the link's death (see
+cluster/transfer/link/__init__.py for the link's invariants)."""
 
 from __future__ import annotations
 

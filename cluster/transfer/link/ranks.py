@@ -23,11 +23,15 @@ import queue
 import threading
 from typing import Any
 
+import grpc
 import torch
+import torch.distributed as dist
 
+from cluster.auth import ClusterAuth
 from cluster.transfer.link.group import DECODE_RANK, RankGroups, on_device, tcp_store_client
 from cluster.transfer.link.heads import HeadPlan, assemble, plan_heads
 from cluster.transfer.link.send import SendLoop
+from cluster.transfer.link.store import dial_link_store
 from cluster.transfer.link.tell import ack_key
 from engine.kv_layout import KVSlice
 from engine.kv_port import KVPort
@@ -41,6 +45,24 @@ logger = logging.getLogger(__name__)
 
 def _slice(raw: list[int]) -> KVSlice:
     return KVSlice(*(int(v) for v in raw))
+
+
+def _link_store(doc: dict[str, Any], channels: list[grpc.Channel]) -> dist.Store:
+    """The link's rendezvous store as rank 0 told it: a gloo link's over the prefill worker's `KVLinkStore` RPC,
+    with the credential this process got from its worker's environment (the channel goes into `channels`, for the
+    caller to close); an NCCL link's at the prefill worker's TCPStore."""
+    timeout_s = float(doc["timeout_s"])
+    if not doc.get("rpc_store"):
+        return tcp_store_client(doc["host"], int(doc["port"]), timeout_s)
+    store, channel = dial_link_store(doc["address"], doc["link"], timeout_s, ClusterAuth.from_env())
+    channels.append(channel)
+    return store
+
+
+def _close_channels(channels: list[grpc.Channel]) -> None:
+    for channel in channels:
+        with contextlib.suppress(Exception):  # closing twice, or at exit
+            channel.close()
 
 
 def _plan(doc: dict[str, Any]) -> HeadPlan:
@@ -84,9 +106,10 @@ class RecvLoop:
 
     def _run(self, doc: dict[str, Any]) -> None:
         groups = None
+        channels: list[grpc.Channel] = []
         try:
             with on_device(self.port.device):
-                store = tcp_store_client(doc["host"], int(doc["port"]), float(doc["timeout_s"]))
+                store = _link_store(doc, channels)
                 groups = RankGroups(doc["backend"], store, doc["prefix"], self.pairs, DECODE_RANK,
                                     float(doc["timeout_s"]))
                 self._groups = groups
@@ -105,6 +128,7 @@ class RecvLoop:
             self.broken.set()
             if groups is not None:
                 groups.close(failed=True)
+            _close_channels(channels)
 
     def _receive_all(self, groups: RankGroups) -> None:
         while True:
@@ -140,6 +164,7 @@ class LinkAgent:
         self._port: KVPort | None = None
         self.sends: dict[str, tuple[SendLoop, HeadPlan]] = {}
         self.recvs: dict[str, RecvLoop] = {}
+        self._channels: dict[str, list[grpc.Channel]] = {}  # the send side's store channels, by link
 
     @property
     def port(self) -> KVPort:
@@ -159,6 +184,8 @@ class LinkAgent:
             loop.close(wait_s=5.0, graceful=True)
         for recv in self.recvs.values():
             recv.close()
+        for channels in self._channels.values():
+            _close_channels(channels)
 
     # ---- prefill side ----------------------------------------------------------------------------------------
     def _on_open_send(self, doc: dict[str, Any]) -> None:
@@ -166,9 +193,9 @@ class LinkAgent:
         loop = SendLoop(f"{doc['link']}-r{self.group.rank}", doc["backend"], self.port,
                         plan.sending(self.group.rank))
         self.sends[doc["link"]] = (loop, plan)
+        channels = self._channels.setdefault(doc["link"], [])
         # The store is reached on the link thread: this (main) thread must get back to the steps at once.
-        loop.start(lambda: tcp_store_client(doc["host"], int(doc["port"]), float(doc["timeout_s"])), doc["prefix"],
-                   float(doc["timeout_s"]), lambda: None)
+        loop.start(lambda: _link_store(doc, channels), doc["prefix"], float(doc["timeout_s"]), lambda: None)
 
     def _on_export(self, doc: dict[str, Any]) -> None:
         entry = self.sends.get(doc["link"])
@@ -207,6 +234,7 @@ class LinkAgent:
         entry = self.sends.pop(doc["link"], None)
         if entry is not None:
             entry[0].close()
+        _close_channels(self._channels.pop(doc["link"], []))
         recv = self.recvs.pop(doc["link"], None)
         if recv is not None:
             recv.close()

@@ -203,7 +203,8 @@ class RecvLink:
                 rpc_store = RpcLinkStore(self._stub, self.link_id, self._loop, ready.timeout_s or SETUP_TIMEOUT_S) \
                     if ready.rpc_store else None
                 self._tell_ranks({"op": "open_recv", "link": self.link_id, "backend": self.backend,
-                                  "host": ready.store_host, "port": ready.store_port, "prefix": ready.store_prefix,
+                                  "rpc_store": ready.rpc_store, "address": self.address, "host": ready.store_host,
+                                  "port": ready.store_port, "prefix": ready.store_prefix,
                                   "timeout_s": ready.timeout_s or SETUP_TIMEOUT_S, "src": plan.src_heads,
                                   "dst": plan.dst_heads})
                 self._groups = join_groups(self.backend, ready, rpc_store, plan.receiving(0))

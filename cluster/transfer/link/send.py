@@ -142,9 +142,12 @@ class SendLink:
     def bytes_sent(self) -> int:
         return self.sends.bytes_sent
 
-    def start(self, store: dist.Store, prefix: str, ready: pb.KVLinkReady) -> None:
+    def start(self, store: dist.Store, prefix: str, ready: pb.KVLinkReady, address: str) -> None:
+        """Join rank 0's pairs on `store`; the other ranks join theirs at the store `ready` names: this worker's
+        KVLinkStore RPC at `address` when `ready.rpc_store`, else the TCPStore."""
         if len(self.plan.src_heads) > 1:
             tell_ranks(self.port.ranks, {"op": "open_send", "link": self.link_id, "backend": self.backend,
+                                         "rpc_store": ready.rpc_store, "address": address,
                                          "host": ready.store_host, "port": ready.store_port, "prefix": prefix,
                                          "timeout_s": ready.timeout_s, "src": self.plan.src_heads,
                                          "dst": self.plan.dst_heads})
@@ -205,14 +208,16 @@ class LinkSender:
 
 
 class LinkServer:
-    """The prefill worker's links, keyed by link id, and where decode workers rendezvous: gloo links in a store per
-    link, served over the authenticated `KVLinkStore` RPC; NCCL links at a TCPStore on `store_host` (until the RPC
-    store is checked on GPUs: a heartbeat thread of ProcessGroupNCCL reads the store too)."""
+    """The prefill worker's links, keyed by link id, and where every rank of both workers rendezvouses: gloo links
+    in a store per link, served over the authenticated `KVLinkStore` RPC at `address` (this worker's advertised
+    gRPC address, which its own tensor-parallel ranks dial too); NCCL links at a TCPStore on `address`'s host (until
+    the RPC store is checked on GPUs: a heartbeat thread of ProcessGroupNCCL reads the store too)."""
 
-    def __init__(self, port: KVPort, store_host: str) -> None:
+    def __init__(self, port: KVPort, address: str) -> None:
         self.port = port
         self.backend = link_backend_for(port.device)
-        self.store_host = store_host
+        self.address = address
+        self.store_host = address.rsplit(":", 1)[0]
         self.stores = LinkStores(SETUP_TIMEOUT_S)
         self._tcp_store: dist.TCPStore | None = None
         self._links: dict[str, SendLink] = {}
@@ -241,12 +246,12 @@ class LinkServer:
         return plan_heads(self.port.ranks.heads, heads_from_proto(list(request.rank_heads),
                                                                   layout_from_proto(request.layout)))
 
-    async def _rendezvous(self, link_id: str, prefix: str, plan: HeadPlan) -> tuple[dist.Store, pb.KVLinkReady]:
-        """The store the prefill rank joins through, and what the decode side is told. gloo links between one-rank
-        workers rendezvous over the KVLinkStore RPC; the others (NCCL, or ranks > 0 without gRPC) at the
+    async def _rendezvous(self, link_id: str, prefix: str) -> tuple[dist.Store, pb.KVLinkReady]:
+        """The store the prefill rank joins through, and what the decode side is told. gloo links rendezvous over
+        the KVLinkStore RPC (every rank of both workers, tensor-parallel ones included); NCCL links at the
         TCPStore."""
         heads = heads_to_proto(self.port.ranks.heads)
-        if self.backend == "gloo" and len(plan.src_heads) == len(plan.dst_heads) == 1:
+        if self.backend == "gloo":
             return self.stores.open(link_id, prefix), pb.KVLinkReady(store_prefix=prefix, timeout_s=SETUP_TIMEOUT_S,
                                                                      rpc_store=True, rank_heads=heads)
         if self._tcp_store is None:
@@ -270,14 +275,14 @@ class LinkServer:
             return
         link = SendLink(request.link_id, self.backend, self.port, asyncio.get_running_loop(), plan)
         prefix = link_prefix(request.link_id)
-        store, ready = await self._rendezvous(request.link_id, prefix, plan)
+        store, ready = await self._rendezvous(request.link_id, prefix)
         self._links[request.link_id] = link
         logger.info("KV link %s (%s) to decode worker %s: %d prefill x %d decode ranks, %d pairs", request.link_id,
                     self.backend, request.decode_worker_id, len(plan.src_heads), len(plan.dst_heads),
                     len(plan.pairs))
         try:
             yield pb.KVLinkMessage(ready=ready)
-            link.start(store, prefix, ready)
+            link.start(store, prefix, ready, self.address)
             alive = functools.partial(ranks_alive, self.port.ranks)
             async with contextlib.aclosing(notices_and_heartbeats(link.notices, alive)) as messages:
                 async for message in messages:
