@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import socket
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
-import redis
 
 from cluster.routing.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBatch
 from cluster.routing.index import IndexUnavailable
 from cluster.routing.redis_index import RedisIndex, redact, redis_client
 from engine.core.block_hash import BlockHasher
+from tests.helpers.redis_index import REDIS_URL, scratch_redis_index
 
-REDIS_URL = "redis://127.0.0.1:6379/13"
 HASHER = BlockHasher.for_model("test-model", 4)
 HASHES = HASHER.hash_blocks(list(range(40)))
 
@@ -26,15 +24,8 @@ def snapshot(worker: str, hashes: list[bytes], epoch: int = 1) -> EventBatch:
 
 @pytest.fixture()
 def index() -> Iterator[RedisIndex]:
-    prefix = f"kvflow:test:{uuid.uuid4().hex[:8]}:"
-    idx = RedisIndex(REDIS_URL, prefix=prefix, liveness_ttl_s=0.5)
-    assert idx.ping(), "these tests need redis-server on 127.0.0.1:6379"
-    yield idx
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
-    idx.close()
+    with scratch_redis_index(liveness_ttl_s=0.5) as idx:
+        yield idx
 
 
 def test_longest_prefix_eviction_and_epochs(index: RedisIndex) -> None:

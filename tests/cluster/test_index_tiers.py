@@ -6,7 +6,6 @@ measured reload cost."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -22,8 +21,8 @@ from engine.core.block_pool import BlockRemoved, BlockStored, KVTier
 from engine.llm_engine import EngineLoad
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.workers import batch_from_proto
+from tests.helpers.redis_index import REDIS_URL, scratch_redis_index
 
-REDIS_URL = "redis://127.0.0.1:6379/13"
 HASHES = BlockHasher.for_model("test-model", 4).hash_blocks(list(range(40)))  # 10 chained blocks
 
 
@@ -32,15 +31,8 @@ def index(request: pytest.FixtureRequest) -> Iterator[PrefixIndex]:
     if request.param == "memory":
         yield MemoryIndex()
         return
-    prefix = f"kvflow:test:{uuid.uuid4().hex[:8]}:"
-    idx = RedisIndex(REDIS_URL, prefix=prefix)
-    assert idx.ping(), "these tests need redis-server on 127.0.0.1:6379"
-    yield idx
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
-    idx.close()
+    with scratch_redis_index() as idx:
+        yield idx
 
 
 def batch(worker: str, sequence: int, *events: object, epoch: int = 1) -> EventBatch:

@@ -17,7 +17,7 @@ from engine.quant.dummy_gguf import write_dummy_gguf
 from engine.quant.gguf_weights import qk_row_permutation
 from engine.quant.group_quant import dequantize
 from engine.quant.quant_layers import QuantEmbedding, QuantLinear
-from engine.sampling_params import SamplingParams
+from tests.helpers.oracle import greedy_outputs
 
 
 def _engine(model: str = "tiny-llama", seed: int = 0) -> LLMEngine:
@@ -77,18 +77,7 @@ def test_dummy_gguf_model_holds_the_files_blocks(tmp_path: Path) -> None:
 
 
 def _greedy(engine: LLMEngine) -> list[list[int]]:
-    prompts = ([5, 17, 300, 42], list(range(100, 140)))
-    for n, prompt in enumerate(prompts):
-        engine.add_request(f"r{n}", prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=1,
-                                                            ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    for out in done.values():
-        assert all(np.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids, strict=True))
-    return [done[f"r{n}"].token_ids for n in range(len(prompts))]
+    return [out.token_ids for out in greedy_outputs(engine, [[5, 17, 300, 42], list(range(100, 140))])]
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])

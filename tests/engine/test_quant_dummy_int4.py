@@ -18,7 +18,7 @@ from engine.models.weight_map import checkpoint_keys, decoder_linear_paths
 from engine.quant.dummy_int4 import dummy_state
 from engine.quant.group_quant import dequantize, unpack_int4
 from engine.quant.quant_layers import QuantLinear
-from engine.sampling_params import SamplingParams
+from tests.helpers.oracle import greedy_outputs
 
 PROMPTS = ([5, 17, 300, 42], [7] * 20, list(range(100, 140)))
 
@@ -30,16 +30,8 @@ def _engine(model: str, **kwargs: object) -> LLMEngine:
 
 def _greedy(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
     """Greedy ids and their logprobs for PROMPTS."""
-    for n, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{n}", prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=1,
-                                                            ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    outs = [done[f"r{n}"] for n in range(len(PROMPTS))]
-    return [(o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]) for o in outs]
+    return [(o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)])
+            for o in greedy_outputs(engine, PROMPTS)]
 
 
 def _quant_linears(engine: LLMEngine) -> dict[str, QuantLinear]:

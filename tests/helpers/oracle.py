@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,25 @@ def run_to_end(engine: LLMEngine, request_id: str) -> list[int]:
             if output.request_id == request_id and output.finished:
                 return output.outputs[0].token_ids
     raise AssertionError("request never finished")
+
+
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 6) -> list[Any]:
+    """Each prompt's completion (`CompletionOutput`, with logprobs=1), greedy and `max_tokens` long, all stepped
+    together on `engine`; every reported logprob is finite."""
+    from engine.sampling_params import SamplingParams
+
+    for n, prompt in enumerate(prompts):
+        engine.add_request(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1,
+                                                            ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    outs = [done[f"r{n}"] for n in range(len(prompts))]
+    for out in outs:
+        assert all(math.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids, strict=True))
+    return outs
 
 
 def tiny_hf_state(arch, gen: torch.Generator) -> dict[str, torch.Tensor]:  # noqa: ANN001
