@@ -1,7 +1,9 @@
 """Adaptive disaggregation against the fixed layouts, same client, loads and seeds (the adaptive-disaggregation
 issue's benchmarks). Modes (`--modes`, `kvflow serve` flags in MODE_FLAGS): static_1p1d (1 prefill + 1 decode
 worker, `--disagg-policy static` where serve has it), dp2 (`--data-parallel-size 2`: replicas that prefill
-locally), adaptive (`--disagg-policy adaptive` from 1P1D, the SLO as its targets).
+locally), adaptive (`--disagg-policy adaptive` from 1P1D, the SLO as its targets). `--layout x4` (the four-GPU
+issue): static_2p2d, static_1p3d, dp4 (`--data-parallel-size 4`) and adaptive from 1P3D, written to
+pd_adaptive_x4_<workload>.json; `--rate-scale 2` gives each GPU the two-GPU runs' load.
 
 Workloads (`--workloads`): open-loop Poisson arrivals per class (own lengths and rate), phases in order; every
 class and phase gets at least one request.
@@ -61,12 +63,21 @@ MODE_FLAGS = {  # serve's default policy is adaptive: the fixed layouts pin stat
     "dp2": ("--disagg-policy", "static", "--data-parallel-size", "2"),
     "adaptive": ("--disagg-policy", "adaptive", "--prefill-workers", "1", "--decode-workers", "1"),
 }
+# The four-GPU issue's layouts. adaptive starts as 1P3D: one prefill GPU carries these loads' prompts at the
+# two-GPU rates scaled by 2, and the planner moves workers from there.
+MODE_FLAGS_X4 = {
+    "static_2p2d": ("--disagg-policy", "static", "--prefill-workers", "2", "--decode-workers", "2"),
+    "static_1p3d": ("--disagg-policy", "static", "--prefill-workers", "1", "--decode-workers", "3"),
+    "dp4": ("--disagg-policy", "static", "--data-parallel-size", "4"),
+    "adaptive": ("--disagg-policy", "adaptive", "--prefill-workers", "1", "--decode-workers", "3"),
+}
+LAYOUTS = {"x2": MODE_FLAGS, "x4": MODE_FLAGS_X4}
 POLL_S = 0.5
 
 
-def mode_flags(mode: str, slo: dict[str, float], itl_target_ms: float | None) -> list[str]:
-    """`kvflow serve` flags of a mode; adaptive gets the SLO as its targets."""
-    flags = list(MODE_FLAGS[mode])
+def mode_flags(mode: str, slo: dict[str, float], itl_target_ms: float | None, layout: str = "x2") -> list[str]:
+    """`kvflow serve` flags of a mode in `layout`; adaptive gets the SLO as its targets."""
+    flags = list(LAYOUTS[layout][mode])
     if mode == "adaptive":
         flags += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:g}", "--slo-itl-ms", f"{slo['itl_s'] * 1e3:g}"]
         flags += ["--itl-target-ms", f"{itl_target_ms:g}"] if itl_target_ms else []
@@ -109,9 +120,10 @@ class Arrival:
     prompt: list[int]
 
 
-def plan(key: str, smoke: bool, rates: list[float], seconds_per_rate: float) -> list[Workload]:
-    """The workload's runs (one, or one per sweep rate); --smoke shrinks lengths 32x, rates 4x, times 30x."""
-    length, slower, shorter = (32, 4.0, 30.0) if smoke else (1, 1.0, 1.0)
+def plan(key: str, smoke: bool, rates: list[float], seconds_per_rate: float, rate_scale: float = 1.0) -> list[Workload]:
+    """The workload's runs (one, or one per sweep rate); --smoke shrinks lengths 32x, rates 4x, times 30x;
+    `rate_scale` multiplies every rate (the four-GPU runs: the two-GPU loads per GPU)."""
+    length, slower, shorter = (32, 4.0 / rate_scale, 30.0) if smoke else (1, 1.0 / rate_scale, 1.0)
 
     def cls(name: str, input_len: int, output_len: int, rate: float) -> Traffic:
         return Traffic(name, max(input_len // length, 4), max(output_len // length, 2), rate / slower)
@@ -128,7 +140,7 @@ def plan(key: str, smoke: bool, rates: list[float], seconds_per_rate: float) -> 
         return [Workload(key, one("prompts", 30, cls("prompt", 256, 1024, 8)))]
     if key == "changing":
         return [Workload(key, (*one("chat", 60, chat), *one("documents", 60, replace(doc, rate=2 / slower))))]
-    return [Workload(key, one(f"{r:g}_rps", seconds_per_rate, cls("prompt", 2048, 256, r)), r / slower)
+    return [Workload(key, one(f"{r / slower:g}_rps", seconds_per_rate, cls("prompt", 2048, 256, r)), r / slower)
             for r in rates]
 
 
@@ -264,10 +276,17 @@ class Bench:
     warmup_per_class: int
     device: str
     api_key: str
+    layout: str = "x2"  # a key of LAYOUTS
+    rate_scale: float = 1.0
+
+    @property
+    def prefix(self) -> str:
+        """Of the records' workload names and of the files: pd_adaptive_ (two GPUs), pd_adaptive_x4_ (four)."""
+        return "pd_adaptive_" if self.layout == "x2" else f"pd_adaptive_{self.layout}_"
 
     def head(self, workload: Workload, mode: str) -> dict[str, Any]:
-        return {"workload": f"pd_adaptive_{workload.key}_{self.setup.model[1]}", "device": self.device, "mode": mode,
-                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        return {"workload": f"{self.prefix}{workload.key}_{self.setup.model[1]}", "device": self.device, "mode": mode,
+                "rate_scale": self.rate_scale, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
     def start(self, mode: str, runs: list[Workload]) -> ServerProcess:
         """`mode`'s server for `runs`, started (not yet ready)."""
@@ -337,6 +356,7 @@ def commit() -> str:
 def context(bench: Bench, smoke: bool) -> dict[str, Any]:
     return {"device": bench.device, "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "argv": sys.argv[1:], "model_flags": bench.setup.model, "mode_flags": bench.flags, "slo": bench.slo,
+            "layout": bench.layout, "rate_scale": bench.rate_scale,
             "slo_rule": "met if completed, TTFT <= ttft_s and TPOT <= itl_s; attainment over requests sent",
             "servers": "one per mode for all workloads, all started up front" if smoke else "one per mode and workload",
             "warmup_per_class": bench.warmup_per_class, "seed": bench.seed, "metrics_poll_s": POLL_S,
@@ -346,7 +366,13 @@ def context(bench: Bench, smoke: bool) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--modes", nargs="+", choices=tuple(MODE_FLAGS), default=list(MODE_FLAGS))
+    parser.add_argument("--layout", choices=tuple(LAYOUTS), default="x2",
+                        help="x2: the two-GPU modes (pd_adaptive_*.json); x4: 2P2D, 1P3D, four replicas and "
+                             "adaptive from 1P3D (pd_adaptive_x4_*.json)")
+    parser.add_argument("--modes", nargs="+", choices=sorted({m for flags in LAYOUTS.values() for m in flags}),
+                        default=None, help="default: every mode of --layout")
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="multiplies every workload's rate (e.g. 2 on four GPUs: the two-GPU load per GPU)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", RESULTS)))
     parser.add_argument("--rates", type=float, nargs="+", default=[12, 16, 20, 24])
     parser.add_argument("--seconds-per-rate", type=float, default=15.0)
@@ -354,6 +380,12 @@ def main() -> int:
     parser.add_argument("--itl-target-ms", type=float, default=None, help="adaptive's; default: serve's")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds-long loads: the plumbing")
     args = parser.parse_args()
+    layout_modes = LAYOUTS[args.layout]
+    args.modes = args.modes or list(layout_modes)
+    if unknown := [m for m in args.modes if m not in layout_modes]:
+        parser.error(f"--modes {' '.join(unknown)}: not a mode of --layout {args.layout} ({', '.join(layout_modes)})")
+    if args.rate_scale <= 0:
+        parser.error(f"--rate-scale must be > 0, got {args.rate_scale:g}")
     import torch
 
     args.rates = args.rates[:1] if args.smoke else args.rates
@@ -361,16 +393,16 @@ def main() -> int:
     gpus = torch.cuda.device_count()
     bench = Bench(Setup(args.out, Path(tempfile.mkdtemp(prefix="pd-adaptive-")), SMOKE_MODEL if args.smoke else MODEL,
                         gpus >= 2),
-                  slo, {m: mode_flags(m, slo, args.itl_target_ms) for m in args.modes}, args.seed,
+                  slo, {m: mode_flags(m, slo, args.itl_target_ms, args.layout) for m in args.modes}, args.seed,
                   1 if args.smoke else 3, f"{gpus} x {device_name()}" if gpus > 1 else device_name(),
-                  secrets.token_hex(8))
+                  secrets.token_hex(8), args.layout, args.rate_scale)
     log(f"device {bench.device}; logs in {bench.setup.log_dir}")
-    runs = {key: plan(key, args.smoke, args.rates, args.seconds_per_rate) for key in args.workloads}
+    runs = {key: plan(key, args.smoke, args.rates, args.seconds_per_rate, args.rate_scale) for key in args.workloads}
     groups = [list(runs)] if args.smoke else [[key] for key in runs]
     files: dict[str, list[dict[str, Any]]] = {}
     for group in groups:
         for workload, record in run_group(bench, args.modes, [w for key in group for w in runs[key]], args.smoke):
-            path = args.out / f"pd_adaptive_{'smoke' if args.smoke else workload.key}.json"
+            path = args.out / f"{bench.prefix}{'smoke' if args.smoke else workload.key}.json"
             files.setdefault(path.name, kept_records(path, args.modes)).append(record)
             write_json(path, {"context": context(bench, args.smoke), "records": files[path.name]}, indent=1)
     return 1 if any("error" in r for records in files.values() for r in records if r["mode"] in args.modes) else 0

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.pd_adaptive import MODE_FLAGS, SLO, mode_flags, parse_pools, pool_record
+from bench.pd_adaptive import MODE_FLAGS, SLO, mode_flags, parse_pools, plan, pool_record
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = {"workload", "device", "mode", "ttft_p99_s", "itl_p99_s", "slo_attainment", "slo", "out_tok_s", "failed",
@@ -23,6 +23,18 @@ def test_mode_flags_pin_the_fixed_layouts_to_the_static_policy() -> None:
     adaptive = mode_flags("adaptive", SLO, 30.0)
     assert adaptive[:2] == ["--disagg-policy", "adaptive"]
     assert " ".join(adaptive).endswith("--slo-ttft-ms 1000 --slo-itl-ms 40 --itl-target-ms 30")
+
+
+def test_the_four_gpu_layout_and_the_rate_scale() -> None:
+    assert mode_flags("static_2p2d", SLO, None, "x4") == ["--disagg-policy", "static", "--prefill-workers", "2",
+                                                          "--decode-workers", "2"]
+    assert mode_flags("dp4", SLO, None, "x4") == ["--disagg-policy", "static", "--data-parallel-size", "4"]
+    assert " ".join(mode_flags("adaptive", SLO, None, "x4")).startswith(
+        "--disagg-policy adaptive --prefill-workers 1 --decode-workers 3")
+    (mixed,) = plan("mixed", False, [], 0.0, rate_scale=2.0)
+    assert {t.name: t.rate for t in mixed.phases[0].classes} == {"chat": 20.0, "doc": 2.0}
+    sweep = plan("sweep", False, [12, 16], 15.0, rate_scale=2.0)
+    assert [w.rate for w in sweep] == [24.0, 32.0] and sweep[0].phases[0].classes[0].rate == 24.0
 
 
 def router_metrics(pools: dict[str, str], moves: int) -> str:
