@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness.jobs import MULTICAST_OFF, answer, run_jobs
+from bench.harness.jobs import MULTICAST_OFF, answer_job, run_jobs
 from bench.harness.records import RESULTS, git_commit, log, write_json
 from bench.tp_gpu import GRAPH_SIZES, H200_BF16_DENSE_TFLOPS, engine_job
 
@@ -435,10 +435,7 @@ def main() -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
-        import logging
-
-        logging.basicConfig(level=logging.WARNING)
-        answer(one(json.loads(args.one)))
+        answer_job(args.one, one)
         return
     started = time.perf_counter()
     bench = Bench(args)
