@@ -16,15 +16,19 @@ rewrite theirs after every configuration, so a call cut short keeps what it meas
   pp     Llama-3.1-70B shapes (dummy, bf16): TP2 x PP2 vs TP4, the same two numbers (default N 200).
          -> pp_x4_llama70b.json
 
-Every engine runs in its own subprocess(es) (bench/harness/jobs.py), each job bounded by a timeout; the check's
-jobs run side by side (tiny models with a fixed KV budget share the GPUs). Batch-1 decode tok/s is the slope
-between a short and a long generation of one prompt (bench/tp_gpu.py's `batch1_decode`); MFU counts 2 x the
-active parameters per token over the four GPUs' dense bf16 peak. `--smoke` runs the same code paths on CPU (gloo,
-no CUDA graphs, the kernel under Triton's interpreter) at world size 2 and tiny shapes, writing
-moe_x4_smoke.json and pp_x4_smoke.json.
+Every engine runs in its own subprocess(es) (bench/harness/jobs.py), each job bounded by a timeout and all of
+them by --budget-s (default 585 s: a device call's 10 minutes); the check's jobs run side by side (tiny models
+with a fixed KV budget share the GPUs). A layout whose tiny check hung is skipped by the timed parts. Batch-1
+decode tok/s is the slope between a short and a long generation of one prompt (bench/tp_gpu.py's
+`batch1_decode`); MFU counts 2 x the active parameters per token over the four GPUs' dense bf16 peak.
+`--smoke` runs the same code paths on CPU (gloo, no CUDA graphs, the kernel under Triton's interpreter) at world
+size 2 and tiny shapes, writing moe_x4_smoke.json (check and moe) and pp_x4_smoke.json (pp).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \\
         python -m bench.moe_pp_x4 --parts check moe pp --out $OUT
+
+Expected on 4 x H100 (an estimate: it has not run on GPUs yet): check 1-2 min, moe 2.5-3 min, pp 2-3 min.
+`python -m bench.moe_pp_x4 --smoke --out /tmp/x` takes 60-90 s on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -241,6 +245,7 @@ class Bench:
         self.device = f"{self.plan.world} x {device_name()}" if self.cuda else device_name()
         self.dtype = "bf16" if self.cuda else "fp32"
         self.commit = git_commit()
+        self.started = time.monotonic()
         self.smoke_files: dict[str, dict[str, Any]] = {}  # the smoke's file name -> its parts' records so far
         # layouts whose tiny check job timed out (a hang in NCCL p2p or a collective): the timed parts skip them
         # rather than spend their timeout on the same hang
@@ -258,6 +263,15 @@ class Bench:
 
     def jobs(self, jobs: list[dict[str, Any]], timeout_s: float, env: dict[str, str] | None = None
              ) -> list[dict[str, Any]]:
+        """`jobs` side by side, bounded by `timeout_s` and by what is left of --budget-s (less a margin to write the
+        records); skipped when under a minute is left: the device call's limit would kill them half done."""
+        if self.args.budget_s:
+            left = self.args.budget_s - (time.monotonic() - self.started) - 15
+            if left < 60:
+                why = f"skipped: {left + 15:.0f} s of --budget-s {self.args.budget_s:.0f} left"
+                log(why)
+                return [{"error": why} for _ in jobs]
+            timeout_s = min(timeout_s, left)
         return run_jobs(MODULE, jobs, timeout_s, {**MULTICAST_OFF, **(env or {})})
 
     def context(self, part: str) -> dict[str, Any]:
@@ -289,7 +303,9 @@ class Bench:
                 kernel = kernel_future.result()[0]
         record = {**self.context("check"), "workload": f"tiny fp32 greedy ids ({len(CHECK_PROMPTS)} prompts x "
                   f"{CHECK_TOKENS} tokens) vs TP1; fused MoE kernel vs the per-expert loop",
-                  "ids": self.compare_ids(cases, engine_results), "fused_moe_kernel": kernel_record(kernel)}
+                  "ids": [{"workload": f"{row['model']} fp32 greedy ids vs tp1", "device": self.device, **row}
+                          for row in self.compare_ids(cases, engine_results)],
+                  "fused_moe_kernel": kernel_record(kernel)}
         self.hung = {layout.name for (_, layout, _), res in zip(cases, engine_results, strict=True)
                      if "timed out" in str(res.get("error", ""))}
         statuses = [c["status"] for c in record["ids"]] + [record["fused_moe_kernel"]["status"]]
@@ -333,8 +349,8 @@ class Bench:
             if layout == Layout(1):
                 continue
             ok = base[label] is not None and res.get("ids") == base[label]
-            row = {"model": label, "layout": layout.name, **layout.engine_args(), "cuda_graphs": res.get("cuda_graphs"),
-                   "status": "PASS" if ok else "FAIL"}
+            row = {"model": label, "layout": layout.name, **layout.engine_args(),
+                   "cuda_graphs": res.get("cuda_graphs"), "status": "PASS" if ok else "FAIL"}
             if not ok:
                 row.update(ids=res.get("ids"), tp1_ids=base[label], error=res.get("error"),
                            stderr_tail=res.get("stderr_tail"))
@@ -432,6 +448,9 @@ def main() -> None:
     parser.add_argument("--num-prompts-pp", type=int, default=200, help="pp throughput prompts (512 in / 128 out)")
     parser.add_argument("--check-timeout", type=float, default=240.0, help="seconds per wave of check jobs")
     parser.add_argument("--job-timeout", type=float, default=240.0, help="seconds per timed engine (load included)")
+    parser.add_argument("--budget-s", type=float, default=585.0,
+                        help="seconds for the whole run (the device call's 10 minutes, less start-up): no job runs "
+                             "past it, one that would get under a minute is skipped; 0: no limit")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
