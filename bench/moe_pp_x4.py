@@ -102,7 +102,8 @@ class Plan:
     smoke: bool
 
     @staticmethod
-    def of(world: int, smoke: bool) -> Plan:
+    def of(world: int, smoke: bool, side_by_side: int | None = None) -> Plan:
+        """`side_by_side`: check jobs at once (default: all of them on the GPU host, 3 on a 2-core CPU)."""
         pp_check = (Layout(1, 2), Layout(2, 2)) + ((Layout(1, world),) if world > 2 else ())
         if smoke:  # Triton's interpreter is slow: tiny shapes
             cases = tuple(KernelCase(t, 16, 4, 64, 32) for t in (1, 7))
@@ -110,9 +111,9 @@ class Plan:
         else:
             cases = tuple(KernelCase(t, 128, 8, 256, 128) for t in (1, 7, 64, 512)) + (KernelCase(64, 128, 8, 2048,
                                                                                                   768),)
-            ep_case = KernelCase(64, 128, 8, 256, 128)
+            ep_case = KernelCase(512, 128, 8, 256, 128)  # 128 slots per local expert: the 64-row tiles
         return Plan(world, (Layout(world, ep=True), Layout(world)), pp_check, (Layout(world // 2, 2), Layout(world)),
-                    cases, ep_case, side_by_side=3 if smoke else 16, smoke=smoke)
+                    cases, ep_case, side_by_side=side_by_side or (3 if smoke else 16), smoke=smoke)
 
 
 # ---- one job per subprocess -----------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class Bench:
         self.args = args
         self.smoke: bool = args.smoke
         self.cuda = torch.cuda.is_available() and not args.smoke
-        self.plan = Plan.of(args.world or (2 if args.smoke else 4), args.smoke)
+        self.plan = Plan.of(args.world or (2 if args.smoke else 4), args.smoke, args.side_by_side)
         if self.cuda and torch.cuda.device_count() < self.plan.world:
             raise SystemExit(f"needs {self.plan.world} GPUs (or --smoke on CPU)")
         if not self.cuda and not self.smoke:
@@ -447,6 +448,8 @@ def main() -> None:
     parser.add_argument("--num-prompts-moe", type=int, default=512, help="moe throughput prompts (512 in / 128 out)")
     parser.add_argument("--num-prompts-pp", type=int, default=200, help="pp throughput prompts (512 in / 128 out)")
     parser.add_argument("--check-timeout", type=float, default=240.0, help="seconds per wave of check jobs")
+    parser.add_argument("--side-by-side", type=int, default=None,
+                        help="check jobs run at once (default: all on GPUs, 3 on CPU; 1: one after the other)")
     parser.add_argument("--job-timeout", type=float, default=240.0, help="seconds per timed engine (load included)")
     parser.add_argument("--budget-s", type=float, default=585.0,
                         help="seconds for the whole run (the device call's 10 minutes, less start-up): no job runs "
