@@ -109,8 +109,8 @@ class Plan:
             cases = tuple(KernelCase(t, 16, 4, 64, 32) for t in (1, 7))
             ep_case = KernelCase(7, 16, 4, 64, 32)
         else:
-            cases = tuple(KernelCase(t, 128, 8, 256, 128) for t in (1, 7, 64, 512)) + (KernelCase(64, 128, 8, 2048,
-                                                                                                  768),)
+            small = tuple(KernelCase(t, 128, 8, 256, 128) for t in (1, 7, 64, 512))
+            cases = (*small, KernelCase(64, 128, 8, 2048, 768))  # and one Qwen3-30B-A3B layer's shapes
             ep_case = KernelCase(512, 128, 8, 256, 128)  # 128 slots per local expert: the 64-row tiles
         return Plan(world, (Layout(world, ep=True), Layout(world)), pp_check, (Layout(world // 2, 2), Layout(world)),
                     cases, ep_case, side_by_side=side_by_side or (3 if smoke else 16), smoke=smoke)
