@@ -46,6 +46,7 @@ from typing import Any
 
 from bench.harness.jobs import MULTICAST_OFF, answer_job, run_jobs
 from bench.harness.records import RESULTS, git_commit, log, write_json
+from bench.harness.runs import first_divergence
 from bench.tp_gpu import GRAPH_SIZES, H200_BF16_DENSE_TFLOPS, engine_job
 
 PARTS = ("check", "moe", "pp")
@@ -352,9 +353,11 @@ class Bench:
             ok = base[label] is not None and res.get("ids") == base[label]
             row = {"model": label, "layout": layout.name, **layout.engine_args(),
                    "cuda_graphs": res.get("cuda_graphs"), "status": "PASS" if ok else "FAIL"}
-            if not ok:
-                row.update(ids=res.get("ids"), tp1_ids=base[label], error=res.get("error"),
-                           stderr_tail=res.get("stderr_tail"))
+            if not ok:  # where each prompt's ids part (a late one after equal logits is a tie, not a bug)
+                divergence = [first_divergence(a, b) for a, b in zip(res["ids"], base[label], strict=True)] \
+                    if res.get("ids") and base[label] else None
+                row.update(first_divergence=divergence, ids=res.get("ids"), tp1_ids=base[label],
+                           error=res.get("error"), stderr_tail=res.get("stderr_tail"))
             rows.append(row)
         return rows
 

@@ -36,11 +36,13 @@ def test_records_compare_the_first_layout_to_the_second() -> None:
 
 
 def test_ids_check_fails_a_layout_that_differs_or_died() -> None:
-    cases = [("m", Layout(1), {}), ("m", Layout(2, ep=True), {}), ("m", Layout(2), {})]
-    results = [{"ids": [[1, 2]]}, {"ids": [[1, 2]], "cuda_graphs": True}, {"error": "exit code 1"}]
+    cases = [("m", Layout(1), {}), ("m", Layout(2, ep=True), {}), ("m", Layout(2), {}), ("m", Layout(1, 2), {})]
+    results = [{"ids": [[1, 2, 3]]}, {"ids": [[1, 2, 3]], "cuda_graphs": True}, {"error": "exit code 1"},
+               {"ids": [[1, 2, 4]]}]
     rows = Bench.compare_ids(cases, results)
-    assert [(r["layout"], r["status"]) for r in rows] == [("ep2", "PASS"), ("tp2", "FAIL")]
-    assert rows[1]["error"] == "exit code 1"
+    assert [(r["layout"], r["status"]) for r in rows] == [("ep2", "PASS"), ("tp2", "FAIL"), ("pp2", "FAIL")]
+    assert rows[1]["error"] == "exit code 1" and rows[1]["first_divergence"] is None
+    assert rows[2]["first_divergence"] == [2]
 
 
 def test_kernel_job_passes_under_the_interpreter() -> None:
