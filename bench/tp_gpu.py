@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness.jobs import MULTICAST_OFF, answer, run_jobs
+from bench.harness.jobs import MULTICAST_OFF, answer_job, run_jobs
 from bench.harness.records import RESULTS, write_json
 from bench.harness.runs import output_tokens, timed_generate
 
@@ -302,10 +302,7 @@ def main() -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
-        import logging
-
-        logging.basicConfig(level=logging.WARNING)
-        answer(one(json.loads(args.one)))
+        answer_job(args.one, one)
         return
     started = time.perf_counter()
     bench = Bench(args)

@@ -8,11 +8,13 @@ that dies, hangs or prints no result yields {"error": ..., "stderr_tail": ...} i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,13 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 def answer(result: dict[str, Any]) -> None:
     """In the child: hand `result` to the parent."""
     print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def answer_job(raw: str, run: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """In the child: run the job its `--one` argument carried (JSON), hand the result to the parent. Its log keeps
+    warnings only: it is the parent's stderr tail when the job fails."""
+    logging.basicConfig(level=logging.WARNING)
+    answer(run(json.loads(raw)))
 
 
 def run_jobs(module: str, jobs: list[dict[str, Any]], timeout_s: float,

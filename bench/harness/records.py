@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,13 @@ def gpu_name(otherwise: str = "cpu") -> str:
 
 def cpu_name() -> str:
     return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    """This checkout's commit (`git describe --always --dirty`), or "unknown" outside a git checkout."""
+    done = subprocess.run(["git", "-C", str(RESULTS.parent.parent), "describe", "--always", "--dirty"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
 
 
 def log(message: str) -> None:
