@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.jobs import MULTICAST_OFF
-from bench.harness.records import RESULTS, log, write_json
+from bench.harness.records import RESULTS, log, run_parts, write_json
 from bench.harness.runs import first_divergence
 from engine.arg_utils import EngineArgs
 from kvflow.benchmarks.pd import LOCAL_ONLY, device_name, pd_workers, run_pd_bench
@@ -316,16 +316,7 @@ def main() -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tp-pd-x4-"))
     setup = Setup(args.out, log_dir, args.smoke, time.monotonic() + budget, device_label(args.smoke))
     log(f"device {setup.device}; parts {' '.join(args.parts)}; budget {budget:.0f} s; worker logs in {log_dir}")
-    failures = []
-    for part in args.parts:
-        started = time.monotonic()
-        try:
-            if not run_part(part, setup, args):
-                failures.append(part)
-        except Exception as exc:  # report and go on to the next part: the lease is short
-            failures.append(part)
-            log(f"part {part} FAILED: {type(exc).__name__}: {exc}")
-        log(f"part {part} took {time.monotonic() - started:.0f} s")
+    failures = run_parts(args.parts, lambda part: run_part(part, setup, args))
     log("all parts passed" if not failures else f"failed: {', '.join(failures)}")
     return 1 if failures else 0
 
