@@ -49,7 +49,7 @@ STRICT_SLO = {"ttft_s": 1.0, "tpot_s": 0.020}  # a second, interactive-grade SLO
 ATTAINMENT = 0.9
 MODEL = ["--model", "llama-3.1-8b", "--load-format", "dummy"]
 SMOKE_MODEL = ["--model", "tiny", "--load-format", "dummy"]  # --smoke: the plumbing on any machine, GPUs or not
-VOCAB = {"llama-3.1-8b": 30000, "tiny": 500}  # prompt ids drawn below this
+VOCAB = {"llama-3.1-8b": 30000, "llama-3.1-70b": 30000, "tiny": 500}  # prompt ids drawn below this
 
 
 @dataclass(frozen=True)

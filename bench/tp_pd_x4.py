@@ -15,12 +15,17 @@ each layout, so a part cut short keeps what it measured):
             given the per-role TP sizes and, for tp2_to_2x_tp1, both decode workers measured in turn) for
             tp2_to_tp2 and tp2_to_2x_tp1: TTFT disaggregated vs local prefill and KV transfer GB/s (every decode
             rank's heads over the decode side's wire time) at 1k / 4k / 16k prompt tokens
+  mixed70b  Llama-3.1-70B shapes (dummy, bf16), `kvflow serve` under pd_adaptive's mixed load (chat 512 / 256 at
+            10 req/s + documents 8,192 / 32 at 1 req/s, 30 s; its load, client and SLO metrics, imported): a TP2
+            prefill worker (GPUs 0-1) + a TP2 decode worker (GPUs 2-3), static P/D, against two TP2 unified
+            replicas (`--data-parallel-size 2 -tp 2`); its own call (two 70B servers: ~8-9 min)
 
 Records carry `workload`, `device` ("4 x <gpu name>"), `layout`; transfer records `prompt_tokens`,
-`transfer_gbps`, `ttft_disagg_s`, `ttft_local_s` (and `driver`: how they were measured). Every cluster is started
+`transfer_gbps`, `ttft_disagg_s`, `ttft_local_s` (and `driver`: how they were measured); mixed70b records
+pd_adaptive's fields (`slo_attainment`, `ttft_p99_s`, `itl_p99_s`, per class) and `mode_flags`. Every cluster is started
 with a ready timeout and stopped on the way out; each part runs under a wall-clock limit (SIGALRM raises in the
 waiting call), within `--budget-s` for the whole call. Expected on 4 x H100: check ~3 min (three tiny clusters),
-transfer ~4-5 min (two 8B clusters, each ~1-2 min to start).
+transfer ~4-5 min (two 8B clusters, each ~1-2 min to start); mixed70b alone: `--parts mixed70b`.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \\
         python -m bench.tp_pd_x4 --parts check transfer --out $OUT  # --log-dir $OUT/logs: worker logs back too
@@ -55,8 +60,9 @@ CHECK_MAX_TOKENS = 16
 TRANSFER_MODEL = "llama-3.1-8b"
 SMOKE_KV_BYTES = 32 << 20  # CPU workers: a small pool allocates in no time
 # Wall-clock limits per part on GPUs (the call's own limit is 10 min); --smoke on a shared 2-core CPU gets more.
-PART_LIMIT_S = {"check": 240.0, "transfer": 330.0}
-SMOKE_PART_LIMIT_S = {"check": 900.0, "transfer": 900.0}
+PART_LIMIT_S = {"check": 240.0, "transfer": 330.0, "mixed70b": 560.0}
+SMOKE_PART_LIMIT_S = {"check": 900.0, "transfer": 900.0, "mixed70b": 900.0}
+MIXED_MODEL = ["--model", "llama-3.1-70b", "--load-format", "dummy"]
 
 
 @dataclass(frozen=True)
@@ -272,13 +278,58 @@ def part_transfer(setup: Setup, prompt_lens: list[int], reps: int) -> list[dict[
     return records
 
 
+# ---- mixed70b ---------------------------------------------------------------------------------------------------
+def mixed_modes(gpus: bool) -> dict[str, list[str]]:
+    """`kvflow serve` flags of the two layouts, both static (serve's default policy is adaptive). On GPUs each
+    worker takes 0.95 of its GPUs: 70B bf16 at TP2 is ~66 GiB of weights per GPU, and 0.9 of an 80 GB H100 would
+    leave ~1 GiB for KV."""
+    placed = ["--prefill-gpus", "0", "--decode-gpus", "2", "--gpu-memory-utilization", "0.95"] if gpus else []
+    return {
+        "tp2_prefill_tp2_decode": ["--disagg-policy", "static", "--prefill-workers", "1", "--decode-workers", "1",
+                                   "--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "2",
+                                   "--kv-transfer-backend", "nccl", *placed],
+        "2x_tp2_unified": ["--disagg-policy", "static", "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                           *placed[4:]],
+    }
+
+
+def part_mixed70b(setup: Setup) -> list[dict[str, Any]]:
+    """pd_adaptive's mixed workload (its plan, arrivals, warm-up, client and metrics) on each layout in turn."""
+    import secrets
+
+    from bench import pd_adaptive
+    from bench.pd_gpu import SMOKE_MODEL
+    from bench.pd_gpu import Setup as ServeSetup
+
+    model = SMOKE_MODEL if setup.smoke else MIXED_MODEL
+    serve_logs = setup.log_dir / "mixed70b"
+    serve_logs.mkdir(parents=True, exist_ok=True)
+    flags = mixed_modes(not setup.smoke)
+    bench = pd_adaptive.Bench(ServeSetup(setup.out, serve_logs, model, not setup.smoke),
+                              pd_adaptive.SMOKE_SLO if setup.smoke else pd_adaptive.SLO, flags, 0,
+                              1 if setup.smoke else 3, setup.device, secrets.token_hex(8))
+    records: list[dict[str, Any]] = []
+    for _, record in pd_adaptive.run_group(bench, list(flags), pd_adaptive.plan("mixed", setup.smoke, [], 0.0),
+                                           together=False):
+        records.append({**record, "workload": f"tp_pd_x4_mixed_{model[1]}", "layout": record["mode"],
+                        "mode_flags": flags[record["mode"]]})
+        setup.write("mixed70b", records)
+    errors = [r["layout"] for r in records if "error" in r]
+    if errors:
+        raise RuntimeError(f"mixed70b failed for {', '.join(errors)}")
+    return records
+
+
 # ---- main -------------------------------------------------------------------------------------------------------
 def run_part(part: str, setup: Setup, args: argparse.Namespace) -> bool:
     """Run one part under its time limit; False where it failed."""
     with time_limit(setup.part_limit_s(part), f"part {part}"):
         if part == "check":
             return part_check(setup)["pass"]
-        part_transfer(setup, args.prompt_lens, args.reps)
+        if part == "transfer":
+            part_transfer(setup, args.prompt_lens, args.reps)
+        else:
+            part_mixed70b(setup)
         return True
 
 
@@ -291,7 +342,8 @@ def device_label(smoke: bool) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=("check", "transfer"), default=["check", "transfer"])
+    parser.add_argument("--parts", nargs="+", choices=("check", "transfer", "mixed70b"),
+                        default=["check", "transfer"])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", RESULTS)))
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="transfer (default 1024 4096 16384)")
     parser.add_argument("--reps", type=int, default=3, help="transfer: timed runs per path and decode worker")
