@@ -10,7 +10,9 @@ Parts (`--parts`, in this order), each writing $OUT/tp_pd_x4_<part>.json as soon
 each layout, so a part cut short keeps what it measured):
   check     token-exact, tiny fp32 (2 KV heads: one per rank at TP2): greedy ids through P/D over NCCL equal the
             same decode worker's local prefill at 3, 200 and 990 prompt tokens, for all three layouts, one request
-            at a time and then all at once (both decode workers' links busy together); PASS/FAIL per layout
+            at a time and then all at once (both decode workers' links busy together); PASS/FAIL per layout. The
+            three clusters start together (fixed KV pools: no worker's memory profile sees another's) and are
+            checked one after another
   transfer  Llama-3.1-8B shapes (dummy weights, bf16), `kvflow bench pd` (kvflow.benchmarks.pd.run_pd_bench,
             given the per-role TP sizes and, for tp2_to_2x_tp1, both decode workers measured in turn) for
             tp2_to_tp2 and tp2_to_2x_tp1: TTFT disaggregated vs local prefill and KV transfer GB/s (every decode
@@ -43,7 +45,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,13 +54,14 @@ from bench.harness.jobs import MULTICAST_OFF
 from bench.harness.records import RESULTS, log, run_parts, write_json
 from bench.harness.runs import first_divergence
 from engine.arg_utils import EngineArgs
-from kvflow.benchmarks.pd import LOCAL_ONLY, device_name, pd_workers, run_pd_bench
+from kvflow.benchmarks.pd import LOCAL_ONLY, device_name, ready_workers, run_pd_bench
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
 CHECK_LENGTHS = (3, 200, 990)
 CHECK_MAX_TOKENS = 16
 TRANSFER_MODEL = "llama-3.1-8b"
 SMOKE_KV_BYTES = 32 << 20  # CPU workers: a small pool allocates in no time
+CHECK_KV_BYTES = 256 << 20  # the tiny check's pool on GPUs: fixed, so three clusters may start side by side
 # Wall-clock limits per part on GPUs (the call's own limit is 10 min); --smoke on a shared 2-core CPU gets more.
 PART_LIMIT_S = {"check": 240.0, "transfer": 330.0, "mixed70b": 560.0}
 SMOKE_PART_LIMIT_S = {"check": 900.0, "transfer": 900.0, "mixed70b": 900.0}
@@ -109,9 +112,11 @@ class Setup:
             return {"prefill_gpus": None, "decode_gpus": None}
         return {"prefill_gpus": layout.prefill_gpus, "decode_gpus": layout.decode_gpus}
 
-    def memory(self) -> dict[str, Any]:
-        """EngineArgs fields sizing the KV pool on CPU (GPU workers size theirs from their memory share)."""
-        return {"kv_cache_memory_bytes": SMOKE_KV_BYTES} if self.smoke else {}
+    def memory(self, gpu_kv_bytes: int | None = None) -> dict[str, Any]:
+        """EngineArgs fields sizing the KV pool: small on CPU; on GPUs `gpu_kv_bytes`, or (None) from each worker's
+        memory share."""
+        kv_bytes = SMOKE_KV_BYTES if self.smoke else gpu_kv_bytes
+        return {} if kv_bytes is None else {"kv_cache_memory_bytes": kv_bytes}
 
     def logs(self, part: str, layout: Layout) -> Path:
         return self.log_dir / f"{part}-{layout.name}"
@@ -143,17 +148,19 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def cluster_spec(setup: Setup, layout: Layout, engine_args: EngineArgs, gpu_share: float,
-                 extra: tuple[str, ...] = ()) -> Any:
-    """The check's cluster of `layout` (the transfer's is run_pd_bench's own, from the same layout)."""
+def check_spec(setup: Setup, layout: Layout) -> Any:
+    """The check's cluster of `layout` (the transfer's is run_pd_bench's own, from the same layout): tiny fp32,
+    64-token chunks, so a long prompt crosses as many slices, each exported right after its step on every rank."""
     from cluster.auth import ClusterAuth
     from kvflow.launcher import ClusterSpec
 
-    return ClusterSpec(engine_args, prefill_workers=1, decode_workers=layout.decode_workers,
-                       kv_transfer_backend="nccl", gpu_memory_utilization=None if setup.smoke else gpu_share,
+    args = EngineArgs(model="tiny", load_format="dummy", dtype="float32", max_model_len=1024, usage_context="server",
+                      **setup.memory(CHECK_KV_BYTES))
+    return ClusterSpec(args, prefill_workers=1, decode_workers=layout.decode_workers, kv_transfer_backend="nccl",
                        auth=ClusterAuth().with_token(), prefill_tensor_parallel_size=layout.prefill_tp,
-                       decode_tensor_parallel_size=layout.decode_tp, worker_extra_args=extra,
-                       log_dir=setup.logs("check", layout), **setup.gpus(layout))
+                       decode_tensor_parallel_size=layout.decode_tp,
+                       worker_extra_args=("--max-num-batched-tokens", "64"), log_dir=setup.logs("check", layout),
+                       **setup.gpus(layout))
 
 
 def ready_timeout_s(setup: Setup) -> float:
@@ -181,25 +188,24 @@ def compare(expected: list[int], got: tuple[list[int], bool], decode: int, lengt
             "disaggregated_path": remote, "first_divergence": first_divergence(ids, expected)}
 
 
-def check_layout(setup: Setup, layout: Layout) -> dict[str, Any]:
-    """Local prefill on each decode worker first (the reference), then P/D one request at a time, then every
-    (decode worker, length) at once."""
-    args = EngineArgs(model="tiny", load_format="dummy", dtype="float32", max_model_len=1024, usage_context="server",
-                      **setup.memory())
-    # 64-token chunks: a long prompt crosses as many slices, each exported right after its step on every rank
-    spec = cluster_spec(setup, layout, args, 0.3, extra=("--max-num-batched-tokens", "64"))
+def check_layout(setup: Setup, layout: Layout, cluster: Any) -> dict[str, Any]:
+    """On `layout`'s started cluster: local prefill on each decode worker first (the reference), then P/D one
+    request at a time, then every (decode worker, length) at once."""
     rows: list[dict[str, Any]] = []
-    with pd_workers(spec, ready_timeout_s(setup)) as (_, prefill, decodes):
+    with ready_workers(cluster, ready_timeout_s(setup)) as (prefill, decodes):
         log(f"{layout.name}: workers ready")
         cases = [(d, i, length) for d in range(len(decodes)) for i, length in enumerate(CHECK_LENGTHS)]
         local = {(d, i): greedy(decodes[d][1], check_prompt(i, n), prefill, True, "local")[0] for d, i, n in cases}
         for d, i, n in cases:
             rows.append(compare(local[d, i], greedy(decodes[d][1], check_prompt(i, n), prefill, False, "pd"), d, n,
                                 "sequential"))
-        with ThreadPoolExecutor(len(cases)) as pool:
+        pool = ThreadPoolExecutor(len(cases))
+        try:
             futures = {(d, i, n): pool.submit(greedy, decodes[d][1], check_prompt(i, n), prefill, False, "pd-at-once")
                        for d, i, n in cases}
             rows += [compare(local[d, i], f.result(), d, n, "concurrent") for (d, i, n), f in futures.items()]
+        finally:  # out of time: don't wait for hung calls here; closing the channels ends them
+            pool.shutdown(wait=False, cancel_futures=True)
         for row in rows:  # before the cluster stops: a slow stop must not hide the verdicts
             ok = row["equal"] and row["disaggregated_path"]
             log(f"{'PASS' if ok else 'FAIL'} {layout.name} decode worker {row['decode_worker']}, "
@@ -212,25 +218,36 @@ def check_layout(setup: Setup, layout: Layout) -> dict[str, Any]:
 
 
 def part_check(setup: Setup) -> dict[str, Any]:
+    from kvflow.launcher import WorkerCluster
+
     record: dict[str, Any] = {"workload": "tp_pd_nccl_token_exact_tiny_fp32", "device": setup.device,
                               "max_tokens": CHECK_MAX_TOKENS, "cases": [], "pass": False}
-    for name in CHECK_LAYOUTS:
-        started = time.monotonic()
-        error: Exception | None = None
-        try:
-            case = check_layout(setup, LAYOUTS[name])
-        except Exception as exc:  # one layout's failure is its FAIL; the next layout still runs (unless out of time)
-            log(f"FAIL {name}: {type(exc).__name__}: {exc}")
-            setup.print_log_tails("check", LAYOUTS[name])
-            case, error = {"layout": name, **asdict(LAYOUTS[name]), "pass": False,
-                           "error": f"{type(exc).__name__}: {exc}"}, exc
-        log(f"{name} took {time.monotonic() - started:.0f} s")
-        record["cases"].append({**case, "seconds": round(time.monotonic() - started, 1)})
-        record["pass"] = all(c["pass"] for c in record["cases"]) and len(record["cases"]) == len(CHECK_LAYOUTS)
-        setup.write("check", record)
-        if isinstance(error, PartTimeout):
-            raise error
+    with ExitStack() as stack:  # every cluster stopped, whatever happens
+        clusters = {name: stack.enter_context(WorkerCluster(check_spec(setup, LAYOUTS[name])))
+                    for name in CHECK_LAYOUTS}
+        for name in CHECK_LAYOUTS:
+            check_one(setup, name, clusters[name], record)
+            clusters[name].stop()  # its GPUs and cores to the ones left
     return record
+
+
+def check_one(setup: Setup, name: str, cluster: Any, record: dict[str, Any]) -> None:
+    """Check one layout into `record` and write it; PartTimeout goes on up (the part is out of time)."""
+    started = time.monotonic()
+    error: Exception | None = None
+    try:
+        case = check_layout(setup, LAYOUTS[name], cluster)
+    except Exception as exc:  # one layout's failure is its FAIL; the next layout still runs (unless out of time)
+        log(f"FAIL {name}: {type(exc).__name__}: {exc}")
+        setup.print_log_tails("check", LAYOUTS[name])
+        case, error = {"layout": name, **asdict(LAYOUTS[name]), "pass": False,
+                       "error": f"{type(exc).__name__}: {exc}"}, exc
+    log(f"{name} took {time.monotonic() - started:.0f} s")
+    record["cases"].append({**case, "seconds": round(time.monotonic() - started, 1)})
+    record["pass"] = all(c["pass"] for c in record["cases"]) and len(record["cases"]) == len(CHECK_LAYOUTS)
+    setup.write("check", record)
+    if isinstance(error, PartTimeout):
+        raise error
 
 
 # ---- transfer ---------------------------------------------------------------------------------------------------

@@ -44,15 +44,23 @@ def device_name() -> str:
 
 
 @contextmanager
+def ready_workers(cluster: WorkerCluster, ready_timeout_s: float
+                  ) -> Iterator[tuple[str, list[tuple[str, kvflow_pb2_grpc.GenerationStub]]]]:
+    """A started cluster, once ready: (the first prefill worker's address, (address, Generation stub presenting the
+    cluster token) of each decode worker)."""
+    cluster.wait_ready(ready_timeout_s, progress=False)
+    with ExitStack() as channels:
+        decodes = [(address, kvflow_pb2_grpc.GenerationStub(channels.enter_context(cluster.spec.auth.channel(address))))
+                   for address in cluster.addresses("decode")]
+        yield cluster.addresses("prefill")[0], decodes
+
+
+@contextmanager
 def pd_workers(spec: ClusterSpec, ready_timeout_s: float
                ) -> Iterator[tuple[WorkerCluster, str, list[tuple[str, kvflow_pb2_grpc.GenerationStub]]]]:
-    """The cluster of `spec` started and ready: (cluster, the first prefill worker's address, (address, Generation
-    stub presenting the cluster token) of each decode worker)."""
-    with WorkerCluster(spec) as cluster, ExitStack() as channels:
-        cluster.wait_ready(ready_timeout_s, progress=False)
-        decodes = [(address, kvflow_pb2_grpc.GenerationStub(channels.enter_context(spec.auth.channel(address))))
-                   for address in cluster.addresses("decode")]
-        yield cluster, cluster.addresses("prefill")[0], decodes
+    """The cluster of `spec` started and ready: (cluster, then as `ready_workers`)."""
+    with WorkerCluster(spec) as cluster, ready_workers(cluster, ready_timeout_s) as (prefill, decodes):
+        yield cluster, prefill, decodes
 
 
 @contextmanager
