@@ -20,14 +20,16 @@ each layout, so a part cut short keeps what it measured):
   mixed70b  Llama-3.1-70B shapes (dummy, bf16), `kvflow serve` under pd_adaptive's mixed load (chat 512 / 256 at
             10 req/s + documents 8,192 / 32 at 1 req/s, 30 s; its load, client and SLO metrics, imported): a TP2
             prefill worker (GPUs 0-1) + a TP2 decode worker (GPUs 2-3), static P/D, against two TP2 unified
-            replicas (`--data-parallel-size 2 -tp 2`); its own call (two 70B servers: ~8-9 min)
+            replicas (`--data-parallel-size 2 -tp 2`), one server after the other
 
 Records carry `workload`, `device` ("4 x <gpu name>"), `layout`; transfer records `prompt_tokens`,
 `transfer_gbps`, `ttft_disagg_s`, `ttft_local_s` (and `driver`: how they were measured); mixed70b records
 pd_adaptive's fields (`slo_attainment`, `ttft_p99_s`, `itl_p99_s`, per class) and `mode_flags`. Every cluster is started
 with a ready timeout and stopped on the way out; each part runs under a wall-clock limit (SIGALRM raises in the
-waiting call), within `--budget-s` for the whole call. Expected on 4 x H100: check ~3 min (three tiny clusters),
-transfer ~4-5 min (two 8B clusters, each ~1-2 min to start); mixed70b alone: `--parts mixed70b`.
+waiting call), within `--budget-s` for the whole call. Expected on 4 x H100 (estimates: not yet run there): check
+~1.5-2 min (three tiny clusters starting together, cold kernel caches), transfer ~4-5 min (two 8B clusters one after
+the other, each ~1.5-2 min to start, then ~0.5-1 min of requests); mixed70b alone, `--parts mixed70b` (~8-9 min: H200s
+leave the 70B TP2 workers more KV room than H100s' ~4 GiB per GPU).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \\
         python -m bench.tp_pd_x4 --parts check transfer --out $OUT  # --log-dir $OUT/logs: worker logs back too
