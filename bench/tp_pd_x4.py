@@ -48,7 +48,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,11 @@ class Setup:
         if self.smoke:
             return {"prefill_gpus": None, "decode_gpus": None}
         return {"prefill_gpus": layout.prefill_gpus, "decode_gpus": layout.decode_gpus}
+
+    def describe(self, layout: Layout) -> dict[str, Any]:
+        """A record's account of the layout: its name, TP sizes, decode workers and where they ran."""
+        return {"layout": layout.name, "prefill_tp": layout.prefill_tp, "decode_tp": layout.decode_tp,
+                "decode_workers": layout.decode_workers, **self.gpus(layout)}
 
     def memory(self, gpu_kv_bytes: int | None = None) -> dict[str, Any]:
         """EngineArgs fields sizing the KV pool: small on CPU; on GPUs `gpu_kv_bytes`, or (None) from each worker's
@@ -215,7 +220,7 @@ def check_layout(setup: Setup, layout: Layout, cluster: Any) -> dict[str, Any]:
                 f"{row['disaggregated_path']}"
                 + ("" if row["first_divergence"] is None else f", first divergence at {row['first_divergence']}")
                 + ")")
-    return {"layout": layout.name, **asdict(layout), "checks": rows,
+    return {**setup.describe(layout), "checks": rows,
             "pass": all(r["equal"] and r["disaggregated_path"] for r in rows)}
 
 
@@ -242,7 +247,7 @@ def check_one(setup: Setup, name: str, cluster: Any, record: dict[str, Any]) -> 
     except Exception as exc:  # one layout's failure is its FAIL; the next layout still runs (unless out of time)
         log(f"FAIL {name}: {type(exc).__name__}: {exc}")
         setup.print_log_tails("check", LAYOUTS[name])
-        case, error = {"layout": name, **asdict(LAYOUTS[name]), "pass": False,
+        case, error = {**setup.describe(LAYOUTS[name]), "pass": False,
                        "error": f"{type(exc).__name__}: {exc}"}, exc
     log(f"{name} took {time.monotonic() - started:.0f} s")
     record["cases"].append({**case, "seconds": round(time.monotonic() - started, 1)})
