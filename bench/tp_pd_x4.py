@@ -98,6 +98,10 @@ class Setup:
     smoke: bool
     deadline: float  # time.monotonic() by which every part must be done
     device: str
+    layouts: tuple[str, ...]  # --layouts: the ones to run, of each part's own
+
+    def chosen(self, names: tuple[str, ...]) -> list[str]:
+        return [name for name in names if name in self.layouts]
 
     def write(self, part: str, payload: Any) -> None:
         write_json(self.out / f"tp_pd_x4_{part}.json", payload, indent=1)
@@ -231,8 +235,8 @@ def part_check(setup: Setup) -> dict[str, Any]:
                               "max_tokens": CHECK_MAX_TOKENS, "cases": [], "pass": False}
     with ExitStack() as stack:  # every cluster stopped, whatever happens
         clusters = {name: stack.enter_context(WorkerCluster(check_spec(setup, LAYOUTS[name])))
-                    for name in CHECK_LAYOUTS}
-        for name in CHECK_LAYOUTS:
+                    for name in setup.chosen(CHECK_LAYOUTS)}
+        for name in clusters:
             check_one(setup, name, clusters[name], record)
             clusters[name].stop()  # its GPUs and cores to the ones left
     return record
@@ -251,7 +255,8 @@ def check_one(setup: Setup, name: str, cluster: Any, record: dict[str, Any]) -> 
                        "error": f"{type(exc).__name__}: {exc}"}, exc
     log(f"{name} took {time.monotonic() - started:.0f} s")
     record["cases"].append({**case, "seconds": round(time.monotonic() - started, 1)})
-    record["pass"] = all(c["pass"] for c in record["cases"]) and len(record["cases"]) == len(CHECK_LAYOUTS)
+    record["pass"] = all(c["pass"] for c in record["cases"]) and \
+        len(record["cases"]) == len(setup.chosen(CHECK_LAYOUTS))
     setup.write("check", record)
     if isinstance(error, PartTimeout):
         raise error
@@ -283,7 +288,7 @@ def transfer_layout(setup: Setup, layout: Layout, prompt_lens: list[int], reps: 
 def part_transfer(setup: Setup, prompt_lens: list[int], reps: int) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     failures = []
-    for name in TRANSFER_LAYOUTS:
+    for name in setup.chosen(TRANSFER_LAYOUTS):
         started = time.monotonic()
         error: Exception | None = None
         try:
@@ -373,6 +378,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3, help="transfer: timed runs per path and decode worker")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-clock seconds for the whole call (default 560: under a 10-minute lease call)")
+    parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS),
+                        help="check: all three; transfer: tp2_to_tp2 and tp2_to_2x_tp1 (default: all)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, gloo links: the plumbing only")
     args = parser.parse_args()
@@ -390,7 +397,8 @@ def main() -> int:
     budget = args.budget_s or (1800.0 if args.smoke else 560.0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tp-pd-x4-"))
-    setup = Setup(args.out, log_dir, args.smoke, time.monotonic() + budget, device_label(args.smoke))
+    setup = Setup(args.out, log_dir, args.smoke, time.monotonic() + budget, device_label(args.smoke),
+                  tuple(args.layouts))
     log(f"device {setup.device}; parts {' '.join(args.parts)}; budget {budget:.0f} s; worker logs in {log_dir}")
     failures = run_parts(args.parts, lambda part: run_part(part, setup, args))
     log("all parts passed" if not failures else f"failed: {', '.join(failures)}")
