@@ -1,6 +1,6 @@
-"""`python -m bench.tp_pd_x4 --smoke` on CPU (tiny model, gloo links), TP2 -> TP2 and TP2 -> 2 x TP1: greedy ids through P/D equal
-the decode worker's local prefill, and the transfer records name their layout, every decode worker and the KV bytes
-of every decode rank's heads. Not speed."""
+"""`python -m bench.tp_pd_x4 --smoke` on CPU (tiny model, gloo links), TP2 -> TP2 and TP2 -> 2 x TP1: greedy ids
+through P/D equal the decode worker's local prefill, and the transfer records name their layout, every decode worker
+and the KV bytes of every decode rank's heads. Not speed."""
 
 from __future__ import annotations
 
