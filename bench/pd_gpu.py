@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness.records import RESULTS, log, write_json
+from bench.harness.records import RESULTS, log, run_parts, write_json
 from bench.harness.runs import bench_throughput_cli
 from bench.harness.serving import kvflow_serve
 from engine.arg_utils import EngineArgs
@@ -49,7 +49,7 @@ STRICT_SLO = {"ttft_s": 1.0, "tpot_s": 0.020}  # a second, interactive-grade SLO
 ATTAINMENT = 0.9
 MODEL = ["--model", "llama-3.1-8b", "--load-format", "dummy"]
 SMOKE_MODEL = ["--model", "tiny", "--load-format", "dummy"]  # --smoke: the plumbing on any machine, GPUs or not
-VOCAB = {"llama-3.1-8b": 30000, "tiny": 500}  # prompt ids drawn below this
+VOCAB = {"llama-3.1-8b": 30000, "llama-3.1-70b": 30000, "tiny": 500}  # prompt ids drawn below this
 
 
 @dataclass(frozen=True)
@@ -380,18 +380,11 @@ def main() -> int:
     setup = Setup(args.out, Path(tempfile.mkdtemp(prefix="pd-gpu-")), SMOKE_MODEL if args.smoke else MODEL,
                   torch.cuda.device_count() >= 2)
     log(f"device {device_name()}; logs in {setup.log_dir}")
-    failures = []
-    for part in args.parts:
-        started = time.monotonic()
-        try:
-            if not run_part(part, setup, args):
-                failures.append(part)
-        except Exception as exc:  # report and go on to the next part: the lease is short
-            failures.append(part)
-            log(f"part {part} FAILED: {type(exc).__name__}: {exc}")
-            for path in sorted(setup.log_dir.rglob("*.log"))[-4:]:
-                log(f"--- {path} ---\n" + path.read_text(errors="replace")[-2500:])
-        log(f"part {part} took {time.monotonic() - started:.0f} s")
+    def log_tails(part: str) -> None:
+        for path in sorted(setup.log_dir.rglob("*.log"))[-4:]:
+            log(f"--- {path} ---\n" + path.read_text(errors="replace")[-2500:])
+
+    failures = run_parts(args.parts, lambda part: run_part(part, setup, args), log_tails)
     return 1 if failures else 0
 
 

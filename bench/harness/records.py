@@ -1,5 +1,6 @@
 """Result records and the device facts they carry: where results go, how a record is written, how a device is
-named in a record and in a file name, and the timestamped progress line the long scenarios print.
+named in a record and in a file name, the timestamped progress line the long scenarios print, and a scenario's
+parts run in order, each reported.
 
 Invariants: `RESULTS` is bench/results/ of this checkout whatever the working directory; a record is written
 whole (JSON, newline-terminated), its folder made first."""
@@ -11,6 +12,7 @@ import platform
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +50,22 @@ def git_commit() -> str:
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run_parts(parts: list[str], run: Callable[[str], bool], on_error: Callable[[str], None] | None = None
+              ) -> list[str]:
+    """Run each part in order (`run(part)` is False where a part with a verdict failed it); a part that raises is
+    reported and the next one still runs (a lease is short). The parts that failed, in order."""
+    failures = []
+    for part in parts:
+        started = time.monotonic()
+        try:
+            if not run(part):
+                failures.append(part)
+        except Exception as exc:
+            failures.append(part)
+            log(f"part {part} FAILED: {type(exc).__name__}: {exc}")
+            if on_error is not None:
+                on_error(part)
+        log(f"part {part} took {time.monotonic() - started:.0f} s")
+    return failures

@@ -47,7 +47,12 @@ def register_bench_kinds(kinds: argparse._SubParsersAction) -> None:
     pd_bench.add_argument("--output-len", type=int, default=4)
     pd_bench.add_argument("--kv-transfer-backend", choices=("auto", "nccl", "grpc"), default="auto")
     pd_bench.add_argument("--prefill-gpus", type=int, nargs=1, default=None)
-    pd_bench.add_argument("--decode-gpus", type=int, nargs=1, default=None)
+    pd_bench.add_argument("--decode-gpus", type=int, nargs="+", default=None, help="one per --decode-workers")
+    pd_bench.add_argument("--decode-workers", type=int, default=1, help="each measured in turn, --reps times")
+    pd_bench.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                          help="the prefill worker's (default: --tensor-parallel-size)")
+    pd_bench.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                          help="each decode worker's (default: --tensor-parallel-size)")
     pd_bench.add_argument("--output-json", type=Path, default=None, help="a JSON list of the records")
     EngineArgs.add_cli_args(pd_bench)
     pd_bench.set_defaults(handler=run_pd, gpu_memory_utilization=None)
@@ -145,7 +150,10 @@ def run_pd(args: argparse.Namespace) -> int:
     records = run_pd_bench(EngineArgs.from_cli_args(args), args.prompt_lens, args.reps, args.output_len,
                            args.kv_transfer_backend,
                            tuple(args.prefill_gpus) if args.prefill_gpus else None,
-                           tuple(args.decode_gpus) if args.decode_gpus else None, share)
+                           tuple(args.decode_gpus) if args.decode_gpus else None, share,
+                           prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+                           decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+                           decode_workers=args.decode_workers)
     for record in records:
         print(f"{record['prompt_tokens']:>6} tokens: TTFT disaggregated {record['ttft_disagg_s'] * 1e3:.1f} ms vs "
               f"local {record['ttft_local_s'] * 1e3:.1f} ms ({record['ttft_ratio']:.2f}x); transfer "
