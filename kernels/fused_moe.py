@@ -64,7 +64,7 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int
     capacity = -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # a device fill: a scalar store would copy from the host, which graph capture refuses
     padded_start = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)
