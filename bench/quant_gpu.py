@@ -1,20 +1,17 @@
 """Quantization on the GPU (issue 14), each quantized form beside bf16 in the same run, Llama-3.1-8B shapes with
 random weights (`--load-format dummy`):
 
-- w8a8:  `--quantization fp8` vs bf16, engine throughput on N prompts x 512 in / 128 out (default N=1000; the
-         lead may scale it down with --num-prompts), plus fp8 KV alone and fp8 weights + fp8 KV; the KV block
-         count of each engine; and the Fp8Linear layer against its float32 reference at a real shape.
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
          torch reference; and the block count of each KV dtype in one budget.
 - int4:  the decode step's weight GEMMs, int4 vs bf16 (bench/quant_int4.py).
 
 The w8a8_layers part (each decoder linear, Fp8Linear vs bf16; the activation quantization, Triton vs torch) was
-retired: it runs at `git checkout be1a1ae`. Writes bench/results/quant_gpu_<device>.json (fields: workload, device,
-numbers). `--smoke` runs the same code paths on CPU at tiny shapes (Triton under its interpreter; fp8 W8A8 as the layer alone, since the engine refuses
-fp8 weights on CPU) and writes bench/results/quant_gpu_smoke.json.
+retired: it runs at `git checkout be1a1ae`. The w8a8 part (fp8 W8A8 / fp8 KV engine throughput beside bf16, KV
+block counts, the Fp8Linear layer's error) was retired: it runs at `git checkout 41306f6`. Writes
+bench/results/quant_gpu_<device>.json (fields: workload, device, numbers). `--smoke` runs the same code paths on
+CPU at tiny shapes (Triton under its interpreter) and writes bench/results/quant_gpu_smoke.json.
 
     python -m bench.quant_gpu                        # all parts on a GPU
-    python -m bench.quant_gpu --parts w8a8 --num-prompts 256
     python -m bench.quant_gpu --smoke
 """
 
@@ -28,7 +25,6 @@ if "--smoke" in sys.argv:  # must precede the first `import triton` (the kernels
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import random  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -36,65 +32,13 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from bench.harness.records import RESULTS, device_slug, gpu_name, write_json  # noqa: E402
-from bench.harness.runs import timed_generate  # noqa: E402
 from bench.harness.timing import wall_seconds  # noqa: E402
 from bench.quant_int4 import graph_ms, part_int4, rel_err  # noqa: E402
-from engine.quant.fp8_linear import Fp8Linear, fp8_matmul_ref  # noqa: E402
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128  # Llama-3.1-8B
-PARTS = ("w8a8", "kv", "int4")
-
-
-# ------------------------------------------------------------------------------------------------ fp8 W8A8
-def fp8_layer_errors(smoke: bool) -> dict[str, float]:
-    dev = "cpu" if smoke else "cuda"
-    n, k = (32, 64) if smoke else (INTER, HIDDEN)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    dense = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
-    with torch.no_grad():
-        dense.weight.copy_((torch.randn(n, k, generator=g) * 0.02).to(dev))
-    layer = Fp8Linear.from_dense(dense)
-    x = (torch.randn(64, k, generator=g)).to(dev, torch.bfloat16)
-    return {"layer_rel_err_vs_ref": rel_err(layer(x), fp8_matmul_ref(x, layer.weight, layer.weight_scale)),
-            "layer_rel_err_vs_bf16": rel_err(layer(x), dense(x))}
-
-
-def part_w8a8(smoke: bool, num_prompts: int, only: list[str] | None = None) -> dict[str, Any]:
-    from kvflow import LLM, SamplingParams
-
-    record: dict[str, Any] = fp8_layer_errors(smoke)
-    model = "tiny" if smoke else "llama-3.1-8b"
-    in_len, out_len = (16, 8) if smoke else (512, 128)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 500 if smoke else 120000) for _ in range(in_len)]}
-               for _ in range(num_prompts)]
-    configs = {"bf16": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
-    if not smoke:  # the engine refuses fp8 weights on CPU (the layer above ran there)
-        configs |= {"fp8_w8a8": {"quantization": "fp8"},
-                    "fp8_w8a8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
-    runs: dict[str, Any] = {}
-    for name, kw in configs.items():
-        if only and name not in only and name != "bf16":
-            continue
-        llm = LLM(model, load_format="dummy", max_model_len=in_len + out_len + 16, **kw,
-                  **({"device": "cpu", "kv_cache_memory_bytes": 16 << 20} if smoke else {}))
-        blocks = llm.llm_engine.runner.kv_caches[0][0].shape[0]
-        llm.generate(prompts[: min(8, num_prompts)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        seconds = timed_generate(llm, prompts, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))[1]
-        runs[name] = {"output_tok_s": round(num_prompts * out_len / seconds, 1), "seconds": round(seconds, 2),
-                      "kv_blocks": int(blocks)}
-        print("w8a8", name, runs[name], flush=True)
-        del llm
-        if not smoke:
-            torch.cuda.empty_cache()
-    for r in runs.values():
-        r["vs_bf16"] = round(r["output_tok_s"] / runs["bf16"]["output_tok_s"], 3)
-        r["kv_blocks_vs_bf16"] = round(r["kv_blocks"] / runs["bf16"]["kv_blocks"], 3)
-    record.update(workload=f"{model} dummy weights, {num_prompts} prompts x {in_len} in / {out_len} out, "
-                           "ignore_eos, engine defaults", runs=runs)
-    return record
+PARTS = ("kv", "int4")
 
 
 # ------------------------------------------------------------------------------------------------- fp8 KV
@@ -142,8 +86,6 @@ def part_kv(smoke: bool) -> dict[str, Any]:
 
 
 def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
-    if part == "w8a8":
-        return part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts, args.w8a8_configs)
     if part == "int4":
         return part_int4(args.smoke)
     return part_kv(args.smoke)
@@ -152,9 +94,6 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--w8a8-configs", nargs="+", default=None,
-                        help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
