@@ -1,21 +1,29 @@
-"""Quantization on the GPU (issue 14), each quantized form beside bf16 in the same run, Llama-3.1-8B shapes with
-random weights (`--load-format dummy`):
+"""Quantization on the GPU (issues 14 and 32), each quantized form beside bf16 in the same run, Llama-3.1-8B shapes
+with random weights (`--load-format dummy`):
 
-- w8a8:  `--quantization fp8` vs bf16, engine throughput on N prompts x 512 in / 128 out (default N=1000; the
-         lead may scale it down with --num-prompts), plus fp8 KV alone and fp8 weights + fp8 KV; the KV block
-         count of each engine; and the Fp8Linear layer against its float32 reference at a real shape.
+- e2e:   the engine end to end (issue 32): modes bf16, fp8 (W8A8), int4 (the dummy AWQ preset) and int4_fp8kv
+         (+ fp8 KV), at batch 1, 16 and "tput" (N x 512 in / 128 out, default N=1000, --num-prompts), each
+         (mode, batch) in a fresh process (bench/harness/jobs.py): first_batch_out_tok_s is its first generate
+         after the engine is ready, out_tok_s a later repeat. Plus the check: greedy ids of int4 vs the dense
+         checkpoint of the same weights, fp32 and bf16 (2-layer Llama-8B widths). Writes
+         bench/results/quant_e2e_<device>.json after every job; a later call with other --modes / --batches adds
+         its records to the file's. Not run unless named in --parts.
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
          torch reference; and the block count of each KV dtype in one budget.
 - int4:  the decode step's weight GEMMs, int4 vs bf16 (bench/quant_int4.py).
 
 The w8a8_layers part (each decoder linear, Fp8Linear vs bf16; the activation quantization, Triton vs torch) was
-retired: it runs at `git checkout be1a1ae`. Writes bench/results/quant_gpu_<device>.json (fields: workload, device,
-numbers). `--smoke` runs the same code paths on CPU at tiny shapes (Triton under its interpreter; fp8 W8A8 as the layer alone, since the engine refuses
-fp8 weights on CPU) and writes bench/results/quant_gpu_smoke.json.
+retired: it runs at `git checkout be1a1ae`. The w8a8 part (fp8 W8A8 / fp8 KV engine throughput beside bf16, KV
+block counts, the Fp8Linear layer's error; e2e covers its engines) was retired: it runs at `git checkout 41306f6`.
+kv and int4 write bench/results/quant_gpu_<device>.json (fields: workload, device, numbers). `--smoke` runs the
+same code paths on CPU at tiny shapes (Triton under its interpreter; e2e without fp8 weights, which the engine
+refuses on CPU) and writes the *_smoke.json files.
 
-    python -m bench.quant_gpu                        # all parts on a GPU
-    python -m bench.quant_gpu --parts w8a8 --num-prompts 256
-    python -m bench.quant_gpu --smoke
+    python -m bench.quant_gpu                        # kv and int4 on a GPU
+    python -m bench.quant_gpu --parts e2e --batches 1 16 --no-check        # 8 engines: ~7-8 min on an H100
+    python -m bench.quant_gpu --parts e2e --batches tput --num-prompts 500  # 4 engines + the check: ~8 min
+    (N=1000 as the issue asks: --batches tput --modes fp8 int4 --no-check, then --modes int4_fp8kv)
+    python -m bench.quant_gpu --smoke --parts e2e kv int4
 """
 
 from __future__ import annotations
@@ -28,73 +36,167 @@ if "--smoke" in sys.argv:  # must precede the first `import triton` (the kernels
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import random  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.harness.jobs import answer_job, run_jobs  # noqa: E402
 from bench.harness.records import RESULTS, device_slug, gpu_name, write_json  # noqa: E402
-from bench.harness.runs import timed_generate  # noqa: E402
+from bench.harness.runs import first_divergence, output_tokens, step_until_done, timed_generate  # noqa: E402
 from bench.harness.timing import wall_seconds  # noqa: E402
 from bench.quant_int4 import graph_ms, part_int4, rel_err  # noqa: E402
-from engine.quant.fp8_linear import Fp8Linear, fp8_matmul_ref  # noqa: E402
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128  # Llama-3.1-8B
-PARTS = ("w8a8", "kv", "int4")
+PARTS = ("e2e", "kv", "int4")
+MODULE = "bench.quant_gpu"
 
 
-# ------------------------------------------------------------------------------------------------ fp8 W8A8
-def fp8_layer_errors(smoke: bool) -> dict[str, float]:
-    dev = "cpu" if smoke else "cuda"
-    n, k = (32, 64) if smoke else (INTER, HIDDEN)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    dense = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
-    with torch.no_grad():
-        dense.weight.copy_((torch.randn(n, k, generator=g) * 0.02).to(dev))
-    layer = Fp8Linear.from_dense(dense)
-    x = (torch.randn(64, k, generator=g)).to(dev, torch.bfloat16)
-    return {"layer_rel_err_vs_ref": rel_err(layer(x), fp8_matmul_ref(x, layer.weight, layer.weight_scale)),
-            "layer_rel_err_vs_bf16": rel_err(layer(x), dense(x))}
+# ----------------------------------------------------------------------------------------- e2e (issue 32)
+E2E_MODES: dict[str, dict[str, str]] = {"bf16": {}, "fp8": {"quantization": "fp8"}, "int4": {"quantization": "awq"},
+                                        "int4_fp8kv": {"quantization": "awq", "kv_cache_dtype": "fp8"}}
+CHECK_PROMPTS = [[5, 17, 300, 42], [7] * 20, list(range(100, 140)), [1, 2, 3] * 30]
 
 
-def part_w8a8(smoke: bool, num_prompts: int, only: list[str] | None = None) -> dict[str, Any]:
+def e2e_one(job: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: build the engine, time the batch at once (the first batch after the engine is ready),
+    then repeat it on new prompts of the same shape (a repeat must not hit the prefix cache). Or the check."""
+    if "check_dtype" in job:
+        return e2e_check(job)
     from kvflow import LLM, SamplingParams
+    from kvflow.benchmarks.throughput import random_prompts
 
-    record: dict[str, Any] = fp8_layer_errors(smoke)
-    model = "tiny" if smoke else "llama-3.1-8b"
-    in_len, out_len = (16, 8) if smoke else (512, 128)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 500 if smoke else 120000) for _ in range(in_len)]}
-               for _ in range(num_prompts)]
-    configs = {"bf16": {}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
-    if not smoke:  # the engine refuses fp8 weights on CPU (the layer above ran there)
-        configs |= {"fp8_w8a8": {"quantization": "fp8"},
-                    "fp8_w8a8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
-    runs: dict[str, Any] = {}
-    for name, kw in configs.items():
-        if only and name not in only and name != "bf16":
-            continue
-        llm = LLM(model, load_format="dummy", max_model_len=in_len + out_len + 16, **kw,
-                  **({"device": "cpu", "kv_cache_memory_bytes": 16 << 20} if smoke else {}))
-        blocks = llm.llm_engine.runner.kv_caches[0][0].shape[0]
-        llm.generate(prompts[: min(8, num_prompts)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        seconds = timed_generate(llm, prompts, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))[1]
-        runs[name] = {"output_tok_s": round(num_prompts * out_len / seconds, 1), "seconds": round(seconds, 2),
-                      "kv_blocks": int(blocks)}
-        print("w8a8", name, runs[name], flush=True)
-        del llm
-        if not smoke:
-            torch.cuda.empty_cache()
-    for r in runs.values():
-        r["vs_bf16"] = round(r["output_tok_s"] / runs["bf16"]["output_tok_s"], 3)
-        r["kv_blocks_vs_bf16"] = round(r["kv_blocks"] / runs["bf16"]["kv_blocks"], 3)
-    record.update(workload=f"{model} dummy weights, {num_prompts} prompts x {in_len} in / {out_len} out, "
-                           "ignore_eos, engine defaults", runs=runs)
-    return record
+    started = time.perf_counter()
+    llm = LLM(**job["engine"])
+    load_s = time.perf_counter() - started
+    (n, in_len, out_len), vocab = job["shape"], llm.llm_engine.config.model.arch.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    tok_s = []
+    for seed in range(1 + job["repeats"]):
+        outs, seconds = timed_generate(llm, random_prompts(n, in_len, vocab, seed), params)
+        tok_s.append(output_tokens(outs) / seconds)
+    llm.close()
+    return {"first_batch_out_tok_s": round(tok_s[0], 1), "out_tok_s": round(statistics.median(tok_s[1:]), 1),
+            "load_s": round(load_s, 1)}
+
+
+def e2e_check(job: dict[str, Any]) -> dict[str, Any]:
+    """Greedy ids of the dummy AWQ engine vs a dense checkpoint of the same weights (its int4 linears dequantized,
+    every other tensor as that engine holds it), both through the engine at job["check_dtype"]."""
+    from safetensors.torch import save_file
+
+    from engine.arg_utils import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from engine.models.weight_map import checkpoint_keys, checkpoint_modules
+    from engine.quant.dummy_int4 import part_rows
+    from engine.quant.group_quant import dequantize
+    from engine.quant.quant_layers import QuantLinear
+    from engine.runner.cpu_linear import PackedLinear
+    from engine.sampling_params import SamplingParams
+
+    def greedy(path: str, logprobs: int | None, **kw: Any) -> tuple[Any, list[Any]]:
+        engine = LLMEngine(EngineArgs(model=path, dtype=job["check_dtype"], max_model_len=256, seed=0,
+                                      kv_cache_memory_bytes=64 << 20, **job["device"], **kw).create_engine_config())
+        for n, prompt in enumerate(CHECK_PROMPTS):
+            engine.add_request(f"r{n}", prompt, SamplingParams(max_tokens=16, temperature=0, logprobs=logprobs,
+                                                                ignore_eos=True))
+        done = step_until_done(engine)[0]
+        return engine, [done[f"r{n}"].outputs[0] for n in range(len(CHECK_PROMPTS))]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "config.json").write_text(json.dumps(job["config"]))
+        int4, ours = greedy(tmp, None, load_format="dummy", quantization="awq")
+        model = int4.runner.model
+        quant = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+        dense = dict(model.named_parameters()) | {f"{name}.weight": m.weight for name, m in model.named_modules()
+                                                   if isinstance(m, PackedLinear)}  # CPU fp32: oneDNN-packed
+        state = {checkpoint_keys(type(model), name)[0]: p.detach().cpu() for name, p in dense.items()
+                 if name.rpartition(".")[0] not in quant}
+        for path, linear in quant.items():
+            bases = checkpoint_modules(type(model), path)
+            parts = dequantize(linear.quant_weight()).cpu().split(part_rows(model, path, bases))
+            state |= {f"{base}.weight": w.contiguous() for base, w in zip(bases, parts, strict=True)}
+        layouts = sorted({m.layout for m in quant.values()})
+        int4.shutdown()
+        del int4, model, quant, dense  # the dense engine needs no memory of theirs
+        save_file(state, str(Path(tmp, "model.safetensors")))
+        want = greedy(tmp, 5)[1]
+    exact = sum(o.token_ids == w.token_ids for o, w in zip(ours, want, strict=True))
+    top5 = sum(o.token_ids[k] in w.logprobs[k] for o, w in zip(ours, want, strict=True)
+               if (k := first_divergence(o.token_ids, w.token_ids)) is not None)
+    return {"layouts": layouts, "exact": exact, "diverged_within_top5": top5, "prompts": len(CHECK_PROMPTS),
+            "verdict": "PASS" if exact + top5 == len(CHECK_PROMPTS) else "FAIL"}
+
+
+def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
+    """Jobs batch by batch, bf16 first in each; the file is written after every job, and a second call adds
+    its (mode, batch) records to the first's (each ratio is to the bf16 of the run that measured it)."""
+    from engine.models.presets import preset_hf_config
+
+    smoke, started, device = args.smoke, time.monotonic(), gpu_name()
+    model, (in_len, out_len) = ("tiny-llama", (16, 8)) if smoke else ("llama-3.1-8b", (512, 128))
+    modes = ["bf16", *(m for m in args.modes if m != "bf16" and not (smoke and m == "fp8"))]  # CPU: no fp8 weights
+    path = args.e2e_out or RESULTS / f"quant_e2e_{'smoke' if smoke else device_slug(device)}.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"records": []}
+    run: dict[str, Any] = {"command": " ".join(sys.argv[1:]), "started": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                         time.gmtime()),
+                           "load_s": {}, "errors": []}
+    doc["runs"] = [*doc.get("runs", []), run]
+    left = lambda cap: min(cap, args.budget_s - (time.monotonic() - started))  # noqa: E731
+    if args.check:
+        config = preset_hf_config(model).to_dict() | ({} if smoke else {"num_hidden_layers": 2, "vocab_size": 32000})
+        doc["check"] = {"workload": f"{model} shapes ({config['num_hidden_layers']} layers, vocab "
+                                    f"{config['vocab_size']}), dummy AWQ vs the dense checkpoint of the same "
+                                    f"weights, {len(CHECK_PROMPTS)} prompts x 16 greedy tokens; PASS: each equal, "
+                                    "or first leaving at a token in the dense run's top-5", "device": device}
+        jobs = [{"check_dtype": dtype, "config": config, "device": {"device": "cpu"} if smoke else {}}
+                for dtype in ("float32", "bfloat16")]
+        for job, res in zip(jobs, run_jobs(MODULE, jobs, left(300)), strict=True):  # side by side: small engines
+            doc["check"][job["check_dtype"]] = res
+            print("e2e check", job["check_dtype"], res, flush=True)
+        write_json(path, doc)
+    base = {"model": model, "load_format": "dummy", "max_model_len": in_len + out_len + 16}
+    base |= {"device": "cpu", "kv_cache_memory_bytes": 16 << 20} if smoke else {"dtype": "bfloat16"}
+    with tempfile.TemporaryDirectory(prefix="quant-e2e-triton-") as caches:
+        for batch in [b if b == "tput" else int(b) for b in args.batches]:
+            n = batch if batch != "tput" else 4 if smoke else args.num_prompts
+            bf16 = None
+            for mode in modes:
+                if left(1e9) < (120 if batch == "tput" else 45):  # too little left for the engine and its batches
+                    run["errors"].append({"mode": mode, "batch": batch, "error": "not run: --budget-s spent"})
+                    continue
+                job = {"engine": base | E2E_MODES[mode], "shape": [n, in_len, out_len],
+                       "repeats": 1 if batch == "tput" else 3}
+                env = {} if args.machine_triton_cache else {"TRITON_CACHE_DIR": os.path.join(caches, mode)}
+                os.makedirs(os.path.join(caches, mode), exist_ok=True)
+                res = run_jobs(MODULE, [job], left(420 if batch == "tput" else 240), env)[0]
+                print("e2e", mode, batch, res, flush=True)
+                if "error" in res:  # an earlier call's record of this (mode, batch), if any, stays
+                    run["errors"].append({"mode": mode, "batch": batch, **res})
+                else:
+                    bf16 = res["out_tok_s"] if mode == "bf16" else bf16
+                    doc["records"] = [r for r in doc["records"] if (r["mode"], r["batch"]) != (mode, batch)]
+                    doc["records"].append({
+                        "workload": f"{model} dummy weights, {n} x {in_len} in / {out_len} out, greedy, ignore_eos, "
+                                    "engine defaults; a fresh process per (mode, batch): first_batch_out_tok_s is its "
+                                    "first generate, out_tok_s the median of later ones on new prompts; "
+                                    + ("machine's Triton cache" if args.machine_triton_cache else
+                                       "an empty Triton cache per mode, jobs in batch order 1, 16, tput"),
+                        "device": device, "mode": mode, "batch": batch, "out_tok_s": res["out_tok_s"],
+                        "first_batch_out_tok_s": res["first_batch_out_tok_s"],
+                        "ratio_vs_bf16": round(res["out_tok_s"] / bf16, 3) if bf16 else None})
+                    run["load_s"][f"{mode}/{batch}"] = res["load_s"]
+                write_json(path, doc)
+    failed = run["errors"] or any(doc.get("check", {}).get(d, {}).get("verdict") != "PASS"
+                                  for d in ("float32", "bfloat16") if args.check)
+    return {"file": str(path), **({"error": "see the file's runs[-1].errors / check"} if failed else {})}
 
 
 # ------------------------------------------------------------------------------------------------- fp8 KV
@@ -142,8 +244,8 @@ def part_kv(smoke: bool) -> dict[str, Any]:
 
 
 def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
-    if part == "w8a8":
-        return part_w8a8(args.smoke, 4 if args.smoke else args.num_prompts, args.w8a8_configs)
+    if part == "e2e":
+        return part_e2e(args)
     if part == "int4":
         return part_int4(args.smoke)
     return part_kv(args.smoke)
@@ -151,13 +253,23 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--w8a8-configs", nargs="+", default=None,
-                        help="w8a8: only these engines beside bf16 (fp8_kv, fp8_w8a8, fp8_w8a8+fp8_kv)")
+    parser.add_argument("--parts", nargs="+", default=["kv", "int4"], choices=list(PARTS))
+    parser.add_argument("--num-prompts", type=int, default=1000, help="e2e: N of the tput batch")
+    parser.add_argument("--modes", nargs="+", default=list(E2E_MODES), choices=list(E2E_MODES),
+                        help="e2e: these engines (bf16 always runs too)")
+    parser.add_argument("--batches", nargs="+", default=["1", "16", "tput"], choices=["1", "16", "tput"])
+    parser.add_argument("--no-check", dest="check", action="store_false", help="e2e: skip the int4 greedy check")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="e2e: jobs past this many seconds are not run")
+    parser.add_argument("--machine-triton-cache", action="store_true",
+                        help="e2e: the machine's Triton cache instead of an empty one per mode")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--e2e-out", type=Path, default=None)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one is not None:  # an e2e job, in its own process
+        answer_job(args.one, e2e_one)
+        return
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run with --smoke on CPU")
     record: dict[str, Any] = {"device": gpu_name(), "torch": torch.__version__, "smoke": args.smoke}
@@ -168,7 +280,8 @@ def main() -> None:
             traceback.print_exc()
             record[part] = {"error": f"{type(exc).__name__}: {exc}"}
     tag = "smoke" if args.smoke else device_slug(gpu_name())
-    write_json(args.out or RESULTS / f"quant_gpu_{tag}.json", record)
+    if set(args.parts) - {"e2e"}:  # e2e writes its own file
+        write_json(args.out or RESULTS / f"quant_gpu_{tag}.json", record)
     if any("error" in v for v in record.values() if isinstance(v, dict)):
         raise SystemExit(1)
 
