@@ -6,6 +6,13 @@ requests: rank 0 does. Any error ends the process (rank 0 notices and stops serv
 
 An upper floor may run `run` with a `RankExtension` (its own `python -m` module): rank 0's extension frames
 (`TPDriverRunner.tell`) reach it in order with the steps, on this main thread.
+
+Stdin is read on a thread of its own (`FrameReader`), always, so rank 0 never blocks writing a frame while this
+rank runs a step. Rank 0 may write while this rank waits for it: with pipeline stages it submits the next
+micro-batch before it runs its own part of the one in flight (engine/parallel/batch_queue.py), and the other TP
+ranks of its stage sit in that batch's collectives until it does. A step larger than the pipe's capacity (64 KiB:
+a micro-batch of a few long prompts) then left rank 0 in its write and this rank in the collective for good (the
+TP2 x PP2 hang on GPUs; gloo timed out).
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import copy
 import dataclasses
 import json
 import logging
+import queue
 import sys
+import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import IO, Protocol
 
 import torch
 
@@ -54,6 +63,37 @@ class RankExtension(Protocol):
 ExtensionFactory = Callable[[ModelRunner, TPGroup], RankExtension]
 
 
+class FrameReader:
+    """Rank 0's frames, read off `stream` by a daemon thread as soon as they arrive and handed out in order; None
+    once the stream ends (or fails: the error is logged) or after a quit frame."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), name="rank-stdin", daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[bytes]) -> None:
+        frame: bytes | None = None
+        try:
+            while True:
+                frame = read_frame(stream)
+                if frame is None or frame[:1] == MSG_QUIT:
+                    break
+                self._frames.put(frame)
+        except (OSError, ValueError):
+            logger.exception("reading rank 0's frames failed")
+        finally:
+            self._frames.put(None)
+
+    def get(self) -> bytes | None:
+        return self._frames.get()
+
+    @property
+    def pending(self) -> int:
+        """Frames read but not yet taken (diagnostics)."""
+        return self._frames.qsize()
+
+
 def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int:
     setup = read_frame(stdin)  # type: ignore[arg-type]
     if setup is None:
@@ -75,9 +115,10 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
         runner = ModelRunner(config, world.tp, world.link)
         extension = extension_factory(runner, world.group) if extension_factory is not None else None
         world.min_int(runner.determine_num_blocks())
+        frames = FrameReader(stdin)  # type: ignore[arg-type]
         while True:
-            frame = read_frame(stdin)  # type: ignore[arg-type]
-            if frame is None or frame[:1] == MSG_QUIT:
+            frame = frames.get()
+            if frame is None:
                 break
             kind, body = frame[:1], frame[1:]
             if kind == MSG_INIT_KV:

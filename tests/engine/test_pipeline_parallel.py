@@ -213,6 +213,37 @@ def test_tp2_x_pp2_matches_one_rank() -> None:
         assert _ids(both, PROMPTS, GREEDY) == base
 
 
+def test_tp2_x_pp2_runs_micro_batches_whose_steps_overflow_a_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hang of TP2 x PP2 on GPUs (Llama-70B offline throughput, 32 x 512-token prompts a micro-batch): rank 0
+    submits the second micro-batch before it runs its part of the first, writing that step to every rank's stdin.
+    The last stage's other TP rank does not read it: it is inside the first batch's all-reduce, waiting for rank 0.
+    A step over the pipe's capacity (64 KiB) left rank 0 blocked in the write and that rank blocked in the
+    collective, for good on NCCL (gloo times out). Ranks now read their pipe on a thread of their own."""
+    import fcntl
+
+    from engine.parallel import codec
+    from engine.parallel.executor import TPDriverRunner
+
+    monkeypatch.setenv("KVFLOW_TP_TIMEOUT_S", "30")  # without the fix: a gloo timeout, not a two-minute wait
+    read_end, write_end = os.pipe()
+    pipe_bytes = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ)
+    os.close(read_end)
+    os.close(write_end)
+    prompts = [[100 + (7 * i + 13 * r) % 400 for i in range(1000)] for r in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    kwargs = {"load_format": "dummy", "kv_cache_memory_bytes": 1 << 25, "max_model_len": 1024,
+              "max_num_batched_tokens": 16384}
+    sizes: list[int] = []
+    submit = TPDriverRunner.submit
+    monkeypatch.setattr(TPDriverRunner, "submit",
+                        lambda self, so: (sizes.append(len(codec.encode(so))), submit(self, so))[1])
+    with LLM("tiny", tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs) as both:
+        ids = _ids(both, prompts, params)
+        assert both.llm_engine.batches is not None and both.llm_engine.batches.most_in_flight == 2
+    assert sorted(sizes)[-2] > pipe_bytes  # the second batch in flight did not fit the pipe
+    assert ids == _ids(LLM("tiny", **kwargs), prompts, params)
+
+
 def test_smollm2_pp3_matches_pp1_greedy_and_logprobs() -> None:
     """Real weights, each stage reading only its tensors; 30 layers in stages of 10."""
     kwargs = {"kv_cache_memory_bytes": 1 << 26, "max_model_len": 512}
