@@ -42,7 +42,8 @@ from engine.parallel.executor import (
     read_frame,
 )
 from engine.parallel.group import TPGroup
-from engine.parallel.pipeline import ParallelWorld
+from engine.parallel.hang_report import HangWatch, hang_report_s
+from engine.parallel.pipeline import ParallelWorld, describe_step
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -111,11 +112,16 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
     failed = True
     runner: ModelRunner | None = None
     extension: RankExtension | None = None
+    frames: FrameReader | None = None
+    watch = HangWatch(world.where, hang_report_s(),
+                      lambda: f"{frames.pending if frames is not None else 0} frames from rank 0 wait behind it")
     try:
-        runner = ModelRunner(config, world.tp, world.link)
-        extension = extension_factory(runner, world.group) if extension_factory is not None else None
-        world.min_int(runner.determine_num_blocks())
+        with watch.task("loading the model, the memory profile and the KV block agreement", world.calls_since()):
+            runner = ModelRunner(config, world.tp, world.link)
+            extension = extension_factory(runner, world.group) if extension_factory is not None else None
+            world.min_int(runner.determine_num_blocks())
         frames = FrameReader(stdin)  # type: ignore[arg-type]
+        steps = 0
         while True:
             frame = frames.get()
             if frame is None:
@@ -123,15 +129,21 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
             kind, body = frame[:1], frame[1:]
             if kind == MSG_INIT_KV:
                 num_blocks, num_swap = json.loads(body)
-                runner.initialize_kv_cache(int(num_blocks), int(num_swap))
+                with watch.task("the KV cache allocation and the warm-up", world.calls_since()):
+                    runner.initialize_kv_cache(int(num_blocks), int(num_swap))
             elif kind == MSG_STEP:
-                runner.execute_model(without_grammars(codec.decode(body)))
+                so = codec.decode(body)
+                with watch.task(describe_step(steps, so), world.calls_since()):
+                    runner.execute_model(without_grammars(so))
+                steps += 1
             elif kind == MSG_EXTENSION and extension is not None:
-                extension.handle(body)
+                with watch.task("an extension frame", world.calls_since()):
+                    extension.handle(body)
             else:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
         failed = False
     finally:
+        watch.close()
         if extension is not None:
             extension.close()
         if runner is not None and not failed:
