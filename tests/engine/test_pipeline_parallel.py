@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +243,24 @@ def test_tp2_x_pp2_runs_micro_batches_whose_steps_overflow_a_pipe(monkeypatch: p
         assert both.llm_engine.batches is not None and both.llm_engine.batches.most_in_flight == 2
     assert sorted(sizes)[-2] > pipe_bytes  # the second batch in flight did not fit the pipe
     assert ids == _ids(LLM("tiny", **kwargs), prompts, params)
+
+
+def test_stages_of_unequal_kv_sizes_allocate_the_smallest_block_count(tmp_path: Path) -> None:
+    """3 layers at PP2: stage 0 holds 2, stage 1 (rank 0, the scheduler's) 1, so the same KV budget holds twice as
+    many blocks on rank 0 as on stage 0 (on GPUs the memory profiles differ per stage too). The engine's block
+    count, whose ids the scheduler hands out to every stage, is the smallest over the whole world, not rank 0's."""
+    import json
+
+    from engine.models.presets import preset_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(preset_hf_config("tiny-llama").to_dict()
+                                                     | {"num_hidden_layers": 3}))
+    kwargs = {"load_format": "dummy", "kv_cache_memory_bytes": KV}
+    with LLM(str(tmp_path), pipeline_parallel_size=2, **kwargs) as pp:
+        layer_bytes = pp.llm_engine.runner.block_bytes  # rank 0's stage holds one layer
+        assert pp.llm_engine.num_gpu_blocks == KV // (2 * layer_bytes) < KV // layer_bytes
+        ids = _ids(pp, PROMPTS, GREEDY)
+    assert ids == _ids(LLM(str(tmp_path), **kwargs), PROMPTS, GREEDY)
 
 
 def test_smollm2_pp3_matches_pp1_greedy_and_logprobs() -> None:
