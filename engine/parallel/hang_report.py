@@ -112,7 +112,7 @@ class HangWatch:
         for key, what, seconds, detail in late:
             with self._lock:
                 self._reported.add(key)
-            parts = [f"{self.who}: {what} has run for {seconds:.0f} s (a rank may be waiting for another)"]
+            parts = [f"{self.who}: {what} has run for {seconds:.0f} s (if it never ends, a rank waits for another)"]
             for extra in (detail, self.describe):
                 if extra is not None:
                     with contextlib.suppress(Exception):  # a report must never take the rank down

@@ -116,9 +116,9 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
     watch = HangWatch(world.where, hang_report_s(),
                       lambda: f"{frames.pending if frames is not None else 0} frames from rank 0 wait behind it")
     try:
-        with watch.task("loading the model, the memory profile and the KV block agreement", world.calls_since()):
-            runner = ModelRunner(config, world.tp, world.link)
-            extension = extension_factory(runner, world.group) if extension_factory is not None else None
+        runner = ModelRunner(config, world.tp, world.link)
+        extension = extension_factory(runner, world.group) if extension_factory is not None else None
+        with watch.task("the memory profile and the KV block agreement", world.calls_since()):
             world.min_int(runner.determine_num_blocks())
         frames = FrameReader(stdin)  # type: ignore[arg-type]
         steps = 0
