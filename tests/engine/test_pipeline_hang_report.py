@@ -77,3 +77,34 @@ def test_a_stage_stuck_in_a_step_is_reported_by_it_and_by_the_stage_waiting_for_
     assert "in execute_slowly" in err  # rank 1's stack
     assert re.search(r"rank 0 \(tensor rank 0 of 1, stage 1 of 2\): step 1 \(1 chunks, 1 tokens, 0 new requests\) "
                      r"has run for \d+ s.*world group: recv rank 1 x1", caplog.text)  # this process: logged here
+
+
+def test_the_pipe_hang_is_reported_and_ends_the_engine_instead_of_waiting_forever(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """Ranks reading rank 0's frames between steps (as before the fix), TP2 x PP2, two micro-batches of 24 x 512
+    tokens: rank 0 blocks writing the second batch's step (about 100 KB, over the pipe's 64 KiB) to rank 1, which
+    waits for rank 0 in the first batch's all-reduce. The reports name both ends, and rank 0's watchdog fails the
+    write at KVFLOW_TP_TIMEOUT_S (before, it was outside the step's clock: on NCCL the engine waited forever)."""
+    from engine.parallel.executor import TensorParallelError
+
+    monkeypatch.setenv("KVFLOW_TP_HANG_REPORT_S", "2")
+    monkeypatch.setenv("KVFLOW_TP_TIMEOUT_S", "12")
+    args = EngineArgs(model="tiny", load_format="dummy", kv_cache_memory_bytes=1 << 25, max_model_len=1024,
+                      max_num_batched_tokens=12288, tensor_parallel_size=2, pipeline_parallel_size=2)
+    engine = LLMEngine.from_engine_args(args, rank_module="tests.helpers.slow_rank",
+                                        rank_env={"KVFLOW_TEST_READ_BETWEEN_STEPS": "1"})
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for r in range(48):
+        engine.add_request(str(r), {"prompt_token_ids": [100 + (7 * i + 13 * r) % 400 for i in range(512)]}, params)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match="writing a frame to tensor-parallel rank 1 ran past"):
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        engine.shutdown()
+    assert time.monotonic() - started < 60
+    assert re.search(r"rank 0 \(tensor rank 0 of 2, stage 1 of 2\): writing a \d+-byte frame to rank 1 has run for",
+                     caplog.text)
+    assert re.search(r"rank 1 \(tensor rank 1 of 2, stage 1 of 2\): step 0 \(24 chunks, 12288 tokens, 24 new "
+                     r"requests\) has run for \d+ s.*stage tp group: all_reduce x1 ", capfd.readouterr().err)
