@@ -10,12 +10,14 @@ frames, no pickle); then every rank runs the same `ModelRunner.execute_model`, w
 per layer, the embedding's all-reduce and the logits' all-gather) keep them in lockstep. All ranks see the full
 logits, so every rank samples identically (same seeds, same generators); only rank 0's result is used.
 
-Failure: a child that exits, a closed pipe, a collective that fails or a step that runs past KVFLOW_TP_TIMEOUT_S
-makes the driver raise `TensorParallelError` on this and every later step and the health probe (`check_ranks`),
-and the worker's health turns NOT_SERVING. A watchdog thread aborts the communicators as soon as a child dies or a
-step overruns, so a rank blocked in a collective fails at once (NCCL kernels have no timeout of their own). Children
-exit when their stdin closes (the driver stopped) and die with the process that started them (engine/process/lifeline.py).
-`shutdown` (or interpreter exit) stops them.
+Failure: a child that exits, a closed pipe, a collective that fails, or a step or a frame written to a rank that
+runs past KVFLOW_TP_TIMEOUT_S makes the driver raise `TensorParallelError` on this and every later step and the
+health probe (`check_ranks`), and the worker's health turns NOT_SERVING. A watchdog thread aborts the
+communicators as soon as a child dies or a step overruns, so a rank blocked in a collective fails at once (NCCL
+kernels have no timeout of their own). Children exit when their stdin closes (the driver stopped) and die with the
+process that started them (engine/process/lifeline.py). `shutdown` (or interpreter exit) stops them. Before any of
+that, a task (a step, a frame written to a rank) that runs past KVFLOW_TP_HANG_REPORT_S is reported by every rank
+in it: what it is, the calls the rank issued, every thread's stack (engine/parallel/hang_report.py).
 
 A caller above the engine (the KV transport) may start the ranks under its own module (`rank_module`, which runs
 `engine.parallel.worker.run` with a `RankExtension`), with environment of its own (`rank_env`: a credential, never
@@ -47,9 +49,10 @@ from engine.kv_port import KVRanks
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.group import tp_timeout_s
+from engine.parallel.hang_report import HangWatch, hang_report_s
 from engine.parallel.layout import shard_for, validate_tp
 from engine.parallel.nccl_env import set_nccl_env_defaults
-from engine.parallel.pipeline import ParallelWorld
+from engine.parallel.pipeline import ParallelWorld, describe_step
 from engine.parallel.stages import validate_pp
 from engine.process.lifeline import lifeline_env
 from engine.runner.model_runner import ModelRunner
@@ -236,6 +239,9 @@ class TPDriverRunner(ModelRunner):
         self._stopped = threading.Event()
         self._timeout_s = timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight (the watchdog's clock)
+        self._writing: tuple[int, float] | None = None  # (rank, monotonic start) of a frame being written
+        self._steps = 0  # steps collected (each rank numbers its steps the same way in its hang reports)
+        self._hang = HangWatch("rank 0", 0.0)  # replaced once the group exists
         keeper_done = threading.Event()
         self._finalizer = weakref.finalize(self, _stop_children, self._procs, keeper_done)
         group: ParallelWorld | None = None
@@ -247,11 +253,13 @@ class TPDriverRunner(ModelRunner):
                 torch.set_num_threads(cpu_threads_per_rank(size))
             group = ParallelWorld("127.0.0.1", port, 0, config, torch.device(config.device.device), timeout_s)
             self._world = group
+            self._hang = HangWatch(group.where, hang_report_s())
             self._watchdog = threading.Thread(target=self._watch, args=(group,), name="tp-watchdog", daemon=True)
             self._watchdog.start()
             super().__init__(config, group.tp, group.link)
         except BaseException as exc:
             self._stopped.set()
+            self._hang.close()
             if group is not None:
                 group.close(failed=True)
             dead = [(rank, proc.poll()) for rank, proc in enumerate(self._procs, start=1) if proc.poll() is not None]
@@ -265,11 +273,13 @@ class TPDriverRunner(ModelRunner):
 
     # -- the engine's calls ------------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
-        return self._guard(lambda: self._world.min_int(super(TPDriverRunner, self).determine_num_blocks()))
+        with self._hang.task("the memory profile and the KV block agreement", self._world.calls_since()):
+            return self._guard(lambda: self._world.min_int(super(TPDriverRunner, self).determine_num_blocks()))
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self._send(MSG_INIT_KV + json.dumps([num_blocks, num_swap_blocks]).encode())
-        self._guard(lambda: super(TPDriverRunner, self).initialize_kv_cache(num_blocks, num_swap_blocks))
+        with self._hang.task("the KV cache allocation and the warm-up", self._world.calls_since()):
+            self._guard(lambda: super(TPDriverRunner, self).initialize_kv_cache(num_blocks, num_swap_blocks))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(so)
@@ -283,9 +293,11 @@ class TPDriverRunner(ModelRunner):
         """This rank's part of a submitted step, in submission order (engine/parallel/batch_queue.py)."""
         self._step_started = time.monotonic()
         try:
-            return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
+            with self._hang.task(describe_step(self._steps, so), self._world.calls_since()):
+                return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
         finally:
             self._step_started = None
+            self._steps += 1
 
     def tell(self, body: bytes) -> None:
         """Any thread: a frame for every other rank's extension, in order with the steps sent so far. Raises
@@ -303,6 +315,7 @@ class TPDriverRunner(ModelRunner):
 
     def shutdown(self) -> None:
         self._stopped.set()
+        self._hang.close()
         self._finalizer()
         if self._failure is None:  # after a failure the GPU may never finish: do not wait for it
             self.release_graphs()
@@ -313,11 +326,15 @@ class TPDriverRunner(ModelRunner):
         self.check_ranks()
         with self._pipe_lock:
             for rank, proc in enumerate(self._procs, start=1):
+                self._writing = (rank, time.monotonic())
                 try:
                     assert proc.stdin is not None
-                    write_frame(proc.stdin, payload)
+                    with self._hang.task(f"writing a {len(payload)}-byte frame to rank {rank}"):
+                        write_frame(proc.stdin, payload)
                 except (OSError, ValueError) as exc:
                     self._fail(f"tensor-parallel rank {rank} is unreachable: {exc}")
+                finally:
+                    self._writing = None
         self._raise_if_failed()
 
     def _guard(self, fn: Any) -> Any:
@@ -356,4 +373,13 @@ class TPDriverRunner(ModelRunner):
                 self._fail(f"a tensor-parallel step ran past KVFLOW_TP_TIMEOUT_S={self._timeout_s:g} s (a rank is "
                            "stuck in a collective)")
                 group.close(failed=True)
+                return
+            writing = self._writing
+            if writing is not None and time.monotonic() - writing[1] > self._timeout_s:
+                rank = writing[0]
+                self._fail(f"writing a frame to tensor-parallel rank {rank} ran past KVFLOW_TP_TIMEOUT_S="
+                           f"{self._timeout_s:g} s (the rank reads no more: it is stuck in a step)")
+                group.close(failed=True)
+                with contextlib.suppress(Exception):  # the write fails now (broken pipe) instead of waiting forever
+                    self._procs[rank - 1].kill()
                 return

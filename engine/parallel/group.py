@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.parallel.hang_report import CallLog
 from engine.parallel.nccl import NcclCommunicator, NcclLibrary
 from engine.parallel.nccl_env import set_nccl_env_defaults
 
@@ -67,6 +68,7 @@ class TPGroup:
         prefixed = dist.PrefixStore(prefix, self.store)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.nccl: NcclCommunicator | None = None
+        self.calls = CallLog()  # what this rank issued on the group (engine/parallel/hang_report.py)
         # Small host-side agreements (the KV block count) go over gloo whatever the device.
         self.cpu_pg: Any = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         if self.backend == "nccl":
@@ -80,6 +82,7 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place across ranks (row-parallel outputs, the vocab-parallel embedding)."""
+        self.calls.record("all_reduce", tuple(tensor.shape), tensor.dtype)
         if self.nccl is not None:
             return self.nccl.all_reduce(tensor)
         self.cpu_pg.allreduce([tensor]).wait()
@@ -90,6 +93,7 @@ class TPGroup:
         if tensor.shape[-1] < width:
             tensor = torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
         tensor = tensor.contiguous()
+        self.calls.record("all_gather", tuple(tensor.shape), tensor.dtype)
         if self.nccl is not None:
             return join_gathered(self.nccl.all_gather(tensor))
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -98,6 +102,7 @@ class TPGroup:
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Point to point (pipeline stages' activations): `tensor` (contiguous) to rank `dst`."""
+        self.calls.record("send", tuple(tensor.shape), tensor.dtype, dst)
         if self.nccl is not None:
             self.nccl.send(tensor, dst)
             return
@@ -105,6 +110,7 @@ class TPGroup:
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Fill `tensor` (contiguous) with what rank `src` sends."""
+        self.calls.record("recv", tuple(tensor.shape), tensor.dtype, src)
         if self.nccl is not None:
             return self.nccl.recv(tensor, src)
         self.cpu_pg.recv([tensor], src, 0).wait()
@@ -113,6 +119,7 @@ class TPGroup:
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value (host side)."""
         tensor = torch.tensor([value], dtype=torch.int64)
+        self.calls.record("min_int", (1,), tensor.dtype)
         self.cpu_pg.allreduce([tensor], _min_opts()).wait()
         return int(tensor.item())
 

@@ -14,6 +14,7 @@ matched by exactly one send of the same shape: T is the step's token count, know
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from engine.config import EngineConfig
 from engine.kv_layout import DTYPES
 from engine.parallel.group import TPGroup
 from engine.parallel.stages import PipelineStage, WorldRank
+
+if TYPE_CHECKING:
+    from engine.outputs import SchedulerOutput
 
 
 class StageLink:
@@ -55,9 +59,11 @@ class ParallelWorld:
         self.backend = self.group.backend
         self.tp: TPGroup | None = self.group if pp == 1 else None
         self.link: StageLink | None = None
+        place = WorldRank(rank, tp, pp)
+        self.where = f"rank {rank} (tensor rank {place.tp_rank} of {tp}" + \
+            (f", stage {place.stage} of {pp})" if pp > 1 else ")")
         if pp == 1:
             return
-        place = WorldRank(rank, tp, pp)
         arch = config.model.arch
         try:
             if tp > 1:  # each stage's own group, keyed by stage on the world's store
@@ -69,6 +75,14 @@ class ParallelWorld:
         stage = PipelineStage.of(arch.num_layers, place.stage, pp)
         self.link = StageLink(self.group, place, stage, arch.hidden_size, DTYPES[config.model.dtype])
 
+    def calls_since(self) -> Callable[[], str]:
+        """A snapshot of the calls issued so far; calling the result says what was issued since (hang reports)."""
+        groups = [("world", self.group)] + ([("stage tp", self.tp)] if self.tp is not None and
+                                            self.tp is not self.group else [])
+        before = [(name, group, group.calls.snapshot()) for name, group in groups]
+        return lambda: "calls issued since: " + "; ".join(f"{name} group: {group.calls.since(snap)}"
+                                                         for name, group, snap in before)
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value (the KV block count every stage can hold)."""
         return self.group.min_int(value)
@@ -77,3 +91,9 @@ class ParallelWorld:
         if self.tp is not None and self.tp is not self.group:
             self.tp.close(failed)
         self.group.close(failed)
+
+
+def describe_step(index: int, so: SchedulerOutput) -> str:
+    """One step as a hang report names it: its index on this rank and its size."""
+    return (f"step {index} ({len(so.chunks)} chunks, {so.total_num_scheduled_tokens} tokens, "
+            f"{len(so.new_requests)} new requests)")

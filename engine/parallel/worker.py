@@ -6,6 +6,13 @@ requests: rank 0 does. Any error ends the process (rank 0 notices and stops serv
 
 An upper floor may run `run` with a `RankExtension` (its own `python -m` module): rank 0's extension frames
 (`TPDriverRunner.tell`) reach it in order with the steps, on this main thread.
+
+Stdin is read on a thread of its own (`FrameReader`), always, so rank 0 never blocks writing a frame while this
+rank runs a step. Rank 0 may write while this rank waits for it: with pipeline stages it submits the next
+micro-batch before it runs its own part of the one in flight (engine/parallel/batch_queue.py), and the other TP
+ranks of its stage sit in that batch's collectives until it does. A step larger than the pipe's capacity (64 KiB:
+a micro-batch of a few long prompts) then left rank 0 in its write and this rank in the collective for good (the
+TP2 x PP2 hang on GPUs; gloo timed out).
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import copy
 import dataclasses
 import json
 import logging
+import queue
 import sys
+import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import IO, Protocol
 
 import torch
 
@@ -33,7 +42,8 @@ from engine.parallel.executor import (
     read_frame,
 )
 from engine.parallel.group import TPGroup
-from engine.parallel.pipeline import ParallelWorld
+from engine.parallel.hang_report import HangWatch, hang_report_s
+from engine.parallel.pipeline import ParallelWorld, describe_step
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -54,6 +64,37 @@ class RankExtension(Protocol):
 ExtensionFactory = Callable[[ModelRunner, TPGroup], RankExtension]
 
 
+class FrameReader:
+    """Rank 0's frames, read off `stream` by a daemon thread as soon as they arrive and handed out in order; None
+    once the stream ends (or fails: the error is logged) or after a quit frame."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), name="rank-stdin", daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[bytes]) -> None:
+        frame: bytes | None = None
+        try:
+            while True:
+                frame = read_frame(stream)
+                if frame is None or frame[:1] == MSG_QUIT:
+                    break
+                self._frames.put(frame)
+        except (OSError, ValueError):
+            logger.exception("reading rank 0's frames failed")
+        finally:
+            self._frames.put(None)
+
+    def get(self) -> bytes | None:
+        return self._frames.get()
+
+    @property
+    def pending(self) -> int:
+        """Frames read but not yet taken (diagnostics)."""
+        return self._frames.qsize()
+
+
 def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int:
     setup = read_frame(stdin)  # type: ignore[arg-type]
     if setup is None:
@@ -71,26 +112,38 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
     failed = True
     runner: ModelRunner | None = None
     extension: RankExtension | None = None
+    frames: FrameReader | None = None
+    watch = HangWatch(world.where, hang_report_s(),
+                      lambda: f"{frames.pending if frames is not None else 0} frames from rank 0 wait behind it")
     try:
         runner = ModelRunner(config, world.tp, world.link)
         extension = extension_factory(runner, world.group) if extension_factory is not None else None
-        world.min_int(runner.determine_num_blocks())
+        with watch.task("the memory profile and the KV block agreement", world.calls_since()):
+            world.min_int(runner.determine_num_blocks())
+        frames = FrameReader(stdin)  # type: ignore[arg-type]
+        steps = 0
         while True:
-            frame = read_frame(stdin)  # type: ignore[arg-type]
-            if frame is None or frame[:1] == MSG_QUIT:
+            frame = frames.get()
+            if frame is None:
                 break
             kind, body = frame[:1], frame[1:]
             if kind == MSG_INIT_KV:
                 num_blocks, num_swap = json.loads(body)
-                runner.initialize_kv_cache(int(num_blocks), int(num_swap))
+                with watch.task("the KV cache allocation and the warm-up", world.calls_since()):
+                    runner.initialize_kv_cache(int(num_blocks), int(num_swap))
             elif kind == MSG_STEP:
-                runner.execute_model(without_grammars(codec.decode(body)))
+                so = codec.decode(body)
+                with watch.task(describe_step(steps, so), world.calls_since()):
+                    runner.execute_model(without_grammars(so))
+                steps += 1
             elif kind == MSG_EXTENSION and extension is not None:
-                extension.handle(body)
+                with watch.task("an extension frame", world.calls_since()):
+                    extension.handle(body)
             else:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
         failed = False
     finally:
+        watch.close()
         if extension is not None:
             extension.close()
         if runner is not None and not failed:

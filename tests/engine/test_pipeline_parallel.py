@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,6 +212,55 @@ def test_tp2_x_pp2_matches_one_rank() -> None:
     with LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV, tensor_parallel_size=2,
              pipeline_parallel_size=2) as both:
         assert _ids(both, PROMPTS, GREEDY) == base
+
+
+def test_tp2_x_pp2_runs_micro_batches_whose_steps_overflow_a_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hang of TP2 x PP2 on GPUs (Llama-70B offline throughput, 32 x 512-token prompts a micro-batch): rank 0
+    submits the second micro-batch before it runs its part of the first, writing that step to every rank's stdin.
+    The last stage's other TP rank does not read it: it is inside the first batch's all-reduce, waiting for rank 0.
+    A step over the pipe's capacity (64 KiB) left rank 0 blocked in the write and that rank blocked in the
+    collective, for good on NCCL (gloo times out). Ranks now read their pipe on a thread of their own."""
+    import fcntl
+
+    from engine.parallel import codec
+    from engine.parallel.executor import TPDriverRunner
+
+    monkeypatch.setenv("KVFLOW_TP_TIMEOUT_S", "30")  # without the fix: a gloo timeout, not a two-minute wait
+    read_end, write_end = os.pipe()
+    pipe_bytes = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ)
+    os.close(read_end)
+    os.close(write_end)
+    prompts = [[100 + (7 * i + 13 * r) % 400 for i in range(1000)] for r in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    kwargs = {"load_format": "dummy", "kv_cache_memory_bytes": 1 << 25, "max_model_len": 1024,
+              "max_num_batched_tokens": 16384}
+    sizes: list[int] = []
+    submit = TPDriverRunner.submit
+    monkeypatch.setattr(TPDriverRunner, "submit",
+                        lambda self, so: (sizes.append(len(codec.encode(so))), submit(self, so))[1])
+    with LLM("tiny", tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs) as both:
+        ids = _ids(both, prompts, params)
+        assert both.llm_engine.batches is not None and both.llm_engine.batches.most_in_flight == 2
+    assert sorted(sizes)[-2] > pipe_bytes  # the second batch in flight did not fit the pipe
+    assert ids == _ids(LLM("tiny", **kwargs), prompts, params)
+
+
+def test_stages_of_unequal_kv_sizes_allocate_the_smallest_block_count(tmp_path: Path) -> None:
+    """3 layers at PP2: stage 0 holds 2, stage 1 (rank 0, the scheduler's) 1, so the same KV budget holds twice as
+    many blocks on rank 0 as on stage 0 (on GPUs the memory profiles differ per stage too). The engine's block
+    count, whose ids the scheduler hands out to every stage, is the smallest over the whole world, not rank 0's."""
+    import json
+
+    from engine.models.presets import preset_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(preset_hf_config("tiny-llama").to_dict()
+                                                     | {"num_hidden_layers": 3}))
+    kwargs = {"load_format": "dummy", "kv_cache_memory_bytes": KV}
+    with LLM(str(tmp_path), pipeline_parallel_size=2, **kwargs) as pp:
+        layer_bytes = pp.llm_engine.runner.block_bytes  # rank 0's stage holds one layer
+        assert pp.llm_engine.num_gpu_blocks == KV // (2 * layer_bytes) < KV // layer_bytes
+        ids = _ids(pp, PROMPTS, GREEDY)
+    assert ids == _ids(LLM(str(tmp_path), **kwargs), PROMPTS, GREEDY)
 
 
 def test_smollm2_pp3_matches_pp1_greedy_and_logprobs() -> None:
