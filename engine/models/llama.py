@@ -80,7 +80,7 @@ class SmallGemmMode:
     the hidden vector, repeated by every program, costs more than the separate norm kernel at 4096).
     Read once at model build; KVFLOW_SMALL_GEMM = auto | plain (no prologues) | fused (all prologues) | 0 (cuBLAS),
     KVFLOW_SMALL_GEMM_IMPL = gemv | dot and KVFLOW_GEMV (the GEMV's streaming flags, `GemvConfig.parse`) exist for
-    A/B timing in bench/gpu_bench.py."""
+    A/B timing in bench/gpu_bench.py (retired: it runs at `git checkout efcd5a5`)."""
 
     enabled: bool = True
     norm_max_hidden: int = 2048  # fuse the norm into the GEMM when hidden_size <= this
