@@ -33,15 +33,8 @@ from engine.structured.grammar import StructuredOutputsParams
 from kvflow import LLM
 from kvflow.commands.serve import pipeline_prefill_workers, worker_counts
 from kvflow.launcher import ClusterSpec, place_workers
-from tests.helpers.parallel import (
-    GREEDY,
-    KV,
-    PROMPTS,
-    assert_worker_reports,
-    kill_rank_1,
-    tiny_engine,
-    token_ids,
-)
+from tests.helpers import parallel
+from tests.helpers.parallel import GREEDY, KV, PROMPTS, token_ids
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------
@@ -150,7 +143,7 @@ def test_pp2_engine_pipelines_micro_batches_and_matches_pp1(tiny_pp2: LLM) -> No
 @pytest.fixture(scope="module")
 def tiny_pp2() -> Iterator[LLM]:
     """One PP=2 tiny-Llama engine for the module (its stage 0 is killed by the last test)."""
-    yield from tiny_engine(pipeline_parallel_size=2)
+    yield from parallel.tiny_engine(pipeline_parallel_size=2)
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2"])
@@ -240,12 +233,12 @@ def test_ranks_outlive_the_thread_that_built_the_engine() -> None:
 
 
 def test_worker_info_reports_the_pipeline(tiny_pp2: LLM) -> None:
-    assert_worker_reports(tiny_pp2, tensor_parallel_size=1, pipeline_parallel_size=2)
+    parallel.assert_worker_reports(tiny_pp2, tensor_parallel_size=1, pipeline_parallel_size=2)
 
 
 def test_a_killed_stage_makes_the_engine_raise_not_hang(tiny_pp2: LLM) -> None:
     """Last user of `tiny_pp2`: kills stage 0 (world rank 1), which the engine's stage waits on."""
-    started = kill_rank_1(tiny_pp2)
+    started = parallel.kill_rank_1(tiny_pp2)
     assert time.monotonic() - started < 30
 
 

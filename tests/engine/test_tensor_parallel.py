@@ -24,15 +24,8 @@ from engine.sampling_params import SamplingParams
 from kvflow import LLM
 from kvflow.commands.serve import role_tensor_parallel, worker_counts
 from kvflow.launcher import ClusterSpec, WorkerCluster, place_workers
-from tests.helpers.parallel import (
-    GREEDY,
-    KV,
-    PROMPTS,
-    assert_worker_reports,
-    kill_rank_1,
-    tiny_engine,
-    token_ids,
-)
+from tests.helpers import parallel
+from tests.helpers.parallel import GREEDY, KV, PROMPTS, token_ids
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------
@@ -111,7 +104,7 @@ def test_step_codec_round_trips_without_pickle() -> None:
 @pytest.fixture(scope="module")
 def tiny_tp2() -> Iterator[LLM]:
     """One TP=2 tiny-Llama engine for the module (its rank is killed by the last test)."""
-    yield from tiny_engine(tensor_parallel_size=2)
+    yield from parallel.tiny_engine(tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2", "tiny-qwen3"])
@@ -155,7 +148,7 @@ def test_kvflow_generate_runs_with_tensor_parallel_size_2_on_cpu() -> None:
 
 
 def test_worker_info_reports_the_parallel_layout(tiny_tp2: LLM) -> None:
-    assert_worker_reports(tiny_tp2, tensor_parallel_size=2, pipeline_parallel_size=1)
+    parallel.assert_worker_reports(tiny_tp2, tensor_parallel_size=2, pipeline_parallel_size=1)
 
 
 # ---- failures and refusals -------------------------------------------------------------------------------------
@@ -163,7 +156,7 @@ def test_a_killed_rank_makes_the_engine_raise_not_hang(tiny_tp2: LLM) -> None:
     """Last user of `tiny_tp2`: kills its rank 1."""
     llm = tiny_tp2
     assert token_ids(llm, PROMPTS[:1], GREEDY)  # healthy first
-    started = kill_rank_1(llm)
+    started = parallel.kill_rank_1(llm)
     with pytest.raises(TensorParallelError):
         llm.llm_engine.check_ranks()  # what a worker's health probe calls: NOT_SERVING
     assert time.monotonic() - started < 30
