@@ -148,12 +148,7 @@ def tiny_pp2() -> Iterator[LLM]:
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2"])
 def test_tiny_presets_pp2_match_pp1(model: str, tiny_pp2: LLM) -> None:
-    base = token_ids(LLM(model, load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
-    if model == "tiny":
-        assert token_ids(tiny_pp2, PROMPTS, GREEDY) == base
-        return
-    with LLM(model, load_format="dummy", kv_cache_memory_bytes=KV, pipeline_parallel_size=2) as pp:
-        assert token_ids(pp, PROMPTS, GREEDY) == base
+    parallel.assert_matches_one_rank(model, tiny_pp2, pipeline_parallel_size=2)
 
 
 def test_chunked_prefill_and_seeded_sampling_match_pp1(tiny_pp2: LLM) -> None:

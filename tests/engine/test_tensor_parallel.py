@@ -25,7 +25,7 @@ from kvflow import LLM
 from kvflow.commands.serve import role_tensor_parallel, worker_counts
 from kvflow.launcher import ClusterSpec, WorkerCluster, place_workers
 from tests.helpers import parallel
-from tests.helpers.parallel import GREEDY, KV, PROMPTS, token_ids
+from tests.helpers.parallel import GREEDY, PROMPTS, token_ids
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------
@@ -109,12 +109,7 @@ def tiny_tp2() -> Iterator[LLM]:
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 def test_tiny_presets_tp2_match_tp1(model: str, tiny_tp2: LLM) -> None:
-    base = token_ids(LLM(model, load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
-    if model == "tiny":
-        assert token_ids(tiny_tp2, PROMPTS, GREEDY) == base
-        return
-    with LLM(model, load_format="dummy", kv_cache_memory_bytes=KV, tensor_parallel_size=2) as tp:
-        assert token_ids(tp, PROMPTS, GREEDY) == base
+    parallel.assert_matches_one_rank(model, tiny_tp2, tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")

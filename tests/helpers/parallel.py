@@ -31,6 +31,17 @@ def tiny_engine(**parallel: int) -> Iterator[LLM]:
     llm.close()
 
 
+def assert_matches_one_rank(model: str, tiny_parallel: LLM, **parallel: int) -> None:
+    """`model`'s greedy ids with `parallel` sizes equal one rank's (the tiny preset reuses `tiny_parallel`, the
+    module's engine of those sizes)."""
+    base = token_ids(LLM(model, load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
+    if model == "tiny":
+        assert token_ids(tiny_parallel, PROMPTS, GREEDY) == base
+        return
+    with LLM(model, load_format="dummy", kv_cache_memory_bytes=KV, **parallel) as llm:
+        assert token_ids(llm, PROMPTS, GREEDY) == base
+
+
 def assert_worker_reports(llm: LLM, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
     """The worker's info answer carries the engine's parallel layout, one CPU device per rank."""
     from cluster.worker.runtime import info_response
