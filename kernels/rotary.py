@@ -28,6 +28,16 @@ if HAS_TRITON:
         tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _cos_sin(Pos, CS, t, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        """Token t's (half offsets, their mask, cos [1, HALF_PAD], sin [1, HALF_PAD]) in fp32, zero past HALF."""
+        pos = tl.load(Pos + t)
+        offs_half = tl.arange(0, HALF_PAD)
+        cmask = offs_half < HALF
+        cos = tl.load(CS + pos * stride_cs + offs_half, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(CS + pos * stride_cs + HALF + offs_half, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        return offs_half, cmask, cos, sin
+
+    @triton.jit
     def _rotary_kernel(
         Pos,
         Q,
@@ -47,11 +57,7 @@ if HAS_TRITON:
         HAS_K: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(Pos + t)
-        offs_half = tl.arange(0, HALF_PAD)
-        cmask = offs_half < HALF
-        cos = tl.load(CS + pos * stride_cs + offs_half, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        sin = tl.load(CS + pos * stride_cs + HALF + offs_half, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        offs_half, cmask, cos, sin = _cos_sin(Pos, CS, t, stride_cs, HALF, HALF_PAD)
         _rotate_heads(Q, stride_qt, stride_qh, t, cos, sin, offs_half, NUM_Q_HEADS, QH_PAD, HALF)
         if HAS_K:
             _rotate_heads(K, stride_kt, stride_kh, t, cos, sin, offs_half, NUM_K_HEADS, KH_PAD, HALF)

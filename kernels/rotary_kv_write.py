@@ -28,7 +28,7 @@ __all__ = ["rotary_and_write_kv", "rotary_and_write_kv_ref"]
 
 if HAS_TRITON:
     from kernels.fp8_kv import round_to_e4m3
-    from kernels.rotary import _rotate_heads
+    from kernels.rotary import _cos_sin, _rotate_heads
 
     @triton.jit
     def _rotary_kv_kernel(
@@ -64,11 +64,7 @@ if HAS_TRITON:
     ):
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
-        pos = tl.load(Pos + t)
-        offs_half = tl.arange(0, HALF_PAD)
-        cmask = offs_half < HALF
-        cos = tl.load(CS + pos * stride_cs + offs_half, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        sin = tl.load(CS + pos * stride_cs + HALF + offs_half, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        offs_half, cmask, cos, sin = _cos_sin(Pos, CS, t, stride_cs, HALF, HALF_PAD)
         _rotate_heads(Q, stride_qt, stride_qh, t, cos, sin, offs_half, NUM_Q_HEADS, QH_PAD, HALF)
 
         offs_h = tl.arange(0, KH_PAD)

@@ -2,8 +2,8 @@
 the calling process, the router. Children die with the launcher (PR_SET_PDEATHSIG) and are terminated, then
 killed, on shutdown, so no orphan is left behind.
 
-GPU placement: each worker owns one GPU (`--device cuda:N`), from `--prefill-gpus` / `--decode-gpus` or, by
-default, spread over the visible GPUs in order (prefill workers first).
+GPU placement (kvflow/placement.py): each worker owns one GPU (`--device cuda:N`), from `--prefill-gpus` /
+`--decode-gpus` or, by default, spread over the visible GPUs in order (prefill workers first).
 Workers share a GPU when there are fewer GPUs than workers; their default memory shares then split vLLM's 0.9
 (0.45 each for two), and they start one after another, so each one's memory profile sees only itself.
 
@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -47,6 +46,9 @@ from engine.process.cpu_memory import tcmalloc_preload
 from engine.process.lifeline import lifeline_env
 from engine.process.memory_budget import WorkerMemory
 from engine.process.openmp import openmp_env
+from kvflow.cluster_spec import ClusterSpec
+from kvflow.placement import DEFAULT_GPU_MEMORY_UTILIZATION as DEFAULT_GPU_MEMORY_UTILIZATION
+from kvflow.placement import Placement, place_workers, visible_gpus
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 
@@ -112,53 +114,8 @@ class WorkerProcess:
             return ""
 
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's; split between the workers sharing a GPU
-
-
 class WorkerExited(RuntimeError):
     """A worker died while the cluster started; the message names its log and ends with the log's tail."""
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    engine_args: EngineArgs
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    index: str = "memory"
-    host: str = "127.0.0.1"
-    disagg_min_prompt_tokens: int | None = None
-    log_dir: Path | None = None
-    worker_extra_args: tuple[str, ...] = ()
-    decode_extra_args: tuple[str, ...] = ()  # e.g. a smaller KV pool on decode workers
-    prefill_gpus: tuple[int, ...] | None = None  # GPU index per prefill worker (None: spread over the visible)
-    decode_gpus: tuple[int, ...] | None = None
-    kv_transfer_backend: str = "auto"
-    # None: each worker's share is 0.9 / (workers on its GPU); a number is every worker's own share (vLLM's rule)
-    gpu_memory_utilization: float | None = None
-    auth: ClusterAuth = ClusterAuth()  # what the workers demand (and the launcher's own probe presents)
-    drain_timeout_s: float | None = None  # the workers' --drain-timeout (None: theirs)
-    # Workers run `kvflow worker` (both roles; the router moves them between pools) instead of being pinned with
-    # `kvflow prefill` / `kvflow decode`; their role above is then their starting pool.
-    role_free: bool = False
-    # Each role's --tensor-parallel-size (None: engine_args'); KV moves rank to rank between them (cluster/transfer/).
-    prefill_tensor_parallel_size: int | None = None
-    decode_tensor_parallel_size: int | None = None
-
-    def tensor_parallel_size(self, role: str) -> int:
-        size = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
-        return self.engine_args.tensor_parallel_size if size is None else size
-
-    def ranks_per_worker(self, role: str) -> int:
-        """One process (and, on GPUs, one GPU) per tensor-parallel rank of each pipeline stage."""
-        return self.tensor_parallel_size(role) * self.engine_args.pipeline_parallel_size
-
-    def parallel_flags(self, role: str) -> str:
-        flags = f"--tensor-parallel-size {self.tensor_parallel_size(role)}"
-        pp = self.engine_args.pipeline_parallel_size
-        return flags + (f" x --pipeline-parallel-size {pp}" if pp > 1 else "")
-
-    def role_engine_args(self, role: str) -> EngineArgs:
-        return dataclasses.replace(self.engine_args, tensor_parallel_size=self.tensor_parallel_size(role))
 
 
 @dataclass(frozen=True)
@@ -174,82 +131,6 @@ class RestartBackoff:
         if previous_s is None or uptime_s >= self.reset_after_s:
             return self.initial_s
         return min(previous_s * 2, self.max_s)
-
-
-@dataclass(frozen=True)
-class Placement:
-    role: str
-    gpu: int | None  # index among the launcher's visible GPUs (rank 0's with tensor parallelism); None: CPU
-    gpu_memory_utilization: float | None  # None: not a GPU worker
-    tensor_parallel_size: int = 1  # ranks (tensor x pipeline) on consecutive GPUs gpu, gpu + 1, ...
-
-    @property
-    def gpus(self) -> set[int]:
-        return set() if self.gpu is None else set(range(self.gpu, self.gpu + self.tensor_parallel_size))
-
-
-def visible_gpus() -> list[str]:
-    """The physical GPU ids this process may use (CUDA_VISIBLE_DEVICES order), without creating a CUDA context."""
-    import torch
-
-    count = torch.cuda.device_count()
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        ids = [d.strip() for d in listed.split(",") if d.strip()]
-        return ids[:count]
-    return [str(i) for i in range(count)]
-
-
-def place_workers(spec: ClusterSpec, num_gpus: int) -> list[Placement]:
-    """Which GPU each worker (prefill workers first, then decode) runs on, and its memory share."""
-    roles = ["prefill"] * spec.prefill_workers + ["decode"] * spec.decode_workers
-    device = spec.engine_args.device
-    if device.startswith("cuda:"):
-        raise ValueError(f"--device {device}: a cluster places its workers itself; use --prefill-gpus / "
-                         "--decode-gpus (indices among the visible GPUs), or CUDA_VISIBLE_DEVICES")
-    if num_gpus == 0 or not (device == "auto" or device.startswith("cuda")):
-        if spec.prefill_gpus or spec.decode_gpus:
-            raise ValueError("--prefill-gpus/--decode-gpus need visible GPUs and --device auto or cuda")
-        return [Placement(role, None, None) for role in roles]
-    # Tensor and pipeline parallelism: a worker's ranks take consecutive GPUs from its (first) GPU on; each role has
-    # its own tensor-parallel size.
-    sizes = {role: spec.ranks_per_worker(role) for role in ("prefill", "decode")}
-    for role, listed, count in (("prefill", spec.prefill_gpus, spec.prefill_workers),
-                                ("decode", spec.decode_gpus, spec.decode_workers)):
-        tp = sizes[role]
-        if count and tp > num_gpus:
-            raise ValueError(f"{spec.parallel_flags(role)} needs {tp} GPUs per worker, but {num_gpus} are visible"
-                             + ("" if spec.tensor_parallel_size(role) == spec.engine_args.tensor_parallel_size
-                                else f" ({role} workers)"))
-        if listed is None:
-            continue
-        if len(listed) != count:
-            raise ValueError(f"--{role}-gpus lists {len(listed)} GPUs for {count} {role} workers")
-        if any(g < 0 or g + tp > num_gpus for g in listed):
-            raise ValueError(f"--{role}-gpus {list(listed)}: only GPUs 0..{num_gpus - 1} are visible"
-                             + (f" (each worker takes {tp} consecutive GPUs from its own)" if tp > 1 else ""))
-    gpus: list[int] = []
-    cursor = 0  # the default: each worker's GPUs right after the previous worker's, wrapping to GPU 0
-    for role, listed in (("prefill", spec.prefill_gpus), ("decode", spec.decode_gpus)):
-        for i in range(roles.count(role)):
-            if listed is not None:
-                gpus.append(listed[i])
-                continue
-            cursor = 0 if cursor + sizes[role] > num_gpus else cursor
-            gpus.append(cursor)
-            cursor += sizes[role]
-    sharing = {g: 0 for g in range(num_gpus)}
-    for role, gpu in zip(roles, gpus, strict=True):
-        for g in range(gpu, gpu + sizes[role]):
-            sharing[g] += 1
-    placements = []
-    for role, gpu in zip(roles, gpus, strict=True):
-        share = spec.gpu_memory_utilization
-        if share is None:
-            most = max(sharing[g] for g in range(gpu, gpu + sizes[role]))
-            share = math.floor(DEFAULT_GPU_MEMORY_UTILIZATION / most * 100) / 100
-        placements.append(Placement(role, gpu, share, sizes[role]))
-    return placements
 
 
 PREFLIGHT_TIMEOUT_S = 600.0  # a first run may convert a GGUF model

@@ -24,13 +24,8 @@ from cluster.routing.index import DEFAULT_LIVENESS_TTL_S, IndexUnavailable, Tier
 
 PASSWORD_ENV = "KVFLOW_REDIS_PASSWORD"
 
-_APPLY = """
-local p, wid, epoch, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local member = wid .. '|' .. epoch
-local hbkey = p .. 'hb:' .. wid
-if redis.call('GET', hbkey) ~= epoch and ARGV[5] ~= 'C' then
-  return 0
-end
+# A Lua function of both scripts below: drop member m from every block it lists, then its own set (`p`: the prefix).
+_CLEAR_MEMBER = """
 local function clear_member(m)
   local mkey = p .. 'm:' .. m
   for _, h in ipairs(redis.call('SMEMBERS', mkey)) do
@@ -39,7 +34,16 @@ local function clear_member(m)
   end
   redis.call('DEL', mkey)
 end
-local wmkey = p .. 'wm:' .. wid
+"""
+
+_APPLY = """
+local p, wid, epoch, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local member = wid .. '|' .. epoch
+local hbkey = p .. 'hb:' .. wid
+if redis.call('GET', hbkey) ~= epoch and ARGV[5] ~= 'C' then
+  return 0
+end
+""" + _CLEAR_MEMBER + """local wmkey = p .. 'wm:' .. wid
 for _, m in ipairs(redis.call('SMEMBERS', wmkey)) do
   if m ~= member then clear_member(m); redis.call('SREM', wmkey, m) end
 end
@@ -110,14 +114,9 @@ return result
 _FORGET = """
 local p, wid = ARGV[1], ARGV[2]
 redis.call('DEL', p .. 'hb:' .. wid)
-local wmkey = p .. 'wm:' .. wid
+""" + _CLEAR_MEMBER + """local wmkey = p .. 'wm:' .. wid
 for _, m in ipairs(redis.call('SMEMBERS', wmkey)) do
-  local mkey = p .. 'm:' .. m
-  for _, h in ipairs(redis.call('SMEMBERS', mkey)) do
-    redis.call('SREM', p .. 'b:' .. h, m)
-    redis.call('SREM', p .. 'h:' .. h, m)
-  end
-  redis.call('DEL', mkey)
+  clear_member(m)
 end
 redis.call('DEL', wmkey)
 return 1

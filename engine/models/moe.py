@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch, MoEArch
-from engine.models.llama import CausalLM, Collectives, DecoderLayer
+from engine.models.layers import Collectives
+from engine.models.llama import CausalLM, DecoderLayer
 from engine.models.weight_map import TPSplit, column_parallel, row_parallel
 from engine.parallel.layout import RankShard
 from engine.runner.attention import AttentionBackend

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,9 +42,25 @@ from kernels.quant_gemm import GEMV_MAX_M, gemm_tiles, gemv_tiles
 from kernels.quant_gemm_kn import DEQUANT_MIN_M, kn_gemm_tiles
 
 if TYPE_CHECKING:
-    from engine.runner.model_runner import ModelRunner
+    from engine.config import EngineConfig
+    from engine.models.llama import CausalLM
+    from engine.parallel.stages import PipelineStage
+    from engine.runner.attention import AttentionBackend, KVCache
 
 logger = logging.getLogger(__name__)
+
+
+class WarmupRunner(Protocol):
+    """What the warm-up reads of the `ModelRunner` (engine/runner/model_runner.py) that runs it."""
+
+    config: EngineConfig
+    device: torch.device
+    block_size: int
+    on_cuda: bool
+    stage: PipelineStage
+    model: CausalLM
+    attn_backend: AttentionBackend
+    kv_caches: list[KVCache]
 
 SCRATCH_BLOCK = 0  # the null block: pads block tables, never handed out to a request
 # Split counts of the decode kernel, one per compiled class: next_pow2(splits) is a constexpr, and Triton
@@ -135,7 +151,7 @@ def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
     return batches
 
 
-def warm_up(runner: ModelRunner) -> float:
+def warm_up(runner: WarmupRunner) -> float:
     """Run `warmup_batches` on the runner's model; the seconds it took. See the module docstring."""
     sched = runner.config.scheduler
     batches = warmup_batches(sched.max_num_batched_tokens, runner.config.model.max_model_len, sched.max_num_seqs)
@@ -159,7 +175,7 @@ def warm_up(runner: ModelRunner) -> float:
     return seconds
 
 
-def run_batch(runner: ModelRunner, batch: WarmupBatch, head_rows: tuple[int, ...] = SAMPLE_ROWS) -> None:
+def run_batch(runner: WarmupRunner, batch: WarmupBatch, head_rows: tuple[int, ...] = SAMPLE_ROWS) -> None:
     """One dummy step: the forward and the lm head at `head_rows` rows (block 0 is left written)."""
     attention, positions = batch.attention_batch(runner.block_size)
     device = runner.device

@@ -27,6 +27,7 @@ from tests.helpers.pd import (
     BLOCK_BYTES,
     MAX_TOKENS,
     Worker,
+    abort_mid_transfer,
     channel_to,
     generate,
     info,
@@ -85,16 +86,8 @@ def test_abort_mid_transfer_keeps_the_link(cluster, prompt_sets, unified) -> Non
     decode_baseline = info(decode).num_free_kv_blocks
     prefill_baseline = info(prefill).num_free_kv_blocks
     prompt = [t + 3 for t in prompt_sets["long"][1]]  # uncached on both sides
-    request = pb.GenerateRequest(request_id="abort-me", token_ids=pb.TokenIds(ids=prompt), stream=False,
-                                 sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                                 disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
-    with channel_to(decode) as channel:
-        stub = kvflow_pb2_grpc.GenerationStub(channel)
-        call = stub.Generate(request, timeout=120)
-        wait_until(lambda: info(prefill).num_free_kv_blocks < prefill_baseline, 60.0, "the transfer to start")
-        assert stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
-        complete = list(call)[-1].complete
-    assert complete.choices[0].finish_reason == pb.FINISH_REASON_ABORT
+    finish_reason = abort_mid_transfer(decode, prefill, prompt, prefill_baseline, 60.0)
+    assert finish_reason == pb.FINISH_REASON_ABORT
     wait_until(lambda: info(decode).num_free_kv_blocks == decode_baseline, 10.0, "decode blocks back to baseline")
     wait_until(lambda: info(prefill).num_free_kv_blocks == prefill_baseline, 10.0, "prefill blocks back")
     moved = _gloo_bytes(decode)

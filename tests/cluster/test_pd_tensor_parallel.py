@@ -240,24 +240,15 @@ def test_abort_mid_transfer_keeps_the_tensor_parallel_link(tiny_workers, tiny_re
                                                           tmp_path: Path) -> None:
     """An aborted pull's slices still reach every decode rank (dropped there, so the pairs stay paired); the next
     pull over the same link is exact."""
-    from protos.kvflow.v1 import kvflow_pb2_grpc
-    from tests.helpers.pd import channel_to, info
+    from tests.helpers.pd import abort_mid_transfer, info
 
     slow = ("--max-num-batched-tokens", "16")
     [prefill] = _started(tmp_path, [("prefill", (*TINY, "--tensor-parallel-size", "2", *slow), "tiny")])
     decode = tiny_workers["decode-tp2"]
     try:
         baseline = info(prefill).num_free_kv_blocks
-        request = pb.GenerateRequest(request_id="abort-me", token_ids=pb.TokenIds(ids=list(range(50, 450))),
-                                     stream=False,
-                                     sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                                     disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
-        with channel_to(decode) as channel:
-            stub = kvflow_pb2_grpc.GenerationStub(channel)
-            call = stub.Generate(request, timeout=120)
-            wait_until(lambda: info(prefill).num_free_kv_blocks < baseline, 30.0, "the transfer to start")
-            assert stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
-            assert list(call)[-1].complete.choices[0].finish_reason == pb.FINISH_REASON_ABORT
+        finish_reason = abort_mid_transfer(decode, prefill, list(range(50, 450)), baseline, 30.0)
+        assert finish_reason == pb.FINISH_REASON_ABORT
         wait_until(lambda: info(prefill).num_free_kv_blocks == baseline, 12.0, "prefill blocks back")
         prompt = KILL_PROMPT[:200]
         again = generate(decode, prompt, prefill, MAX_TOKENS, "after-abort")

@@ -7,9 +7,7 @@ stage makes the engine raise instead of hanging."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +26,6 @@ from engine.models.loader import resolve_model
 from engine.models.registry import model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.parallel.batch_queue import BatchQueue
-from engine.parallel.executor import TensorParallelError
 from engine.parallel.sharding import held_checkpoint_keys
 from engine.parallel.stages import PipelineStage, WorldRank, layer_ranges
 from engine.runner.attention import TorchPagedAttention
@@ -37,14 +34,8 @@ from engine.structured.grammar import StructuredOutputsParams
 from kvflow import LLM
 from kvflow.commands.serve import pipeline_prefill_workers, worker_counts
 from kvflow.launcher import ClusterSpec, place_workers
-
-KV = 1 << 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-PROMPTS = [[1, 5, 9, 33, 7, 100], list(range(3, 40))]
-
-
-def _ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+from tests.helpers import parallel
+from tests.helpers.parallel import GREEDY, KV, PROMPTS, token_ids
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------
@@ -144,8 +135,8 @@ def test_a_request_in_flight_is_never_preempted() -> None:
 
 def test_pp2_engine_pipelines_micro_batches_and_matches_pp1(tiny_pp2: LLM) -> None:
     prompts = [[1, 5, 9, 33, 7, 100], list(range(3, 40)), [8, 8, 8], list(range(50, 70))]
-    base = _ids(LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV), prompts, GREEDY)
-    assert _ids(tiny_pp2, prompts, GREEDY) == base
+    base = token_ids(LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV), prompts, GREEDY)
+    assert token_ids(tiny_pp2, prompts, GREEDY) == base
     assert tiny_pp2.llm_engine.batches is not None and tiny_pp2.llm_engine.batches.most_in_flight == 2
 
 
@@ -153,19 +144,12 @@ def test_pp2_engine_pipelines_micro_batches_and_matches_pp1(tiny_pp2: LLM) -> No
 @pytest.fixture(scope="module")
 def tiny_pp2() -> Iterator[LLM]:
     """One PP=2 tiny-Llama engine for the module (its stage 0 is killed by the last test)."""
-    llm = LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV, pipeline_parallel_size=2)
-    yield llm
-    llm.close()
+    yield from parallel.tiny_engine(pipeline_parallel_size=2)
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2"])
 def test_tiny_presets_pp2_match_pp1(model: str, tiny_pp2: LLM) -> None:
-    base = _ids(LLM(model, load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
-    if model == "tiny":
-        assert _ids(tiny_pp2, PROMPTS, GREEDY) == base
-        return
-    with LLM(model, load_format="dummy", kv_cache_memory_bytes=KV, pipeline_parallel_size=2) as pp:
-        assert _ids(pp, PROMPTS, GREEDY) == base
+    parallel.assert_matches_one_rank(model, tiny_pp2, pipeline_parallel_size=2)
 
 
 def test_chunked_prefill_and_seeded_sampling_match_pp1(tiny_pp2: LLM) -> None:
@@ -173,8 +157,8 @@ def test_chunked_prefill_and_seeded_sampling_match_pp1(tiny_pp2: LLM) -> None:
     chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}  # the 37-token prompt in 3 chunks
     base = LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV, **chunked)
     with LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV, pipeline_parallel_size=2, **chunked) as pp:
-        assert _ids(pp, PROMPTS, GREEDY) == _ids(base, PROMPTS, GREEDY)
-    assert _ids(tiny_pp2, PROMPTS, seeded) == _ids(base, PROMPTS, seeded)
+        assert token_ids(pp, PROMPTS, GREEDY) == token_ids(base, PROMPTS, GREEDY)
+    assert token_ids(tiny_pp2, PROMPTS, seeded) == token_ids(base, PROMPTS, seeded)
 
 
 def test_batches_of_aborted_requests_are_still_collected(tiny_pp2: LLM) -> None:
@@ -190,7 +174,7 @@ def test_batches_of_aborted_requests_are_still_collected(tiny_pp2: LLM) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.batches.in_flight
-    assert _ids(tiny_pp2, PROMPTS, GREEDY)  # and the pipeline still runs
+    assert token_ids(tiny_pp2, PROMPTS, GREEDY)  # and the pipeline still runs
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -201,17 +185,17 @@ def test_preemption_under_micro_batches_matches_pp1(mode: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     kwargs = {"load_format": "dummy", "num_gpu_blocks_override": 10, "max_model_len": 128, "preemption_mode": mode,
               "swap_space": 0.01}
-    base = _ids(LLM("tiny", **kwargs), prompts, params)
+    base = token_ids(LLM("tiny", **kwargs), prompts, params)
     with LLM("tiny", pipeline_parallel_size=2, **kwargs) as pp:
-        assert _ids(pp, prompts, params) == base
+        assert token_ids(pp, prompts, params) == base
         assert pp.llm_engine.scheduler.num_preemptions > 0
 
 
 def test_tp2_x_pp2_matches_one_rank() -> None:
-    base = _ids(LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
+    base = token_ids(LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
     with LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV, tensor_parallel_size=2,
              pipeline_parallel_size=2) as both:
-        assert _ids(both, PROMPTS, GREEDY) == base
+        assert token_ids(both, PROMPTS, GREEDY) == base
 
 
 def test_tp2_x_pp2_runs_micro_batches_whose_steps_overflow_a_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,27 +274,16 @@ def test_ranks_outlive_the_thread_that_built_the_engine() -> None:
     time.sleep(0.5)
     with built[0] as llm:
         assert all(proc.poll() is None for proc in llm.llm_engine.runner._procs)  # type: ignore[attr-defined]
-        assert _ids(llm, PROMPTS[:1], GREEDY)
+        assert token_ids(llm, PROMPTS[:1], GREEDY)
 
 
 def test_worker_info_reports_the_pipeline(tiny_pp2: LLM) -> None:
-    from cluster.worker.runtime import info_response
-    from protos.kvflow.v1 import kvflow_pb2 as pb
-
-    info = info_response(tiny_pp2.llm_engine, pb.WORKER_ROLE_DECODE, "decode-0")
-    assert (info.tensor_parallel_size, info.pipeline_parallel_size, list(info.rank_devices)) == (1, 2,
-                                                                                                 ["cpu", "cpu"])
+    parallel.assert_worker_reports(tiny_pp2, tensor_parallel_size=1, pipeline_parallel_size=2)
 
 
 def test_a_killed_stage_makes_the_engine_raise_not_hang(tiny_pp2: LLM) -> None:
     """Last user of `tiny_pp2`: kills stage 0 (world rank 1), which the engine's stage waits on."""
-    llm = tiny_pp2
-    child = llm.llm_engine.runner._procs[0]  # type: ignore[attr-defined]
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=30)
-    started = time.monotonic()
-    with pytest.raises(TensorParallelError, match="rank 1"):
-        _ids(llm, PROMPTS, GREEDY)
+    started = parallel.kill_rank_1(tiny_pp2)
     assert time.monotonic() - started < 30
 
 

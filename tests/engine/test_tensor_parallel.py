@@ -5,8 +5,6 @@ codec round-trips, ep for a dense model is refused, and a killed rank makes the 
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,14 +24,8 @@ from engine.sampling_params import SamplingParams
 from kvflow import LLM
 from kvflow.commands.serve import role_tensor_parallel, worker_counts
 from kvflow.launcher import ClusterSpec, WorkerCluster, place_workers
-
-KV = 1 << 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-PROMPTS = [[1, 5, 9, 33, 7, 100], list(range(3, 40))]
-
-
-def _ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+from tests.helpers import parallel
+from tests.helpers.parallel import GREEDY, PROMPTS, token_ids
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------
@@ -112,19 +104,12 @@ def test_step_codec_round_trips_without_pickle() -> None:
 @pytest.fixture(scope="module")
 def tiny_tp2() -> Iterator[LLM]:
     """One TP=2 tiny-Llama engine for the module (its rank is killed by the last test)."""
-    llm = LLM("tiny", load_format="dummy", kv_cache_memory_bytes=KV, tensor_parallel_size=2)
-    yield llm
-    llm.close()
+    yield from parallel.tiny_engine(tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 def test_tiny_presets_tp2_match_tp1(model: str, tiny_tp2: LLM) -> None:
-    base = _ids(LLM(model, load_format="dummy", kv_cache_memory_bytes=KV), PROMPTS, GREEDY)
-    if model == "tiny":
-        assert _ids(tiny_tp2, PROMPTS, GREEDY) == base
-        return
-    with LLM(model, load_format="dummy", kv_cache_memory_bytes=KV, tensor_parallel_size=2) as tp:
-        assert _ids(tp, PROMPTS, GREEDY) == base
+    parallel.assert_matches_one_rank(model, tiny_tp2, tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +129,7 @@ def test_smollm2_tp2_matches_tp1_greedy_logprobs_and_seeded_sampling(smollm2_tp2
     assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140))]
-    assert _ids(smollm2_tp2, prompts, seeded) == _ids(base, prompts, seeded)
+    assert token_ids(smollm2_tp2, prompts, seeded) == token_ids(base, prompts, seeded)
 
 
 def test_kvflow_generate_runs_with_tensor_parallel_size_2_on_cpu() -> None:
@@ -158,25 +143,15 @@ def test_kvflow_generate_runs_with_tensor_parallel_size_2_on_cpu() -> None:
 
 
 def test_worker_info_reports_the_parallel_layout(tiny_tp2: LLM) -> None:
-    from cluster.worker.runtime import info_response
-    from protos.kvflow.v1 import kvflow_pb2 as pb
-
-    info = info_response(tiny_tp2.llm_engine, pb.WORKER_ROLE_DECODE, "decode-0")
-    assert (info.tensor_parallel_size, info.pipeline_parallel_size, list(info.rank_devices)) == (2, 1,
-                                                                                                 ["cpu", "cpu"])
+    parallel.assert_worker_reports(tiny_tp2, tensor_parallel_size=2, pipeline_parallel_size=1)
 
 
 # ---- failures and refusals -------------------------------------------------------------------------------------
 def test_a_killed_rank_makes_the_engine_raise_not_hang(tiny_tp2: LLM) -> None:
     """Last user of `tiny_tp2`: kills its rank 1."""
     llm = tiny_tp2
-    assert _ids(llm, PROMPTS[:1], GREEDY)  # healthy first
-    child = llm.llm_engine.runner._procs[0]  # type: ignore[attr-defined]
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=30)
-    started = time.monotonic()
-    with pytest.raises(TensorParallelError, match="rank 1"):
-        _ids(llm, PROMPTS, GREEDY)
+    assert token_ids(llm, PROMPTS[:1], GREEDY)  # healthy first
+    started = parallel.kill_rank_1(llm)
     with pytest.raises(TensorParallelError):
         llm.llm_engine.check_ranks()  # what a worker's health probe calls: NOT_SERVING
     assert time.monotonic() - started < 30

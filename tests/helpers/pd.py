@@ -160,6 +160,23 @@ def wait_until(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def abort_mid_transfer(decode: Worker, prefill: Worker, prompt_ids: list[int], prefill_baseline: int,
+                       start_timeout_s: float) -> int:
+    """Send the prompt to `decode`, prefilled by `prefill`, and abort it (request id "abort-me") once the prefill
+    worker holds fewer free blocks than `prefill_baseline` (the transfer started); the final answer's finish
+    reason."""
+    request = pb.GenerateRequest(request_id="abort-me", token_ids=pb.TokenIds(ids=prompt_ids), stream=False,
+                                 sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                                 disaggregation=pb.DisaggregationParams(prefill_address=prefill.address))
+    with channel_to(decode) as channel:
+        stub = kvflow_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request, timeout=120)
+        wait_until(lambda: info(prefill).num_free_kv_blocks < prefill_baseline, start_timeout_s,
+                   "the transfer to start")
+        assert stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+        return list(call)[-1].complete.choices[0].finish_reason
+
+
 def generate(decode: Worker, prompt_ids: list[int], prefill: Worker | None = None, max_tokens: int = MAX_TOKENS,
              request_id: str = "", auth: ClusterAuth | None = None, cache_salt: tuple[str, ...] = (),
              **disagg: int) -> pb.GenerateComplete:

@@ -1,9 +1,9 @@
 """CPU checks of the engine's CUDA path: graph capture sizes, backend selection, the Triton backend's metadata,
 and the Triton backend + fused layer ops against the torch path (through Triton's interpreter).
 
-The GPU itself is exercised by bench/gpu_bench.py on a lent machine (CI has no GPU). As in test_kernels.py,
-TRITON_INTERPRET=1 must be set before `import triton`, so the interpreter checks run in a subprocess that
-re-runs this file with it set (tests/helpers/interpreter.py).
+The GPU itself was exercised by bench/gpu_bench.py (retired: git checkout efcd5a5) on a lent machine (CI has
+no GPU). As in test_kernels.py, TRITON_INTERPRET=1 must be set before `import triton`, so the interpreter checks
+run in a subprocess that re-runs this file with it set (tests/helpers/interpreter.py).
 """
 
 from __future__ import annotations
