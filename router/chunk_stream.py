@@ -53,6 +53,7 @@ class ChunkStream:
         self._decode = tokenizers.decode_token if tokenizers is not None else str
         kind = "chat.completion.chunk" if chat else "text_completion"
         self._base = envelope(kind, completion_id(prepared.request_id, chat), prepared.model, prepared.created)
+        self._head = f'data: {json.dumps(self._base)[:-1]}, "choices": '  # every chunk's start, up to its choices
         self._num_choices = len(prepared.prompts) * self._n
         self._sent_text: dict[int, str] = {}  # per choice, the text streamed so far
         self._num_tokens: dict[int, int] = {}  # per choice, tokens streamed so far (continuous usage)
@@ -113,6 +114,9 @@ class ChunkStream:
                 yield self._choice_event(index, "", [], finish, stop_reason(chunk), tool_delta=tool_delta)
         elif chunk.text or chunk.logprobs or chunk.token_ids or finish:  # as vLLM: one event per step
             self._record(index, chunk)  # text may be "" (no tokenizer)
+            if finish is None and not chunk.logprobs and not self._parsed.continuous_usage:
+                yield self._token_event(index, chunk.text)
+                return
             if finish is not None:
                 self._finished.add(index)
             yield self._choice_event(index, chunk.text, list(chunk.logprobs), finish,
@@ -148,8 +152,19 @@ class ChunkStream:
         return f"data: {json.dumps(payload)}\n\n"
 
     def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        extra = {"usage": usage} if usage is not None else {}
-        return self._event_line({**self._base, "choices": choices, **extra})
+        """`_event_line({**base, "choices": choices, "usage": usage (when given)})`, with the envelope encoded once
+        per stream (the same bytes: json.dumps of a dict is its items' encodings in order)."""
+        extra = "" if usage is None else f', "usage": {json.dumps(usage)}'
+        return f"{self._head}{json.dumps(choices)}{extra}}}\n\n"
+
+    def _token_event(self, index: int, text: str) -> str:
+        """`_choice_event(index, text, [])` of a token that neither ends the choice nor carries logprobs or
+        continuous usage: the common event, formatted without building its dicts (the same bytes)."""
+        if self._chat:
+            return f'{self._head}[{{"index": {index}, "delta": {{"content": {json.dumps(text)}}}, "logprobs": null, ' \
+                   f'"finish_reason": null}}]}}\n\n'
+        return f'{self._head}[{{"index": {index}, "text": {json.dumps(text)}, "logprobs": null, ' \
+               f'"finish_reason": null, "stop_reason": null}}]}}\n\n'
 
     def _role_events(self) -> Iterator[str]:
         for index in range(self._num_choices):
