@@ -115,6 +115,10 @@ class Relay(Generic[T]):
             raise item.error
         return item
 
+    def ready(self) -> bool:
+        """Whether `next` would return (or raise) at once: an item, the end or a failure is queued."""
+        return not self._queue.empty()
+
     def interrupt(self, error: BaseException) -> None:
         """Stop the source now; the consumer raises `error` after the items already queued."""
         if self._interrupt is None:
