@@ -77,3 +77,34 @@ def test_queued_events_go_out_in_one_write() -> None:
     bodies = [m["body"] for m in sent[1:]]
     assert bodies == [b"data: 0\n\n", b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n", b""]
     assert sent[-1]["more_body"] is False
+
+
+def test_relay_idles_after_its_timeout_and_not_while_items_flow() -> None:
+    from router.lifecycle import IDLE, Relay
+
+    async def source(gaps: list[float]):  # noqa: ANN202
+        for i, gap in enumerate(gaps):
+            await asyncio.sleep(gap)
+            yield i
+
+    async def drain(relay: Relay, timeout_s: float) -> list[Any]:
+        out = []
+        while True:
+            try:
+                out.append(await relay.next(timeout_s))
+            except StopAsyncIteration:
+                return out
+
+    async def main() -> None:
+        flowing = Relay(source([0.01] * 20), lambda _: None)
+        assert await drain(flowing, 0.2) == list(range(20))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        silent = Relay(source([0.0, 0.35, 0.0]), lambda _: None)
+        got = await drain(silent, 0.1)
+        assert got[0] == 0 and got[-2:] == [1, 2] and set(got[1:-2]) == {IDLE} and 2 <= len(got[1:-2]) <= 4, got
+        assert loop.time() - start >= 0.35
+        for relay in (flowing, silent):
+            relay.close()
+
+    asyncio.run(main())
