@@ -10,13 +10,14 @@ Invariants: every choice finishes exactly once (a chunk's finish, else the final
 an end, because the router may still migrate the request. At the drain deadline every open choice ends with
 finish_reason "abort". A failure after the status line went out is reported in-band as OpenAI error JSON. Silence
 becomes SSE keep-alive comments. Chat requests whose output becomes tool calls stream tool-call deltas instead of
-content (`router.tool_calls.ToolStream`).
+content (`router.tool_calls.ToolStream`). Events go out as soon as their worker response is in; those of responses
+already queued behind it (a busy router) go out in the same write, so the events and their order never change.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -39,6 +40,7 @@ from router.prepared import PreparedRequest
 from router.tool_calls import ToolStream
 
 DONE = "data: [DONE]\n\n"
+MAX_EVENTS_PER_WRITE = 64  # a stream that fell behind sends at most this many queued events in one write
 
 
 class ChunkStream:
@@ -62,25 +64,33 @@ class ChunkStream:
         self._tool_streams: dict[int, ToolStream] = {}  # per choice, when the request's output becomes tool calls
         self._started = False
 
-    async def events(self, responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle]) -> AsyncIterator[str]:
+    async def events(self, responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle],
+                     ready: Callable[[], bool] | None = None) -> AsyncIterator[str]:
+        """The body, a string per write. `ready` (the relay's) says whether the next response is already in: the
+        events of responses already in go out together (a stream that fell behind catches up in fewer, larger
+        writes), each event whole and in order; no event waits for a response still to come."""
+        pending: list[str] = []
         try:
             async for item in responses:
                 if isinstance(item, Idle):
-                    yield SSE_KEEPALIVE
-                    continue
-                for line in self._on_response(*item):
-                    yield line
+                    pending.append(SSE_KEEPALIVE)
+                else:
+                    pending.extend(self._on_response(*item))
+                if pending and (ready is None or not ready() or len(pending) >= MAX_EVENTS_PER_WRITE):
+                    yield "".join(pending)
+                    pending.clear()
             if self._parsed.include_usage:
-                yield self._usage_event()
+                pending.append(self._usage_event())
         except ShuttingDown:  # the drain deadline: every open choice ends as aborted, as an aborted request does
             for index in range(self._num_choices):
                 if index not in self._finished:
-                    yield self._choice_event(index, "", [], "abort")
+                    pending.append(self._choice_event(index, "", [], "abort"))
             if self._parsed.include_usage:
-                yield self._usage_event()
+                pending.append(self._usage_event())
         except Exception as exc:  # the status line is already sent: report in-band, as vLLM does
-            yield self._event_line(error_from(exc).to_openai())
-        yield DONE
+            pending.append(self._event_line(error_from(exc).to_openai()))
+        pending.append(DONE)
+        yield "".join(pending)
 
     # ---- one worker response ---------------------------------------------------------------------------------
     def _on_response(self, i: int, response: pb.GenerateResponse) -> Iterator[str]:

@@ -68,7 +68,6 @@ from router.tool_calls import chat_message
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/version"})  # probes: answered without the API key (and /metrics by default)
-MAX_EVENTS_PER_WRITE = 64  # a stream that fell behind sends at most this many queued events in one write
 
 
 def build_app(router: Router) -> FastAPI:
@@ -213,7 +212,7 @@ async def _respond(router: Router, request: Request, chat: bool, request_id: str
             watcher.cancel()  # the streaming response watches the connection itself from here on
             paced = _paced(relay, first, keepalive_s)
             body_stream = api.stream(router, prepared, paced) if api else \
-                ChunkStream(router, prepared, chat).events(paced)
+                ChunkStream(router, prepared, chat).events(paced, relay.ready)
             response = _RelayedStream(body_stream, relay, media_type="text/event-stream", headers=headers)
             relay = None  # the response closes it
             return response
@@ -237,22 +236,6 @@ class _RelayedStream(StreamingResponse):
     def __init__(self, content: AsyncIterator[str], relay: Relay, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._relay = relay
-
-    async def stream_response(self, send: Send) -> None:
-        """Starlette's, except that events whose worker responses are already queued go out in one write: a
-        stream that fell behind (a busy router) catches up in fewer, larger sends, each event still whole and
-        in order. A stream that keeps up still sends each event as it comes."""
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        pending: list[str] = []
-        async for event in self.body_iterator:
-            pending.append(event)
-            if self._relay.ready() and len(pending) < MAX_EVENTS_PER_WRITE:
-                continue
-            await send({"type": "http.response.body", "body": "".join(pending).encode(), "more_body": True})
-            pending.clear()
-        if pending:
-            await send({"type": "http.response.body", "body": "".join(pending).encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

@@ -13,7 +13,6 @@ import pytest
 
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.chunk_stream import ChunkStream
-from router.openai_api import _RelayedStream
 
 TEXTS = ["", " tok", "Paris", 'quote " and \\ backslash', "new\nline\ttab", "caf\u00e9 \u6771\u4eac \U0001f600", "\x00\x1f"]
 
@@ -50,33 +49,28 @@ def test_chunks_take_the_fast_path_only_when_it_applies(chat: bool) -> None:
     assert '"usage"' in list(usage._on_response(0, token))[-1]
 
 
-class _Relay:
-    def __init__(self, ready: list[bool]) -> None:
-        self._ready = ready
+def test_queued_responses_go_out_in_one_write_and_no_event_waits() -> None:
+    token = pb.GenerateResponse(chunk=pb.GenerateChunk(index=0, token_ids=[5], text=" a"))
+    empty = pb.GenerateResponse(chunk=pb.GenerateChunk(index=0))  # carries nothing: no event
+    last = pb.GenerateResponse(chunk=pb.GenerateChunk(index=0, token_ids=[6], text=" b",
+                                                      finish_reason=pb.FINISH_REASON_LENGTH))
+    items = [token, token, empty, token, last]
+    queued = [False, True, True, False, True]  # after each item: is the next one already in?
 
-    def ready(self) -> bool:
-        return self._ready.pop(0)
+    async def responses():  # noqa: ANN202
+        for item in items:
+            yield 0, item
 
-    def close(self) -> None:
-        pass
+    async def main() -> list[str]:
+        stream = _stream(chat=False)
+        ready = iter(queued)
+        return [write async for write in stream.events(responses(), lambda: next(ready))]
 
-
-def test_queued_events_go_out_in_one_write() -> None:
-    async def body():  # noqa: ANN202
-        for i in range(5):
-            yield f"data: {i}\n\n"
-
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    # after events 0..4: nothing queued, then three queued (1, 2, 3 join 4), nothing
-    response = _RelayedStream(body(), _Relay([False, True, True, True, False]), media_type="text/event-stream")
-    asyncio.run(response.stream_response(send))
-    bodies = [m["body"] for m in sent[1:]]
-    assert bodies == [b"data: 0\n\n", b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n", b""]
-    assert sent[-1]["more_body"] is False
+    writes = asyncio.run(main())
+    reference = _stream(chat=False)
+    a, b = reference._choice_event(0, " a", []), reference._choice_event(0, " b", [], "length", None)
+    # the empty chunk is queued behind a token, yet nothing waits on it: its neighbour goes out when nothing is in
+    assert writes == [a, a + a, b + reference._usage_event() + "data: [DONE]\n\n"]
 
 
 def test_relay_idles_after_its_timeout_and_not_while_items_flow() -> None:
