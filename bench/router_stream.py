@@ -5,7 +5,8 @@ so its CPU time over a known number of tokens is its per-token cost; `tokens_per
 (router) or parses (client) at most.
 
     python -m bench.router_stream [--parts router,client] [--concurrency 256] [--output-len 256] [--requests 1024]
-        [--rate 3000] [--label before|after] [--code-root DIR] [--output-json bench/results/router_stream_cpu.json]
+        [--rate 3000] [--label before|after] [--code-root DIR [--commit SHA]]
+        [--output-json bench/results/router_stream_cpu.json]
 
 The fake worker and the trivial SSE server emit tokens in steps, as an engine does: every `concurrency / rate`
 seconds each open stream gets its next token (one gRPC message / one SSE event each), so a relay that keeps up sees
@@ -336,7 +337,7 @@ def _record(part: str, args: argparse.Namespace, tokens: int, cpu_s: float, wall
         "part": part, "mode": args.label,
         "workload": f"{part}: {args.concurrency} concurrent streams, {args.prompt_len}-token prompts, "
                     f"{args.output_len} out, {args.requests} requests, offered {args.rate or 'max'} tok/s",
-        "device": _cpu_model(), "commit": _commit(args.code_root),
+        "device": _cpu_model(), "commit": args.commit or _commit(args.code_root),
         "tokens": tokens, "tokens_expected": expected, "wall_s": round(wall_s, 3),
         "tokens_per_s": round(tokens / wall_s, 1), "cpu_s": round(cpu_s, 3),
         "cpu_s_per_1k_tokens": round(1e3 * cpu_s / max(tokens, 1), 4),
@@ -381,6 +382,8 @@ def main() -> None:
     parser.add_argument("--label", default="after", help="the record's mode (before/after)")
     parser.add_argument("--code-root", type=Path, default=HERE.parents[1],
                         help="checkout whose router and client are measured")
+    parser.add_argument("--commit", default=None, help="the measured code's commit, where --code-root is no git "
+                                                         "checkout (e.g. a `git archive` of it)")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()
     args.code_root = args.code_root.resolve()

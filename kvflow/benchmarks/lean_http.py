@@ -30,7 +30,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
             if self._fallback is None:
-                self._fallback = httpx.AsyncHTTPTransport()
+                self._fallback = httpx.AsyncHTTPTransport(  # no connection limit, as for http://
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
             return await self._fallback.handle_async_request(request)
         timeouts = request.extensions.get("timeout", {})
         host, port = request.url.host, request.url.port or 80
