@@ -5,8 +5,12 @@ so its CPU time over a known number of tokens is its per-token cost; `tokens_per
 (router) or parses (client) at most.
 
     python -m bench.router_stream [--parts router,client] [--concurrency 256] [--output-len 256] [--requests 1024]
-        [--rate 3000] [--label before|after] [--code-root DIR [--commit SHA]]
+        [--rate 3000] [--label before|after] [--code-root DIR [--commit SHA]] [--router-cpu N]
         [--output-json bench/results/router_stream_cpu.json]
+
+`tokens_per_cpu_s` at the offered rate is a core's capacity when the relay keeps up (one event per write);
+`--rate 0 --router-cpu 0` saturates the router pinned to one core (its `tokens_per_s` is then what one core relays,
+queued events coalesced into fewer writes).
 
 The fake worker and the trivial SSE server emit tokens in steps, as an engine does: every `concurrency / rate`
 seconds each open stream gets its next token (one gRPC message / one SSE event each), so a relay that keeps up sees
@@ -299,6 +303,13 @@ def measure_router(args: argparse.Namespace) -> dict[str, Any]:
     procs = [_spawn("fake-worker", args.code_root, str(worker_port), str(interval))]
     try:
         procs.append(_spawn("router-proc", args.code_root, f"127.0.0.1:{worker_port}", str(router_port)))
+        if args.router_cpu is not None:  # the router alone on one core, the load (worker, client) on the others
+            import psutil
+
+            others = sorted(set(range(os.cpu_count() or 1)) - {args.router_cpu})
+            psutil.Process(procs[1].pid).cpu_affinity([args.router_cpu])
+            for pid in (procs[0].pid, os.getpid()):
+                psutil.Process(pid).cpu_affinity(others)
         _wait_http(f"http://127.0.0.1:{router_port}/health")
         warm = _prompts(args.concurrency, args.prompt_len)
         asyncio.run(raw_client(router_port, args.concurrency, warm, 16))  # connections, tokenizer, caches
@@ -342,7 +353,8 @@ def _record(part: str, args: argparse.Namespace, tokens: int, cpu_s: float, wall
         "tokens_per_s": round(tokens / wall_s, 1), "cpu_s": round(cpu_s, 3),
         "cpu_s_per_1k_tokens": round(1e3 * cpu_s / max(tokens, 1), 4),
         "tokens_per_cpu_s": round(tokens / cpu_s, 1) if cpu_s else None,
-        "cores": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
+        "cores": os.cpu_count(), "router_cpu": args.router_cpu if part == "router" else None,
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -382,6 +394,9 @@ def main() -> None:
     parser.add_argument("--label", default="after", help="the record's mode (before/after)")
     parser.add_argument("--code-root", type=Path, default=HERE.parents[1],
                         help="checkout whose router and client are measured")
+    parser.add_argument("--router-cpu", type=int, default=None,
+                        help="pin the router to this core and the fake worker and client to the others (with "
+                             "--rate 0: the most one core relays)")
     parser.add_argument("--commit", default=None, help="the measured code's commit, where --code-root is no git "
                                                          "checkout (e.g. a `git archive` of it)")
     parser.add_argument("--output-json", type=Path, default=None)
