@@ -366,8 +366,11 @@ def _cpu_model() -> str:
 
 
 def _commit(root: Path) -> str:
-    done = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    """The checkout's commit, "-dirty" with changes outside bench/results (where the records go)."""
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", ".", ":!bench/results"],
+                             capture_output=True, text=True)
+    return (head.stdout.strip() or "unknown") + ("-dirty" if changed.stdout.strip() else "")
 
 
 def merge(path: Path, records: list[dict[str, Any]]) -> None:
