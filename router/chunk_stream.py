@@ -10,13 +10,14 @@ Invariants: every choice finishes exactly once (a chunk's finish, else the final
 an end, because the router may still migrate the request. At the drain deadline every open choice ends with
 finish_reason "abort". A failure after the status line went out is reported in-band as OpenAI error JSON. Silence
 becomes SSE keep-alive comments. Chat requests whose output becomes tool calls stream tool-call deltas instead of
-content (`router.tool_calls.ToolStream`).
+content (`router.tool_calls.ToolStream`). Events go out as soon as their worker response is in; those of responses
+already queued behind it (a busy router) go out in the same write, so the events and their order never change.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -39,6 +40,7 @@ from router.prepared import PreparedRequest
 from router.tool_calls import ToolStream
 
 DONE = "data: [DONE]\n\n"
+MAX_EVENTS_PER_WRITE = 64  # a stream that fell behind sends at most this many queued events in one write
 
 
 class ChunkStream:
@@ -53,6 +55,7 @@ class ChunkStream:
         self._decode = tokenizers.decode_token if tokenizers is not None else str
         kind = "chat.completion.chunk" if chat else "text_completion"
         self._base = envelope(kind, completion_id(prepared.request_id, chat), prepared.model, prepared.created)
+        self._head = f'data: {json.dumps(self._base)[:-1]}, "choices": '  # every chunk's start, up to its choices
         self._num_choices = len(prepared.prompts) * self._n
         self._sent_text: dict[int, str] = {}  # per choice, the text streamed so far
         self._num_tokens: dict[int, int] = {}  # per choice, tokens streamed so far (continuous usage)
@@ -61,25 +64,33 @@ class ChunkStream:
         self._tool_streams: dict[int, ToolStream] = {}  # per choice, when the request's output becomes tool calls
         self._started = False
 
-    async def events(self, responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle]) -> AsyncIterator[str]:
+    async def events(self, responses: AsyncIterator[tuple[int, pb.GenerateResponse] | Idle],
+                     ready: Callable[[], bool] | None = None) -> AsyncIterator[str]:
+        """The body, a string per write. `ready` (the relay's) says whether the next response is already in: the
+        events of responses already in go out together (a stream that fell behind catches up in fewer, larger
+        writes), each event whole and in order; no event waits for a response still to come."""
+        pending: list[str] = []
         try:
             async for item in responses:
                 if isinstance(item, Idle):
-                    yield SSE_KEEPALIVE
-                    continue
-                for line in self._on_response(*item):
-                    yield line
+                    pending.append(SSE_KEEPALIVE)
+                else:
+                    pending.extend(self._on_response(*item))
+                if pending and (ready is None or not ready() or len(pending) >= MAX_EVENTS_PER_WRITE):
+                    yield "".join(pending)
+                    pending.clear()
             if self._parsed.include_usage:
-                yield self._usage_event()
+                pending.append(self._usage_event())
         except ShuttingDown:  # the drain deadline: every open choice ends as aborted, as an aborted request does
             for index in range(self._num_choices):
                 if index not in self._finished:
-                    yield self._choice_event(index, "", [], "abort")
+                    pending.append(self._choice_event(index, "", [], "abort"))
             if self._parsed.include_usage:
-                yield self._usage_event()
+                pending.append(self._usage_event())
         except Exception as exc:  # the status line is already sent: report in-band, as vLLM does
-            yield self._event_line(error_from(exc).to_openai())
-        yield DONE
+            pending.append(self._event_line(error_from(exc).to_openai()))
+        pending.append(DONE)
+        yield "".join(pending)
 
     # ---- one worker response ---------------------------------------------------------------------------------
     def _on_response(self, i: int, response: pb.GenerateResponse) -> Iterator[str]:
@@ -113,6 +124,9 @@ class ChunkStream:
                 yield self._choice_event(index, "", [], finish, stop_reason(chunk), tool_delta=tool_delta)
         elif chunk.text or chunk.logprobs or chunk.token_ids or finish:  # as vLLM: one event per step
             self._record(index, chunk)  # text may be "" (no tokenizer)
+            if finish is None and not chunk.logprobs and not self._parsed.continuous_usage:
+                yield self._token_event(index, chunk.text)
+                return
             if finish is not None:
                 self._finished.add(index)
             yield self._choice_event(index, chunk.text, list(chunk.logprobs), finish,
@@ -148,8 +162,19 @@ class ChunkStream:
         return f"data: {json.dumps(payload)}\n\n"
 
     def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        extra = {"usage": usage} if usage is not None else {}
-        return self._event_line({**self._base, "choices": choices, **extra})
+        """`_event_line({**base, "choices": choices, "usage": usage (when given)})`, with the envelope encoded once
+        per stream (the same bytes: json.dumps of a dict is its items' encodings in order)."""
+        extra = "" if usage is None else f', "usage": {json.dumps(usage)}'
+        return f"{self._head}{json.dumps(choices)}{extra}}}\n\n"
+
+    def _token_event(self, index: int, text: str) -> str:
+        """`_choice_event(index, text, [])` of a token that neither ends the choice nor carries logprobs or
+        continuous usage: the common event, formatted without building its dicts (the same bytes)."""
+        if self._chat:
+            return f'{self._head}[{{"index": {index}, "delta": {{"content": {json.dumps(text)}}}, "logprobs": null, ' \
+                   f'"finish_reason": null}}]}}\n\n'
+        return f'{self._head}[{{"index": {index}, "text": {json.dumps(text)}, "logprobs": null, ' \
+               f'"finish_reason": null, "stop_reason": null}}]}}\n\n'
 
     def _role_events(self) -> Iterator[str]:
         for index in range(self._num_choices):

@@ -67,11 +67,15 @@ class Relay(Generic[T]):
     """`source`'s items through a queue filled by a task of their own (see the module docstring)."""
 
     def __init__(self, source: AsyncIterator[T], on_close: Callable[[Relay[T]], None]) -> None:
-        self._queue: asyncio.Queue[T | _End | _Failed | _Wake] = asyncio.Queue(RELAY_QUEUE)
+        self._queue: asyncio.Queue[T | _End | _Failed | _Wake | Idle] = asyncio.Queue(RELAY_QUEUE)
         self._interrupt: BaseException | None = None
         self._on_close = on_close
         self._closed = False
         self._task = asyncio.create_task(self._pump(source))
+        # `next(timeout_s)`'s timeout without a timer per call (a call per streamed token): while the consumer
+        # waits, `_idle_at` is when it gets IDLE; one timer, re-armed lazily, puts IDLE in the queue then.
+        self._idle_at: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     async def _pump(self, source: AsyncIterator[T]) -> None:
         try:
@@ -99,13 +103,16 @@ class Relay(Generic[T]):
         if self._queue.empty():
             if self._interrupt is not None:
                 raise self._interrupt
+            if timeout_s is not None:
+                self._wait_until(asyncio.get_running_loop().time() + timeout_s)
             try:
-                async with asyncio.timeout(timeout_s):
-                    item = await self._queue.get()
-            except TimeoutError:
-                return IDLE
+                item = await self._queue.get()
+            finally:
+                self._idle_at = None
         else:
             item = self._queue.get_nowait()
+        if isinstance(item, Idle):
+            return IDLE
         if isinstance(item, _Wake):
             assert self._interrupt is not None  # only `interrupt` puts it
             raise self._interrupt
@@ -114,6 +121,30 @@ class Relay(Generic[T]):
         if isinstance(item, _Failed):
             raise item.error
         return item
+
+    def _wait_until(self, idle_at: float) -> None:
+        self._idle_at = idle_at
+        if self._timer is None or self._timer.when() > idle_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_at(idle_at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        """IDLE for a consumer that has waited until its `_idle_at` (not when an item is on its way: the queue is
+        not empty then); a consumer that waits again later re-arms the timer for its new deadline."""
+        self._timer = None
+        if self._idle_at is None or not self._queue.empty():
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._idle_at:
+            self._idle_at = None
+            self._queue.put_nowait(IDLE)
+        else:
+            self._timer = loop.call_at(self._idle_at, self._on_timer)
+
+    def ready(self) -> bool:
+        """Whether `next` would return (or raise) at once: an item, the end or a failure is queued."""
+        return not self._queue.empty()
 
     def interrupt(self, error: BaseException) -> None:
         """Stop the source now; the consumer raises `error` after the items already queued."""
@@ -128,6 +159,8 @@ class Relay(Generic[T]):
         if not self._closed:
             self._closed = True
             self._task.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
             self._on_close(self)
 
 

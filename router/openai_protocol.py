@@ -226,8 +226,11 @@ def _float(body: dict[str, Any], name: str) -> float | None:
 
 
 def _token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+    if not isinstance(value, list) or not value:
+        return False
+    if {*map(type, value)} == {int}:  # what JSON gives: checked in C (a prompt may hold 100k ids)
+        return True
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _prompts(body: dict[str, Any], max_prompts: int) -> list[str | list[int]]:
