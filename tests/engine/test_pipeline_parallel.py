@@ -7,6 +7,7 @@ stage makes the engine raise instead of hanging."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import threading
 import time
@@ -223,10 +224,10 @@ def test_tp2_x_pp2_runs_micro_batches_whose_steps_overflow_a_pipe(monkeypatch: p
     monkeypatch.setattr(TPDriverRunner, "submit",
                         lambda self, so: (sizes.append(len(codec.encode(so))), submit(self, so))[1])
     with LLM("tiny", tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs) as both:
-        ids = _ids(both, prompts, params)
+        ids = token_ids(both, prompts, params)
         assert both.llm_engine.batches is not None and both.llm_engine.batches.most_in_flight == 2
     assert sorted(sizes)[-2] > pipe_bytes  # the second batch in flight did not fit the pipe
-    assert ids == _ids(LLM("tiny", **kwargs), prompts, params)
+    assert ids == token_ids(LLM("tiny", **kwargs), prompts, params)
 
 
 def test_stages_of_unequal_kv_sizes_allocate_the_smallest_block_count(tmp_path: Path) -> None:
@@ -243,8 +244,8 @@ def test_stages_of_unequal_kv_sizes_allocate_the_smallest_block_count(tmp_path: 
     with LLM(str(tmp_path), pipeline_parallel_size=2, **kwargs) as pp:
         layer_bytes = pp.llm_engine.runner.block_bytes  # rank 0's stage holds one layer
         assert pp.llm_engine.num_gpu_blocks == KV // (2 * layer_bytes) < KV // layer_bytes
-        ids = _ids(pp, PROMPTS, GREEDY)
-    assert ids == _ids(LLM(str(tmp_path), **kwargs), PROMPTS, GREEDY)
+        ids = token_ids(pp, PROMPTS, GREEDY)
+    assert ids == token_ids(LLM(str(tmp_path), **kwargs), PROMPTS, GREEDY)
 
 
 def test_smollm2_pp3_matches_pp1_greedy_and_logprobs() -> None:
