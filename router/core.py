@@ -21,7 +21,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 
@@ -35,11 +34,13 @@ from engine.core.block_hash import BlockHasher
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.config import RouterConfig
+from router.delivered import Delivered, WorkerFailed
 from router.drain_forecast import DrainForecast, GenerationTracker
 from router.errors import BadRequest, RouterError, Unavailable, from_code_name
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, worker_namer
 from router.pools import PoolManager
+from router.route import Route, uncached_tokens
 from router.tokenizer_pool import TokenizerPool, tokenizer_path_for
 from router.workers import ModelInfo, Worker, WorkerPool
 
@@ -48,32 +49,6 @@ logger = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.INTERNAL)
 WORKER_FAILURES = ("UNAVAILABLE", "INTERNAL")  # GenerateError codes after which another worker may take over
-
-
-@dataclass(frozen=True)
-class Route:
-    decode: Worker
-    prefill: Worker | None  # None: the decode worker prefills the prompt itself
-    matched_blocks: int  # cached on the worker that prefills (either tier)
-    num_prompt_tokens: int
-    block_size: int
-    host_blocks: int = 0  # of those, in its host tier (loaded back, not recomputed)
-    fetch: bool = False  # `prefill` holds more of the prompt than the planned prefiller: its cached blocks are pulled
-
-    @property
-    def predicted_cached_tokens(self) -> int:
-        """Prompt tokens the index says the prefilling worker will not compute (never the last one, which an
-        engine always computes for its logits)."""
-        last_full = (self.num_prompt_tokens - 1) // self.block_size * self.block_size
-        return min(self.matched_blocks * self.block_size, last_full)
-
-    @property
-    def uncached_tokens(self) -> int:
-        return _uncached(self.num_prompt_tokens, self.matched_blocks, self.block_size)
-
-    @property
-    def prefills_on(self) -> Worker:
-        return self.prefill if self.prefill is not None else self.decode
 
 
 def make_index(url: str) -> PrefixIndex:
@@ -178,8 +153,8 @@ class Router:
         decode = next(w for w in decodes if w.address == decode_view.address)
         local_blocks = matched.get(decode.worker_id, 0)
         path = choose_prefill_path(self.config.disagg_policy, prefill.view() if prefill is not None else None,
-                                   decode_view, _uncached(len(token_ids), prefill_blocks, info.block_size),
-                                   _uncached(len(token_ids), local_blocks, info.block_size))
+                                   decode_view, uncached_tokens(len(token_ids), prefill_blocks, info.block_size),
+                                   uncached_tokens(len(token_ids), local_blocks, info.block_size))
         if not path.remote:
             prefill, prefill_blocks = None, local_blocks
         holder = self._fetch_holder([w for w in holders if w is not decode], decode, prefill, tiers,
@@ -222,13 +197,13 @@ class Router:
             """Tokens `worker` computes for the prompt, its host-tier loads counted at their measured cost."""
             match, view = tiers.get(worker.worker_id, none), worker.view()
             host_tokens = min(match.host_blocks * block_size, num_tokens)
-            return _uncached(num_tokens, match.blocks, block_size) + host_tokens * reload_cost(view,
+            return uncached_tokens(num_tokens, match.blocks, block_size) + host_tokens * reload_cost(view,
                                                                                                self.policy.weights)
 
         decode_view = decode.view()
         choice = choose_fetch(
             holder.view(), planner.view(), planned is not None, work(holder), work(planner),
-            _uncached(num_tokens, tiers.get(decode.worker_id, none).blocks, block_size),
+            uncached_tokens(num_tokens, tiers.get(decode.worker_id, none).blocks, block_size),
             decoding=decode_view.load.num_running > 0 or decode_view.pending_requests > 0)
         self.metrics.fetch_decisions.labels("fetch" if choice.remote else "recompute", choice.reason).inc()
         return holder if choice.remote else None
@@ -314,7 +289,7 @@ class Router:
         tokenizers = await self.ensure_tokenizers()
         arrival = time.monotonic()
         tried: set[str] = set()
-        delivered = _Delivered()
+        delivered = Delivered()
         migrations = 0
         attempts = 0
         single_sample = (params.n or 1) == 1
@@ -348,7 +323,7 @@ class Router:
                         kind = response.WhichOneof("response")
                         if kind == "error":
                             if response.error.code in WORKER_FAILURES:
-                                raise _WorkerFailed("decode_error", response.error.message)
+                                raise WorkerFailed("decode_error", response.error.message)
                             raise from_code_name(response.error.code, response.error.message)
                         now = time.monotonic()
                         if first_token_at is None:
@@ -376,8 +351,8 @@ class Router:
                     if exc.code() not in RETRYABLE:
                         raise from_code_name(exc.code().name, f"decode worker {route.decode.address}: "
                                                               f"{exc.details()}") from exc
-                    failure = _WorkerFailed("decode_unavailable", exc.details() or exc.code().name)
-                except _WorkerFailed as exc:
+                    failure = WorkerFailed("decode_unavailable", exc.details() or exc.code().name)
+                except WorkerFailed as exc:
                     failure = exc
                 finally:
                     call.cancel()
@@ -485,53 +460,6 @@ class Router:
         if self.tokenizers is not None:
             self.tokenizers.close()
         self.index.close()
-
-
-class _WorkerFailed(Exception):
-    """A decode worker failed a request after accepting it (the request may go elsewhere)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason  # label of kvflow:router_retries / kvflow:migrations
-        self.detail = detail
-
-
-class _Delivered:
-    """What of a single-sample request the caller already got (sample 0), so a migration resumes after it and
-    the final message still covers the whole completion."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.text: list[str] = []
-        self.logprobs: list[pb.TokenLogprob] = []
-        self._before_attempt = (0, 0, 0)
-
-    def start_attempt(self) -> None:
-        self._before_attempt = (len(self.token_ids), len(self.text), len(self.logprobs))
-
-    def add(self, chunk: pb.GenerateChunk) -> None:
-        if chunk.index == 0:
-            self.token_ids.extend(chunk.token_ids)
-            self.text.append(chunk.text)
-            self.logprobs.extend(chunk.logprobs)
-
-    def complete(self, complete: pb.GenerateComplete) -> None:
-        """A migrated request's last worker only knows its own text and logprobs: prepend the earlier ones."""
-        _, num_text, num_logprobs = self._before_attempt
-        if not (num_text or num_logprobs) or not complete.choices:
-            return
-        choice = complete.choices[0]
-        choice.text = "".join(self.text[:num_text]) + choice.text
-        earlier = self.logprobs[:num_logprobs]
-        if earlier:
-            own = list(choice.logprobs)
-            del choice.logprobs[:]
-            choice.logprobs.extend([*earlier, *own])
-
-
-def _uncached(num_prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
-    """Prompt tokens past the matched (cached) blocks."""
-    return max(num_prompt_tokens - matched_blocks * block_size, 0)
 
 
 def error_from(exc: BaseException) -> RouterError:

@@ -44,6 +44,7 @@ from router.config import RouterConfig
 from router.core import Router, error_from
 from router.errors import BadRequest, HTTPError, RouterError, ShuttingDown, Unauthorized
 from router.http import PARSE_INLINE_BYTES, IgnoredFields, error_response, read_body
+from router.json_body import load_body
 from router.lifecycle import ClientGone, Idle, Relay, Ticket
 from router.openai_extras import add_extra_routes
 from router.openai_output import (
@@ -59,7 +60,6 @@ from router.openai_protocol import (
     FINISH,
     ParsedRequest,
     ReadFields,
-    load_body,
     parse_request,
 )
 from router.ownership import caller_identity, presented_key

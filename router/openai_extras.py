@@ -24,7 +24,8 @@ from engine.errors import InvalidRequest
 from router.core import Router, error_from
 from router.errors import BadRequest, ModelNotFound
 from router.http import PARSE_INLINE_BYTES, IgnoredFields, error_response, read_body
-from router.openai_protocol import ReadFields, _chat_template_kwargs, _field, _messages, load_body
+from router.json_body import load_body
+from router.openai_protocol import ReadFields, _chat_template_kwargs, _field, _messages
 
 
 def kvflow_version() -> str:

@@ -2,7 +2,7 @@
 
 Invariants of a request that parsed:
 - The body was strict JSON (no NaN / Infinity literals), nested at most MAX_JSON_DEPTH deep, with no lone UTF-16
-  surrogate in any string (`load_body`).
+  surrogate in any string (router/json_body.py `load_body`).
 - Every field has its type, fits its wire type (uint32 / int32 / int64 / float32) and is within the router's
   bounds (`RouterConfig`: n, best_of, logprobs, prompts per request); then the engine's `SamplingParams` checks
   ranges with vLLM's rules. What needs the model (prompt length, token ids against the vocabulary) is checked
@@ -17,7 +17,6 @@ are refused (`UNSUPPORTED`) rather than dropped.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,17 +34,12 @@ from router.tool_calls import ToolRequest, parse_tools
 
 FINISH = FINISH_REASON_FROM_PROTO  # proto enum -> OpenAI's finish_reason
 _NUMBER = (int, float)
-MAX_JSON_DEPTH = 32  # a chat body with text parts is 5 deep
 FLOAT32_MAX = 3.4028234663852886e38  # sampling floats travel as proto float
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGIT_BIAS_ENTRIES = 1024  # each is applied at every sampling step
 ROLES = ("system", "user", "assistant", "tool", "developer")
-_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads lets "\\ud800" through; no tokenizer or encoder takes it
-# What a surrogate looks like in UTF-8 JSON text before parsing: an escape, or its (surrogatepass) UTF-8 bytes.
-_RAW_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-_CONTAINERS = frozenset((dict, list))
 
 
 def _accepted(*values: Any) -> Callable[[Any], bool]:
@@ -122,59 +116,6 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # top alternatives per prompt position; None: none (non-streaming only)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len); None: all
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (vLLM's)
-
-
-# ---- the body ----------------------------------------------------------------------------------------------
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def load_body(raw: bytes) -> Any:
-    """Strict JSON; refuses deep nesting and lone surrogates (they fail later, deep inside, as 500s)."""
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity, an integer of 4300+ digits
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    _check_depth(body)
-    if json.detect_encoding(raw) != "utf-8" or _RAW_SURROGATE.search(raw):  # else no string can hold one
-        _check_strings(body)
-    return body
-
-
-def _check_depth(body: Any) -> None:
-    """Iterative (a recursive walk is what the limit protects against). A list holding no container is skipped at C
-    speed (`set(map(type, ...))`): a 32 MiB prompt of token ids costs a fraction of its parse."""
-    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
-    while stack:
-        value, depth, top = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise BadRequest(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", top)
-        if isinstance(value, dict):
-            stack.extend((item, depth + 1, key if top is None else top) for key, item in value.items()
-                         if type(item) in _CONTAINERS)
-        elif isinstance(value, list) and not _CONTAINERS.isdisjoint(set(map(type, value))):
-            stack.extend((item, depth + 1, top) for item in value if type(item) in _CONTAINERS)
-
-
-def _check_strings(body: Any) -> None:
-    """No lone surrogate in any string or key; the error names the top-level field holding it."""
-    stack: list[tuple[Any, str | None]] = [(body, None)]
-    while stack:
-        value, top = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise BadRequest("strings must be valid Unicode: a lone UTF-16 surrogate is not a character", top)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                where = key if top is None else top
-                if _SURROGATE.search(key):
-                    raise BadRequest("object keys must be valid Unicode: a lone UTF-16 surrogate is not a character",
-                                     where)
-                stack.append((item, where))
-        elif isinstance(value, list):
-            stack.extend((item, top) for item in value)
 
 
 # ---- fields ------------------------------------------------------------------------------------------------

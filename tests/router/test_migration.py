@@ -18,7 +18,8 @@ from engine.arg_utils import EngineArgs
 from kvflow.launcher import ClusterSpec, WorkerCluster
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from router.config import RouterConfig
-from router.core import Router, _Delivered
+from router.core import Router
+from router.delivered import Delivered
 from router.errors import RouterError
 
 ENGINE = EngineArgs(model="tiny", num_gpu_blocks_override=200, max_model_len=1024)
@@ -148,7 +149,7 @@ def test_past_max_migrations_the_caller_gets_a_clean_error(cluster: WorkerCluste
 
 
 def test_a_migrated_completion_still_carries_its_whole_text_and_logprobs() -> None:
-    delivered = _Delivered()
+    delivered = Delivered()
     delivered.start_attempt()
     delivered.add(pb.GenerateChunk(index=0, token_ids=[5, 6], text="Hello",
                                    logprobs=[pb.TokenLogprob(token_id=5), pb.TokenLogprob(token_id=6)]))
