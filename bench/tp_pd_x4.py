@@ -26,10 +26,9 @@ Records carry `workload`, `device` ("4 x <gpu name>"), `layout`; transfer record
 `transfer_gbps`, `ttft_disagg_s`, `ttft_local_s` (and `driver`: how they were measured); mixed70b records
 pd_adaptive's fields (`slo_attainment`, `ttft_p99_s`, `itl_p99_s`, per class) and `mode_flags`. Every cluster is started
 with a ready timeout and stopped on the way out; each part runs under a wall-clock limit (SIGALRM raises in the
-waiting call), within `--budget-s` for the whole call. Expected on 4 x H100 (estimates: not yet run there): check
-~1.5-2 min (three tiny clusters starting together, cold kernel caches), transfer ~4-5 min (two 8B clusters one after
-the other, each ~1.5-2 min to start, then ~0.5-1 min of requests); mixed70b alone, `--parts mixed70b` (~8-9 min: H200s
-leave the 70B TP2 workers more KV room than H100s' ~4 GiB per GPU).
+waiting call), within `--budget-s` for the whole call. Measured on 4 x H200 (2026-11-27): check ~75 s (beside
+moe_pp_x4's check), transfer 116 s (two 8B clusters, ~60 s each with their start); mixed70b not run yet: alone,
+`--parts mixed70b` (an estimate: ~8-9 min; H200s leave the 70B TP2 workers more KV room than H100s' ~4 GiB per GPU).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \\
         python -m bench.tp_pd_x4 --parts check transfer --out $OUT  # --log-dir $OUT/logs: worker logs back too
