@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.routing.policy import WorkerView
+from cluster.routing.policy import WorkerView, shares_compute
 
 DISAGG_POLICIES = ("static", "adaptive")
 
@@ -62,7 +62,7 @@ def choose_prefill_path(policy: str, prefill: WorkerView | None, decode: WorkerV
         return PrefillPath(False, "no_prefill_worker")
     if policy == "static":
         return PrefillPath(True, "static")
-    if prefill.compute_domain and prefill.compute_domain == decode.compute_domain:
+    if shares_compute(prefill.compute_domain, decode.compute_domain):
         return PrefillPath(False, "shared_compute")
     remote_rate, local_rate = prefill.load.prefill_tokens_per_s, decode.load.prefill_tokens_per_s
     if remote_rate > 0 and local_rate > 0:

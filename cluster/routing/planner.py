@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.routing.events import WorkerLoad
+from cluster.routing.policy import shares_compute
 
 POOLS = ("prefill", "decode")
 
@@ -216,7 +217,7 @@ class PoolPlanner:
             if not m.movable or now - m.since < self.config.min_dwell_s:
                 continue
             others = [t for t in [*target, *(keep or [])] if t is not m]
-            if m.compute_domain and any(t.compute_domain == m.compute_domain for t in others):
+            if any(shares_compute(m.compute_domain, t.compute_domain) for t in others):
                 continue
             return Move(m.worker_id, m.pool, target_pool, reason)
         return None

@@ -26,6 +26,12 @@ from cluster.routing.events import WorkerLoad
 POLICY_NAMES = ("prefix", "round-robin", "least-load", "random")
 
 
+def shares_compute(a: str, b: str) -> bool:
+    """Whether two workers' compute domains overlap: a tensor-parallel worker names each rank's GPU, so a worker on
+    GPUs 0-1 and one on GPUs 1-2 share GPU 1. An unknown domain ("") shares nothing."""
+    return bool(a and b) and not set(a.split(",")).isdisjoint(b.split(","))
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """What the router knows of one worker when it routes."""
@@ -35,7 +41,8 @@ class WorkerView:
     load: WorkerLoad
     pending_prefill_tokens: int = 0  # prompt tokens this router sent whose first token has not come back yet
     pending_requests: int = 0  # this router's requests in flight there
-    compute_domain: str = ""  # the physical GPU or host it computes on ("" unknown); see cluster/routing/disagg.py
+    # The physical GPUs (comma-separated, one per rank) or the host it computes on ("" unknown); shares_compute
+    compute_domain: str = ""
 
     @property
     def queued_prefill_tokens(self) -> int:

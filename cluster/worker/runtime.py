@@ -94,6 +94,8 @@ def info_response(engine: LLMEngine, role: int, worker_id: str, disagg_min_promp
                   ) -> pb.InfoResponse:
     config = engine.config
     load = engine.load()
+    rank_devices = [rank_device(str(engine.device), r) for r in range(
+        config.device.tensor_parallel_size * config.device.pipeline_parallel_size)]
     return pb.InfoResponse(
         role=role, model=config.model.model, model_id=config.model.model_id, dtype=config.model.dtype,
         block_size=config.cache.block_size, kv_layout=layout_to_proto(engine.kv_port.layout),
@@ -103,18 +105,18 @@ def info_response(engine: LLMEngine, role: int, worker_id: str, disagg_min_promp
         disagg_min_prompt_tokens=disagg_min_prompt_tokens,
         tensor_parallel_size=config.device.tensor_parallel_size,
         pipeline_parallel_size=config.device.pipeline_parallel_size,
-        rank_devices=[rank_device(str(engine.device), r) for r in range(
-            config.device.tensor_parallel_size * config.device.pipeline_parallel_size)],
-        compute_domain=compute_domain(engine.device),
+        rank_devices=rank_devices,
+        compute_domain=compute_domain([torch.device(d) for d in rank_devices]),
     )
 
 
-def compute_domain(device: torch.device) -> str:
-    """The physical compute a worker runs on: the GPU's UUID (the same under any CUDA_VISIBLE_DEVICES mapping), or
-    the host's cores. The router never prefills on one worker for another of the same domain."""
-    if device.type == "cuda":
-        return f"gpu-{torch.cuda.get_device_properties(device).uuid}"
-    return f"{device.type}@{os.uname().nodename}"
+def compute_domain(devices: list[torch.device]) -> str:
+    """The physical compute a worker runs on: each rank's GPU UUID (the same under any CUDA_VISIBLE_DEVICES
+    mapping), sorted and comma-separated, or the host's cores. The router never prefills on one worker for another
+    whose domain overlaps (cluster.routing.policy.shares_compute)."""
+    if devices and devices[0].type == "cuda":
+        return ",".join(sorted({f"gpu-{torch.cuda.get_device_properties(d).uuid}" for d in devices}))
+    return f"{devices[0].type if devices else 'cpu'}@{os.uname().nodename}"
 
 
 # ---- process lifecycle ----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from cluster.routing.disagg import choose_prefill_path
 from cluster.routing.events import WorkerLoad
 from cluster.routing.planner import Member, PlannerConfig, PoolPlanner, SampleWindow
-from cluster.routing.policy import WorkerView
+from cluster.routing.policy import WorkerView, shares_compute
 
 CONFIG = PlannerConfig(slo_ttft_s=1.0, slo_itl_s=0.040, window_s=5.0, confirm_ticks=2, min_dwell_s=5.0,
                        min_samples=4)
@@ -52,6 +52,15 @@ def test_adaptive_never_prefills_for_a_worker_on_the_same_compute() -> None:
     p, d = view("p", "cpu@host"), view("d", "cpu@host", running=8)
     path = choose_prefill_path("adaptive", p, d, 4096, 4096)
     assert (path.remote, path.reason) == (False, "shared_compute")
+
+
+def test_tensor_parallel_workers_sharing_one_of_their_gpus_share_compute() -> None:
+    """A TP2 worker names both ranks' GPUs: one on GPUs a-b and one on b-c share b; a-b and c-d share nothing."""
+    assert shares_compute("gpu-a,gpu-b", "gpu-b,gpu-c") and shares_compute("gpu-b", "gpu-a,gpu-b")
+    assert not shares_compute("gpu-a,gpu-b", "gpu-c,gpu-d") and not shares_compute("", "")
+    path = choose_prefill_path("adaptive", view("p", "gpu-a,gpu-b"), view("d", "gpu-b,gpu-c", running=8), 4096, 4096)
+    assert (path.remote, path.reason) == (False, "shared_compute")
+    assert choose_prefill_path("adaptive", view("p", "gpu-a,gpu-b"), view("d", "gpu-c", running=8), 4096, 4096).remote
 
 
 def test_a_prefix_cached_on_the_decode_worker_favours_local() -> None:
@@ -153,6 +162,11 @@ def test_pinned_recent_and_shared_compute_workers_stay() -> None:
     for prefill in (member("p", "prefill", movable=False),  # pinned (kvflow prefill)
                     member("p", "prefill", since=8.0),  # moved 2 s ago: dwell
                     member("p", "prefill", domain="cpu@h")):  # same cores as the decode worker
+        planner = PoolPlanner(CONFIG)
+        feed(planner, 10.0, ttft=0.2, itl=0.02, local=5000)
+        assert settle(planner, [prefill, busy], 10.0) == [None, None]
+    busy = member("d", "decode", domain="gpu-b,gpu-c", num_running=20)
+    for prefill in (member("p", "prefill", domain="gpu-a,gpu-b"),):  # a TP2 worker sharing one of its GPUs
         planner = PoolPlanner(CONFIG)
         feed(planner, 10.0, ttft=0.2, itl=0.02, local=5000)
         assert settle(planner, [prefill, busy], 10.0) == [None, None]
