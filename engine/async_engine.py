@@ -161,6 +161,7 @@ class AsyncEngine:
                     self.post(self.on_kv_events, events, engine.load())
                     last_load = now
                 if self.on_stats is not None and now - last_stats >= self.stats_interval_s:
+                    engine.refresh_gauges()
                     self.post(self.on_stats, copy.deepcopy(engine.stats), engine.take_finished_timings())
                     last_stats = now
         except BaseException as exc:  # noqa: BLE001 - report whatever killed the loop to every caller

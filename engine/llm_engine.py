@@ -331,7 +331,7 @@ class LLMEngine:
         ended = time.perf_counter()
         self.busy.record(started, ended)
         self._observe_step(scheduler_output, ended - started)
-        self._refresh_gauges()
+        self.refresh_gauges()
         return outputs
 
     def _observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
@@ -351,7 +351,9 @@ class LLMEngine:
         self.step_model.observe(scheduler_output.num_decode_seqs, scheduler_output.num_prefill_tokens, seconds,
                                 scheduler_output.prefill_attention_pairs)
 
-    def _refresh_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
+        """The stats' gauges read from the scheduler and the KV pool now: after every step, and before stats are
+        published while idle (an abort, a freed lease or an offload changes them without a step)."""
         s = self.stats
         s.num_requests_running = self.scheduler.num_running
         s.num_requests_waiting = self.scheduler.num_waiting

@@ -63,3 +63,55 @@ def test_cluster_workers_get_the_flag_only_when_stats_are_disabled(tmp_path) -> 
         argv = cluster.worker_argv(0, Placement("decode", None, None), 12345)
         assert ("--disable-log-stats" in argv) is disabled
         assert argv[argv.index("--port") + 1] == "12345"
+
+
+def test_gauges_published_while_idle_read_the_engine_now() -> None:
+    """An abort between steps frees KV without a step: the stats an idle engine publishes must not keep the last
+    step's usage (AsyncEngine refreshes the gauges before it publishes)."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model="tiny", load_format="dummy", kv_cache_memory_bytes=16 << 20,
+                                                   enable_prefix_caching=False))
+    engine.add_request("a", {"prompt_token_ids": list(range(5, 69))}, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    busy = engine.stats.kv_cache_usage
+    assert busy > 0 and engine.stats.num_requests_running == 1
+    engine.abort_request("a")
+    assert engine.stats.kv_cache_usage == busy  # stale until something reads the engine again
+    engine.refresh_gauges()
+    assert engine.stats.kv_cache_usage == 0.0 and engine.stats.num_requests_running == 0
+
+
+def test_an_idle_async_engine_publishes_the_usage_an_abort_freed() -> None:
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model="tiny", load_format="dummy", kv_cache_memory_bytes=16 << 20,
+                                                   enable_prefix_caching=False))
+    published: list[float] = []
+
+    def prefill_then_abort(e: LLMEngine) -> float:
+        e.add_request("a", {"prompt_token_ids": list(range(5, 69))}, SamplingParams(max_tokens=8, ignore_eos=True))
+        e.step()
+        busy = e.stats.kv_cache_usage
+        e.abort_request("a")
+        return busy
+
+    async def run() -> float:
+        aengine = AsyncEngine(engine, stats_interval_s=0.0, on_stats=lambda stats, _: published.append(
+            stats.kv_cache_usage))
+        aengine.start()
+        try:
+            busy = await aengine.call(prefill_then_abort)
+            published.clear()
+            while not published:
+                await asyncio.sleep(0.05)
+            return busy
+        finally:
+            await aengine.stop()
+
+    assert asyncio.run(run()) > 0 and published[-1] == 0.0
