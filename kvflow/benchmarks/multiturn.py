@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvflow.benchmarks.prom import metric_sum
 from kvflow.benchmarks.server import ServerProcess
 from kvflow.launcher import free_port
 
@@ -136,18 +137,6 @@ async def run_conversations(grpc_target: str, workload: Workload) -> tuple[list[
     return results, time.perf_counter() - start
 
 
-def _metric_sum(text: str, needle: str, label: str = "") -> float | None:
-    """The sum over label sets (those holding `label`) of every sample whose name contains `needle` (None: the
-    servers have no such sample). A counter's `_created` timestamp is not a sample of it."""
-    values = []
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if line and not line.startswith("#") and needle in name and not name.endswith("_created") \
-                and label in line:
-            values.append(float(line.rsplit(" ", 1)[1]))
-    return sum(values) if values else None
-
-
 def summarize(mode: str, device: str, workload: Workload, results: list[list[TurnResult]], duration_s: float,
               metrics: str) -> dict[str, Any]:
     flat = [r for conversation in results for r in conversation]
@@ -158,15 +147,15 @@ def summarize(mode: str, device: str, workload: Workload, results: list[list[Tur
     digest = hashlib.sha256(repr([[r.output_ids for r in c] for c in results]).encode()).hexdigest()[:16]
     # The router's sums of its workers' counters: vllm:external_prefix_cache_hits_total{role} (tokens loaded back from
     # host tiers) and kvflow:route_false_hits_total.
-    host_hits = _metric_sum(metrics, "external_prefix_cache_hits")
+    host_hits = metric_sum(metrics, "vllm:external_prefix_cache_hits_total")
     return {
         "workload": {**asdict(workload), "working_set_tokens": workload.conversations * workload.max_prompt_tokens()},
         "device": device, "mode": mode,
         "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.percentile(ttft, 99)),
         "prefix_hit_rate": {"total": sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
                             "host": host_hits / prompt_tokens if host_hits is not None and prompt_tokens else None},
-        "false_hits": _metric_sum(metrics, "false_hits"),
-        "fetches": _metric_sum(metrics, "prefix_fetch_decisions", 'path="fetch"'),  # turns pulled from a holder
+        "false_hits": metric_sum(metrics, "kvflow:route_false_hits_total"),
+        "fetches": metric_sum(metrics, "kvflow:prefix_fetch_decisions_total", path="fetch"),  # turns pulled from a holder
         "itl_p99_s": float(np.percentile(itl, 99)),
         "out_tok_s": sum(len(r.output_ids) for r in ok) / duration_s,
         "completed": len(ok), "failed": len(flat) - len(ok),

@@ -16,29 +16,10 @@ import httpx
 from cluster.auth import ClusterAuth
 from cluster.routing.policy import POLICY_NAMES
 from engine.arg_utils import EngineArgs
+from kvflow.benchmarks.prom import histogram_quantile, metric_sum
 from kvflow.benchmarks.serve import make_prompts, run_benchmark, summarize
 from kvflow.benchmarks.server import ServerProcess
 from kvflow.launcher import ClusterSpec, WorkerCluster
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def _histogram_quantile(text: str, name: str, quantile: float) -> float | None:
-    """Upper bound of the bucket holding the quantile (Prometheus text format, unlabelled histogram)."""
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket{"):
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if bound == "+Inf" else float(bound), float(line.rsplit(" ", 1)[1])))
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    total = buckets[-1][1]
-    return next(bound for bound, count in sorted(buckets) if count >= quantile * total)
 
 
 def _policy_result(base: str, prompts: list[list[int]], output_len: int, max_concurrency: int) -> dict[str, Any]:
@@ -46,13 +27,13 @@ def _policy_result(base: str, prompts: list[list[int]], output_len: int, max_con
                                                   None))
     summary = summarize(outcome, duration)
     metrics = httpx.get(f"{base}/metrics").text
-    queries = _metric(metrics, "vllm:prefix_cache_queries_total")
-    hits = _metric(metrics, "vllm:prefix_cache_hits_total")
+    queries = metric_sum(metrics, "vllm:prefix_cache_queries_total") or 0.0
+    hits = metric_sum(metrics, "vllm:prefix_cache_hits_total") or 0.0
     return {"ttft_p50_s": summary["median_ttft_ms"] / 1e3, "ttft_p99_s": summary["p99_ttft_ms"] / 1e3,
             "ttft_mean_s": summary["mean_ttft_ms"] / 1e3, "e2el_p50_s": summary["median_e2el_ms"] / 1e3,
             "prefix_hit_rate": hits / queries if queries else 0.0,
-            "matched_blocks": _metric(metrics, "kvflow:route_prefix_matched_blocks_total"),
-            "index_lag_p99_s_upper_bound": _histogram_quantile(metrics, "kvflow:index_lag_seconds", 0.99),
+            "matched_blocks": metric_sum(metrics, "kvflow:route_prefix_matched_blocks_total") or 0.0,
+            "index_lag_p99_s_upper_bound": histogram_quantile(metrics, "kvflow:index_lag_seconds", 0.99),
             "completed": summary["completed"], "failed": summary["failed"],
             "request_throughput": summary["request_throughput"]}
 
