@@ -29,6 +29,8 @@ size 2 and tiny shapes, writing moe_x4_smoke.json (check and moe) and pp_x4_smok
 
 Measured on 4 x H200 (2026-11-27): check 86 s (beside tp_pd_x4's check), moe ~90 s per layout (EP4 loaded in 65 s), pp: TP4 59 s (70B loaded in 35 s); TP2 x PP2 hung before the pipe fix (engine/parallel/worker.py FrameReader).
 `python -m bench.moe_pp_x4 --smoke --out /tmp/x` takes 60-90 s on a 2-core CPU.
+A layout at a time: `cp bench/results/moe_x4_qwen3_30b_a3b.json $OUT/; python -m bench.moe_pp_x4 --parts moe
+--layouts tp4 --out $OUT` reruns TP4 and keeps the file's EP4 record (the device's $OUT starts empty).
 """
 
 from __future__ import annotations
@@ -280,6 +282,16 @@ class Bench:
         return {"part": part, "device": self.device, "commit": self.commit, "smoke": self.smoke,
                 "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:]}
 
+    def kept_records(self, part: str, rerun: set[str]) -> list[dict[str, Any]]:
+        """The part's file's records of layouts not run now (a layout per device call; records are dated by their
+        file's `date` and `argv`, kept in `earlier_runs`)."""
+        path = self.args.out / FILES[part]
+        if self.smoke or not self.args.layouts or not path.exists():
+            return []
+        earlier = json.loads(path.read_text())
+        return [{**r, "earlier_run": {k: earlier.get(k) for k in ("date", "argv", "commit")}}
+                for r in earlier.get("records", []) if r.get("layout") not in rerun]
+
     def write(self, part: str, record: dict[str, Any]) -> None:
         """A part's file; the smoke's two files hold their parts by name (check and moe, pp)."""
         if not self.smoke:
@@ -383,8 +395,11 @@ class Bench:
         workload = (f"{timing.model} {self.dtype} dummy: batch-1 decode ({timing.decode_long - timing.decode_short} "
                     f"tokens after a 32-token prompt), {timing.num_prompts} x {timing.input_len}/{timing.output_len} "
                     "offline throughput")
+        if self.args.layouts:  # a rerun of some layouts keeps the file's records of the others
+            layouts = tuple(layout for layout in layouts if layout.name in self.args.layouts)
         record: dict[str, Any] = {**self.context(part), "workload": workload, "model": timing.model,
-                                  "params": arch.num_params, "active_params": active_params(arch), "records": []}
+                                  "params": arch.num_params, "active_params": active_params(arch),
+                                  "records": self.kept_records(part, {layout.name for layout in layouts})}
         decode = {"short": timing.decode_short, "long": timing.decode_long, "prompt_len": 32, "repeats": 2}
         tput = {"num_prompts": timing.num_prompts, "input_len": timing.input_len, "output_len": timing.output_len}
         for layout in layouts:
@@ -454,6 +469,9 @@ def main() -> None:
     parser.add_argument("--side-by-side", type=int, default=None,
                         help="check jobs run at once (default: all on GPUs, 3 on CPU; 1: one after the other)")
     parser.add_argument("--job-timeout", type=float, default=240.0, help="seconds per timed engine (load included)")
+    parser.add_argument("--layouts", nargs="+", default=None,
+                        help="the timed parts' layouts to run (e.g. tp4; names: ep4 tp4 tp2_pp2); the --out file's "
+                             "records of the others are kept")
     parser.add_argument("--budget-s", type=float, default=585.0,
                         help="seconds for the whole run (the device call's 10 minutes, less start-up): no job runs "
                              "past it, one that would get under a minute is skipped; 0: no limit")

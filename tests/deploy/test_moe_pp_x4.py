@@ -53,3 +53,17 @@ def test_kernel_job_passes_under_the_interpreter() -> None:
     assert result["rows"][0]["status"] == "PASS" and result["rows"][0]["max_abs_err_fused"] < 0.1
     drop = result["ep_drop"]
     assert drop["status"] == "PASS" and [r["experts"] for r in drop["ranks"]] == [[0, 4], [4, 8]]
+
+
+def test_a_rerun_of_one_layout_keeps_the_files_records_of_the_others(tmp_path) -> None:  # noqa: ANN001
+    import json
+    from types import SimpleNamespace
+
+    (tmp_path / "moe_x4_qwen3_30b_a3b.json").write_text(json.dumps(
+        {"date": "then", "argv": ["--parts", "moe"], "records": [{"layout": "ep4", "decode_tok_s": 104.0},
+                                                                  {"layout": "tp4", "error": "skipped"}]}))
+    bench = SimpleNamespace(smoke=False, args=SimpleNamespace(out=tmp_path, layouts=["tp4"]))
+    kept = Bench.kept_records(bench, "moe", {"tp4"})  # type: ignore[arg-type]
+    assert [(r["layout"], r["decode_tok_s"], r["earlier_run"]["date"]) for r in kept] == [("ep4", 104.0, "then")]
+    bench.args.layouts = None  # a full run starts its file afresh
+    assert Bench.kept_records(bench, "moe", {"ep4", "tp4"}) == []  # type: ignore[arg-type]
