@@ -17,7 +17,8 @@ SLO: a request meets it if it completed, its TTFT <= slo["ttft_s"] and its TPOT 
 the first) <= slo["itl_s"]; slo_attainment = requests meeting it / requests sent (a failed one misses it).
 
 Writes $OUT/pd_adaptive_<workload>.json (--smoke: pd_adaptive_smoke.json), rewritten after each mode; its
-records' fields: bench/README.md.
+records' fields: bench/README.md. The file's records of modes not run are kept: a workload's modes can be measured
+over several device calls (copy the file into $OUT first: a device's $OUT starts empty).
 
 Servers: one per mode and workload (the same starting pools for each), warmed up with a few requests per class;
 --smoke (tiny model on CPU, seconds-long loads) starts one per mode for all workloads, all three up front.
@@ -377,6 +378,8 @@ def main() -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[12, 16, 20, 24])
     parser.add_argument("--seconds-per-rate", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="the servers' logs (default: a temporary folder); under $OUT they come back from a device")
     parser.add_argument("--itl-target-ms", type=float, default=None, help="adaptive's; default: serve's")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds-long loads: the plumbing")
     args = parser.parse_args()
@@ -391,7 +394,9 @@ def main() -> int:
     args.rates = args.rates[:1] if args.smoke else args.rates
     slo = SMOKE_SLO if args.smoke else SLO
     gpus = torch.cuda.device_count()
-    bench = Bench(Setup(args.out, Path(tempfile.mkdtemp(prefix="pd-adaptive-")), SMOKE_MODEL if args.smoke else MODEL,
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pd-adaptive-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(Setup(args.out, log_dir, SMOKE_MODEL if args.smoke else MODEL,
                         gpus >= 2),
                   slo, {m: mode_flags(m, slo, args.itl_target_ms, args.layout) for m in args.modes}, args.seed,
                   1 if args.smoke else 3, f"{gpus} x {device_name()}" if gpus > 1 else device_name(),

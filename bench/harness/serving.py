@@ -1,5 +1,5 @@
 """`kvflow serve` under test, logging into a folder of its own: serve.log (the router and launcher) and workers/
-(one log per worker), so a scenario can start several clusters in one working folder; and its /metrics totals.
+(one log per worker), so a scenario can start several clusters in one working folder.
 
 Invariant: every cluster gets a fresh folder under the scenario's; nothing is written outside it."""
 
@@ -9,8 +9,6 @@ import signal
 import tempfile
 from pathlib import Path
 
-import httpx
-
 from kvflow.benchmarks.server import ServerProcess
 
 
@@ -19,10 +17,4 @@ def kvflow_serve(work: Path, *flags: str, env: dict[str, str] | None = None,
     own = Path(tempfile.mkdtemp(prefix="serve-", dir=work))
     return ServerProcess.kvflow("serve", *flags, "--log-dir", str(own / "workers"), "--disable-log-requests",
                                 env=env, log_path=own / "serve.log", stop_signal=stop_signal)
-
-
-def metric_total(url: str, prefix: str, headers: dict[str, str] | None = None) -> float:
-    """The sum of a server's /metrics samples whose line starts with `prefix` (a name, or a name and labels)."""
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
