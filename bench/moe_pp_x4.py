@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.jobs import MULTICAST_OFF, answer_job, run_jobs
-from bench.harness.records import RESULTS, git_commit, log, write_json
+from bench.harness.records import RESULTS, git_commit, log, run_parts, write_json
 from bench.harness.runs import first_divergence
 from bench.tp_gpu import GRAPH_SIZES, H200_BF16_DENSE_TFLOPS, engine_job
 
@@ -483,14 +483,8 @@ def main() -> None:
     started = time.perf_counter()
     bench = Bench(args)
     log(f"device {bench.device}, world {bench.plan.world}, parts {' '.join(args.parts)}")
-    for part in PARTS:
-        if part in args.parts:
-            t0 = time.perf_counter()
-            try:
-                getattr(bench, part)()
-            except Exception as exc:  # noqa: BLE001  (one part's failure must not stop the others)
-                log(f"part {part} failed: {exc!r}")
-            log(f"part {part}: {time.perf_counter() - t0:.0f} s")
+    # one part's failure does not stop the others; each part records its own verdicts
+    run_parts([p for p in PARTS if p in args.parts], lambda part: getattr(bench, part)() or True)
     log(f"all parts: {time.perf_counter() - started:.0f} s")
 
 

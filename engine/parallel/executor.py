@@ -293,7 +293,7 @@ class TPDriverRunner(ModelRunner):
         """This rank's part of a submitted step, in submission order (engine/parallel/batch_queue.py)."""
         self._step_started = time.monotonic()
         try:
-            with self._hang.task(describe_step(self._steps, so), self._world.calls_since()):
+            with self._hang.task(lambda n=self._steps: describe_step(n, so), self._world.calls_since()):
                 return self._guard(lambda: super(TPDriverRunner, self).execute_model(so))
         finally:
             self._step_started = None
@@ -329,7 +329,7 @@ class TPDriverRunner(ModelRunner):
                 self._writing = (rank, time.monotonic())
                 try:
                     assert proc.stdin is not None
-                    with self._hang.task(f"writing a {len(payload)}-byte frame to rank {rank}"):
+                    with self._hang.task(lambda n=len(payload), r=rank: f"writing a {n}-byte frame to rank {r}"):
                         write_frame(proc.stdin, payload)
                 except (OSError, ValueError) as exc:
                     self._fail(f"tensor-parallel rank {rank} is unreachable: {exc}")

@@ -75,7 +75,7 @@ class HangWatch:
 
     def __init__(self, who: str, report_s: float, describe: Callable[[], str] | None = None) -> None:
         self.who, self.report_s, self.describe = who, report_s, describe
-        self._tasks: dict[int, tuple[str, float, Callable[[], str] | None]] = {}
+        self._tasks: dict[int, tuple[str | Callable[[], str], float, Callable[[], str] | None]] = {}
         self._reported: set[int] = set()
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -85,8 +85,9 @@ class HangWatch:
             threading.Thread(target=self._watch, name="hang-watch", daemon=True).start()
 
     @contextlib.contextmanager
-    def task(self, what: str, detail: Callable[[], str] | None = None) -> Iterator[None]:
-        """The block is one task; `detail()` (called only for a report) says what it did so far."""
+    def task(self, what: str | Callable[[], str], detail: Callable[[], str] | None = None) -> Iterator[None]:
+        """The block is one task, named by `what` (a callable is called only for a report: a task per step must
+        not format its name every step); `detail()` (also only for a report) says what it did so far."""
         if self.report_s <= 0:
             yield
             return
@@ -103,8 +104,10 @@ class HangWatch:
     def overdue(self, now: float) -> list[tuple[int, str, float, Callable[[], str] | None]]:
         """Tasks past `report_s` not reported yet (key, what, seconds, detail)."""
         with self._lock:
-            return [(key, what, now - started, detail) for key, (what, started, detail) in self._tasks.items()
+            late = [(key, what, now - started, detail) for key, (what, started, detail) in self._tasks.items()
                     if now - started > self.report_s and key not in self._reported]
+        return [(key, what if isinstance(what, str) else what(), seconds, detail)
+                for key, what, seconds, detail in late]
 
     def report_overdue(self, now: float | None = None) -> int:
         """Report every overdue task once; how many were reported."""

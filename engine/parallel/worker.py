@@ -133,7 +133,7 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
                     runner.initialize_kv_cache(int(num_blocks), int(num_swap))
             elif kind == MSG_STEP:
                 so = codec.decode(body)
-                with watch.task(describe_step(steps, so), world.calls_since()):
+                with watch.task(lambda n=steps, so=so: describe_step(n, so), world.calls_since()):
                     runner.execute_model(without_grammars(so))
                 steps += 1
             elif kind == MSG_EXTENSION and extension is not None:
