@@ -242,6 +242,9 @@ class Bench:
         self.smoke: bool = args.smoke
         self.cuda = torch.cuda.is_available() and not args.smoke
         self.plan = Plan.of(args.world or (2 if args.smoke else 4), args.smoke, args.side_by_side)
+        timed = list(dict.fromkeys(layout.name for layout in (*self.plan.moe_layouts, *self.plan.pp_timed)))
+        if unknown := sorted(set(args.layouts or ()) - set(timed)):
+            raise SystemExit(f"--layouts {' '.join(unknown)}: not a timed layout of this run ({' '.join(timed)})")
         if self.cuda and torch.cuda.device_count() < self.plan.world:
             raise SystemExit(f"needs {self.plan.world} GPUs (or --smoke on CPU)")
         if not self.cuda and not self.smoke:
