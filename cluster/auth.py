@@ -19,12 +19,11 @@ No credential at all (plain local dev) keeps the old behaviour: workers serve ev
 The token never appears in a repr, a log line or a command line built here; it travels to child processes in the
 environment only.
 
-Not covered here: an NCCL KV link's rendezvous (a c10d TCPStore on the prefill worker's advertised address; gloo
-links rendezvous over the authenticated `KVLinkStore` RPC, tensor-parallel ranks included: a worker hands its rank
-processes this credential with `env`, and they read it with `from_env`) and the NCCL/gloo sockets behind every link
-have no authentication of their own; their addresses are only handed out over the authenticated `KVLink` stream,
-and the network must keep strangers away from the workers' ports (the Helm chart's NetworkPolicies admit only
-decode pods to prefill pods). Workers' `--metrics-port` is plain Prometheus HTTP.
+KV links rendezvous over the authenticated `KVLinkStore` RPC (NCCL and gloo links, tensor-parallel ranks included:
+a worker hands its rank processes this credential with `env`, and they read it with `from_env`). Not covered here:
+the NCCL/gloo sockets behind every link have no authentication of their own; their addresses are only handed out
+over that authenticated rendezvous, and the network must keep strangers away from the workers' ports (the Helm
+chart's NetworkPolicies admit only decode pods to prefill pods). Workers' `--metrics-port` is plain Prometheus HTTP.
 """
 
 from __future__ import annotations

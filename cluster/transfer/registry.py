@@ -165,7 +165,6 @@ class WorkerTransfer:
 def build_worker_transfer(choice: str, port: KVPort, worker_id: str, address: str, channels: ChannelPool,
                           faults: FaultInjector) -> WorkerTransfer:
     """Both ends for a worker whose `--kv-transfer-backend` is `choice` and whose peers reach it at `address` (its
-    advertised host:port: its tensor-parallel ranks dial it for a gloo link's store, NCCL links' TCPStore binds its
-    host)."""
+    advertised host:port: its tensor-parallel ranks dial it for a link's store)."""
     receiver = build_receiver(choice, port, worker_id, channels, faults)
     return WorkerTransfer(SendEndpoint(choice, port, address), receiver, faults)

@@ -1,8 +1,8 @@
 """A gloo KV link's rendezvous store over the prefill worker's authenticated gRPC port (cluster/transfer/link/store.py):
 a pair group forms through it, the 16 pair groups of a fully crossed link between TP4 workers form through it within
 its bounds, a tensor-parallel rank process without the cluster credential is refused, and a peer cannot reach
-another link's keys nor grow the store (issue 27); and the NCCL links' TCPStore listens on the worker's advertised
-address alone."""
+another link's keys nor grow the store (issue 27); every link, NCCL included, rendezvouses only there (a decode
+rank refuses anything else, and c10d's own polls outside the link cost no call)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-import psutil
 import pytest
 import torch
 
@@ -21,12 +20,18 @@ from cluster.transfer.link.group import (
     PREFILL_RANK,
     PairGroup,
     RankGroups,
-    link_prefix,
-    serve_store,
+    join_groups,
 )
 from cluster.transfer.link.heads import plan_heads
 from cluster.transfer.link.ranks import _link_store
-from cluster.transfer.link.store import MAX_KEYS, MAX_VALUE_BYTES, LinkStores, RpcLinkStore, dial_link_store
+from cluster.transfer.link.store import (
+    MAX_KEYS,
+    MAX_VALUE_BYTES,
+    LinkStores,
+    RpcLinkStore,
+    dial_link_store,
+    link_prefix,
+)
 from kvflow.launcher import free_port
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
@@ -132,16 +137,29 @@ def test_a_peer_reaches_only_its_links_keys_within_bounds(served) -> None:  # no
     refused(grpc.StatusCode.NOT_FOUND, link_id="link-b", op=pb.KV_LINK_STORE_OP_GET, key=key)
 
 
-def test_the_nccl_links_tcp_store_listens_on_the_workers_address_alone() -> None:
-    store = serve_store("127.0.0.1")
-    listening = [c.laddr.ip for c in psutil.net_connections(kind="tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
-    assert listening == ["127.0.0.1"], listening
+def test_a_decode_rank_refuses_a_rendezvous_other_than_the_rpc_store() -> None:
+    """An older prefill worker's `ready` named an open TCPStore (NCCL links): no link forms on it."""
+    ready = pb.KVLinkReady(store_prefix=link_prefix("old"), timeout_s=1)
+    with pytest.raises(RuntimeError, match="KVLinkStore RPC"):
+        join_groups("gloo", ready, None, ())
+
+
+def test_c10d_polls_outside_the_link_are_answered_without_a_call() -> None:
+    """ProcessGroupNCCL's watchdog checks its store's root for a dump flag about once a second: the link store says
+    "absent" on the spot instead of sending an RPC the prefill worker would refuse."""
+
+    class NoCalls:
+        def KVLinkStore(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201, N802
+            raise AssertionError("no RPC expected")
+
+    store = RpcLinkStore(NoCalls(), "link-w", None, 1.0)
+    assert store.check(["exception_dump"]) is False
+    assert store.check([link_prefix("link-w") + "k", "exception_dump"]) is False
 
 
 def _rank_doc(link_id: str, address: str) -> dict:
     """What rank 0 tells a tensor-parallel rank's agent about a gloo link's store (cluster/transfer/link/send.py)."""
-    return {"link": link_id, "rpc_store": True, "address": address, "host": "", "port": 0, "timeout_s": 20}
+    return {"link": link_id, "address": address, "timeout_s": 20}
 
 
 def test_a_rank_process_reaches_the_link_store_only_with_the_cluster_credential(

@@ -181,7 +181,7 @@ def test_tensor_parallel_gloo_links_rendezvous_over_the_authenticated_rpc_store(
                                                   backend=pb.KV_TRANSFER_BACKEND_GLOO), timeout=20)
             ready = next(iter(stream)).ready
             stream.cancel()
-        assert ready.rpc_store and ready.store_port == 0 and not ready.store_host, ready
+        assert ready.rpc_store, ready
         assert len(ready.rank_heads) == 2
         with ClusterAuth().channel(prefill.address) as channel, pytest.raises(grpc.RpcError) as caught:
             kvflow_pb2_grpc.PrefillStub(channel).KVLinkStore(

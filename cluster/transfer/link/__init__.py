@@ -2,9 +2,8 @@
 (CPU workers, the same code path without GPUs), while gRPC carries the control.
 
 One link per (prefill worker, decode worker) pair, opened by the decode worker on first use through the prefill
-worker's `KVLink` RPC. That stream first says how to rendezvous (store.py: gloo links through the authenticated
-`KVLinkStore` RPC, every rank of both workers; NCCL links at a c10d TCPStore on the prefill worker's advertised
-address), then
+worker's `KVLink` RPC. That stream first says how to rendezvous (store.py: NCCL and gloo links alike through the
+authenticated `KVLinkStore` RPC, every rank of both workers), then
 carries one notice per link message, then heartbeats. Each link is its own 2-rank process group (prefill rank 0,
 decode rank 1), built from the store: no global default group, so a worker can hold links to many peers.
 
@@ -20,11 +19,10 @@ Tensor-parallel workers: a link is one 2-rank group per (prefill rank, decode ra
 TP and decode TP may differ; the receiving rank pulls the heads it holds from the rank that holds them, a replicated
 head from one rank only). Rank 0 of each side runs the KVLink stream and numbers the slices as above; it tells its
 other ranks each slice (export after the step that computed it; receive, then import before the next step), and a
-decode rank > 0 acks each received slice in its worker's TP store before rank 0 counts the slice. A gloo link's
-ranks > 0 (processes without a gRPC server) rendezvous over the prefill worker's `KVLinkStore` RPC like rank 0:
-rank 0 tells them the prefill worker's address, and they dial it with the credential their worker handed them in
-the environment (cluster/auth.py `env` / `from_env`). An NCCL link's ranks rendezvous at the TCPStore, with the
-trust caveat below.
+decode rank > 0 acks each received slice in its worker's TP store before rank 0 counts the slice. A link's ranks
+> 0 (processes without a gRPC server) rendezvous over the prefill worker's `KVLinkStore` RPC like rank 0: rank 0
+tells them the prefill worker's address, and they dial it with the credential their worker handed them in the
+environment (cluster/auth.py `env` / `from_env`).
 
 Invariants:
 - Message order. The prefill side numbers messages on the engine thread and queues the send and the notice in
@@ -40,13 +38,10 @@ Invariants:
   them starts after `forget(request_id)` returns, so the engine may free or reuse them at once.
 
 Trust: `KVLink` is a worker RPC like the others, served only to holders of the cluster credential
-(cluster/auth.py), and decode workers open links only to allowed prefill workers (decode_worker/allowlist.py). A gloo
-link's rendezvous rides that authenticated channel too, for every rank of both workers: tensor-parallel ranks > 0
-present the same credential (a call without it is UNAUTHENTICATED), and a gloo link opens no store port. An NCCL
-link's rendezvous is NOT authenticated (kept as it is until the RPC store can be checked on GPUs: ProcessGroupNCCL's
-heartbeat thread reads the store too): its c10d TCPStore (an ephemeral port on the prefill worker, bound to its
-advertised address only, not every interface; any key readable with `list_keys`) accepts anyone who reaches it. The
-NCCL/gloo data sockets of every link, gloo's included, have no authentication of their own either. Whoever reaches
+(cluster/auth.py), and decode workers open links only to allowed prefill workers (decode_worker/allowlist.py). A link's
+rendezvous rides that authenticated channel too, NCCL or gloo, for every rank of both workers: tensor-parallel ranks
+> 0 present the same credential (a call without it is UNAUTHENTICATED), and no link opens a store port. The
+NCCL/gloo data sockets of every link have no authentication of their own. Whoever reaches
 them could disturb a link's setup or take the decode worker's place in a new link and receive KV (prompt contents).
 Only the network keeps strangers out: the Helm chart's NetworkPolicies admit only decode pods to prefill pods' other
 ports; elsewhere, run links between hosts on a private network, or use `--kv-transfer-backend grpc` (KV inside the

@@ -1,5 +1,5 @@
 """What both ends of a KV link share: the pair's own 2-rank process group, the rendezvous (a gloo link's store over
-the KVLinkStore RPC, store.py; an NCCL link's c10d TCPStore on the prefill worker), the heartbeat of the `KVLink`
+the KVLinkStore RPC, store.py, for NCCL and gloo links alike), the heartbeat of the `KVLink`
 stream, and waiting for a send or receive without blocking past the link's death (see
 cluster/transfer/link/__init__.py for the link's invariants)."""
 
@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -117,58 +116,26 @@ class RankGroups:
 
 
 # ---- rendezvous ------------------------------------------------------------------------------------------------
-def link_prefix(link_id: str) -> str:
-    """The prefix of the link's keys in its store (the KVLinkStore RPC accepts no other key for the link)."""
-    return f"kvflow/link/{link_id}/"
-
-
-def listening_socket(host: str) -> socket.socket:
-    """A socket listening on an ephemeral port of `host`'s address alone."""
-    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind(address[:1] + (0,) + address[2:])
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def serve_store(host: str) -> dist.TCPStore:
-    """The prefill worker's rendezvous store, on an ephemeral port of `host` (blocking: call it off the loop).
-
-    c10d's own server would listen on every interface; it is handed a socket bound to the worker's advertised
-    address instead, so the store is reachable only where the worker's gRPC is. A host this machine cannot bind (a
-    name for another address) keeps the old behaviour, said in a warning."""
-    try:
-        sock = listening_socket(host)
-    except OSError as exc:
-        logger.warning("the KV-link rendezvous cannot listen on %s alone (%s): it listens on every interface", host,
-                       exc)
-        return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
-
-
 def pair_prefix(prefix: str, pair: HeadPair) -> str:
     """The pair's keys in the link's store: rank 0 to rank 0 under the link's own prefix (one-rank workers' links
     rendezvous as before tensor-parallel links existed), the other pairs under their own."""
     return prefix if (pair.src, pair.dst) == (0, 0) else f"{prefix}{pair.src}-{pair.dst}/"
 
 
-def tcp_store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def join_groups(backend: str, ready: pb.KVLinkReady, rpc_store: dist.Store | None, pairs: tuple[HeadPair, ...]
-                ) -> RankGroups:
-    """A decode rank's end: its pair groups as their decode rank (blocking), on `rpc_store` when `ready` says the
-    link's store is served over KVLinkStore, else at the TCPStore it names."""
+def join_groups(backend: str, ready: pb.KVLinkReady, store: dist.Store, pairs: tuple[HeadPair, ...]) -> RankGroups:
+    """A decode rank's end: its pair groups as their decode rank (blocking), on the link's store (the prefill
+    worker's KVLinkStore RPC)."""
+    check_rpc_rendezvous(ready.rpc_store)
     timeout_s = ready.timeout_s or SETUP_TIMEOUT_S
-    store = rpc_store if ready.rpc_store and rpc_store is not None else tcp_store_client(
-        ready.store_host, ready.store_port, timeout_s)
     return RankGroups(backend, store, ready.store_prefix, pairs, DECODE_RANK, timeout_s)
+
+
+def check_rpc_rendezvous(rpc_store: bool) -> None:
+    """Links rendezvous only over the authenticated KVLinkStore RPC; a prefill worker that offers anything else
+    (an older one's open TCPStore) gets no link: the pull falls back."""
+    if not rpc_store:
+        raise RuntimeError("the prefill worker offered a KV-link rendezvous other than its authenticated "
+                           "KVLinkStore RPC (an older kvflow?): this worker opens no such link")
 
 
 # ---- the KVLink stream -----------------------------------------------------------------------------------------

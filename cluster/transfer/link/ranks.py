@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.auth import ClusterAuth
-from cluster.transfer.link.group import DECODE_RANK, RankGroups, on_device, tcp_store_client
+from cluster.transfer.link.group import DECODE_RANK, RankGroups, on_device
 from cluster.transfer.link.heads import HeadPlan, assemble, plan_heads
 from cluster.transfer.link.send import SendLoop
 from cluster.transfer.link.store import dial_link_store
@@ -48,12 +48,10 @@ def _slice(raw: list[int]) -> KVSlice:
 
 
 def _link_store(doc: dict[str, Any], channels: list[grpc.Channel]) -> dist.Store:
-    """The link's rendezvous store as rank 0 told it: a gloo link's over the prefill worker's `KVLinkStore` RPC,
-    with the credential this process got from its worker's environment (the channel goes into `channels`, for the
-    caller to close); an NCCL link's at the prefill worker's TCPStore."""
+    """The link's rendezvous store: the prefill worker's `KVLinkStore` RPC at the address rank 0 told, with the
+    credential this process got from its worker's environment (the channel goes into `channels`, for the caller to
+    close)."""
     timeout_s = float(doc["timeout_s"])
-    if not doc.get("rpc_store"):
-        return tcp_store_client(doc["host"], int(doc["port"]), timeout_s)
     store, channel = dial_link_store(doc["address"], doc["link"], timeout_s, ClusterAuth.from_env())
     channels.append(channel)
     return store

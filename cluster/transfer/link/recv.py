@@ -23,6 +23,7 @@ from cluster.transfer.link.group import (
     LINK_DEAD_S,
     SETUP_TIMEOUT_S,
     RankGroups,
+    check_rpc_rendezvous,
     join_groups,
     link_backend_for,
     on_device,
@@ -200,11 +201,10 @@ class RecvLink:
         try:
             with on_device(self.port.device):
                 plan = self._plan()
-                rpc_store = RpcLinkStore(self._stub, self.link_id, self._loop, ready.timeout_s or SETUP_TIMEOUT_S) \
-                    if ready.rpc_store else None
+                check_rpc_rendezvous(ready.rpc_store)
+                rpc_store = RpcLinkStore(self._stub, self.link_id, self._loop, ready.timeout_s or SETUP_TIMEOUT_S)
                 self._tell_ranks({"op": "open_recv", "link": self.link_id, "backend": self.backend,
-                                  "rpc_store": ready.rpc_store, "address": self.address, "host": ready.store_host,
-                                  "port": ready.store_port, "prefix": ready.store_prefix,
+                                  "address": self.address, "prefix": ready.store_prefix,
                                   "timeout_s": ready.timeout_s or SETUP_TIMEOUT_S, "src": plan.src_heads,
                                   "dst": plan.dst_heads})
                 self._groups = join_groups(self.backend, ready, rpc_store, plan.receiving(0))

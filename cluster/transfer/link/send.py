@@ -27,10 +27,8 @@ from cluster.transfer.link.group import (
     RankGroups,
     link_backend_available,
     link_backend_for,
-    link_prefix,
     notices_and_heartbeats,
     on_device,
-    serve_store,
 )
 from cluster.transfer.link.heads import (
     HeadPair,
@@ -40,7 +38,7 @@ from cluster.transfer.link.heads import (
     plan_heads,
     same_but_heads,
 )
-from cluster.transfer.link.store import LinkStores
+from cluster.transfer.link.store import LinkStores, link_prefix
 from cluster.transfer.link.tell import ranks_alive, tell_ranks
 from cluster.wire import layout_from_proto
 from engine.kv_layout import KVSlice
@@ -143,12 +141,11 @@ class SendLink:
         return self.sends.bytes_sent
 
     def start(self, store: dist.Store, prefix: str, ready: pb.KVLinkReady, address: str) -> None:
-        """Join rank 0's pairs on `store`; the other ranks join theirs at the store `ready` names: this worker's
-        KVLinkStore RPC at `address` when `ready.rpc_store`, else the TCPStore."""
+        """Join rank 0's pairs on `store`; the other ranks join theirs through this worker's KVLinkStore RPC at
+        `address`."""
         if len(self.plan.src_heads) > 1:
             tell_ranks(self.port.ranks, {"op": "open_send", "link": self.link_id, "backend": self.backend,
-                                         "rpc_store": ready.rpc_store, "address": address,
-                                         "host": ready.store_host, "port": ready.store_port, "prefix": prefix,
+                                         "address": address, "prefix": prefix,
                                          "timeout_s": ready.timeout_s, "src": self.plan.src_heads,
                                          "dst": self.plan.dst_heads})
         self.sends.start(lambda: store, prefix, ready.timeout_s, self._on_exit)
@@ -208,18 +205,15 @@ class LinkSender:
 
 
 class LinkServer:
-    """The prefill worker's links, keyed by link id, and where every rank of both workers rendezvouses: gloo links
-    in a store per link, served over the authenticated `KVLinkStore` RPC at `address` (this worker's advertised
-    gRPC address, which its own tensor-parallel ranks dial too); NCCL links at a TCPStore on `address`'s host (until
-    the RPC store is checked on GPUs: a heartbeat thread of ProcessGroupNCCL reads the store too)."""
+    """The prefill worker's links, keyed by link id, and where every rank of both workers rendezvouses: a store per
+    link, served over the authenticated `KVLinkStore` RPC at `address` (this worker's advertised gRPC address, which
+    its own tensor-parallel ranks dial too), for NCCL and gloo links alike."""
 
     def __init__(self, port: KVPort, address: str) -> None:
         self.port = port
         self.backend = link_backend_for(port.device)
         self.address = address
-        self.store_host = address.rsplit(":", 1)[0]
         self.stores = LinkStores(SETUP_TIMEOUT_S)
-        self._tcp_store: dist.TCPStore | None = None
         self._links: dict[str, SendLink] = {}
 
     def get(self, link_id: str) -> SendLink | None:
@@ -246,18 +240,13 @@ class LinkServer:
         return plan_heads(self.port.ranks.heads, heads_from_proto(list(request.rank_heads),
                                                                   layout_from_proto(request.layout)))
 
-    async def _rendezvous(self, link_id: str, prefix: str) -> tuple[dist.Store, pb.KVLinkReady]:
-        """The store the prefill rank joins through, and what the decode side is told. gloo links rendezvous over
-        the KVLinkStore RPC (every rank of both workers, tensor-parallel ones included); NCCL links at the
-        TCPStore."""
-        heads = heads_to_proto(self.port.ranks.heads)
-        if self.backend == "gloo":
-            return self.stores.open(link_id, prefix), pb.KVLinkReady(store_prefix=prefix, timeout_s=SETUP_TIMEOUT_S,
-                                                                     rpc_store=True, rank_heads=heads)
-        if self._tcp_store is None:
-            self._tcp_store = await asyncio.to_thread(serve_store, self.store_host)
-        return self._tcp_store, pb.KVLinkReady(store_host=self.store_host, store_port=self._tcp_store.port,
-                                               store_prefix=prefix, timeout_s=SETUP_TIMEOUT_S, rank_heads=heads)
+    def _rendezvous(self, link_id: str, prefix: str) -> tuple[dist.Store, pb.KVLinkReady]:
+        """The store the prefill rank joins through, and what the decode side is told: every link, NCCL or gloo,
+        rendezvouses in its own store served over the authenticated KVLinkStore RPC (every rank of both workers,
+        tensor-parallel ones included), so no store port is open."""
+        return self.stores.open(link_id, prefix), pb.KVLinkReady(
+            store_prefix=prefix, timeout_s=SETUP_TIMEOUT_S, rpc_store=True,
+            rank_heads=heads_to_proto(self.port.ranks.heads))
 
     async def serve(self, request: pb.KVLinkRequest, context: grpc.aio.ServicerContext
                     ) -> AsyncIterator[pb.KVLinkMessage]:
@@ -275,7 +264,7 @@ class LinkServer:
             return
         link = SendLink(request.link_id, self.backend, self.port, asyncio.get_running_loop(), plan)
         prefix = link_prefix(request.link_id)
-        store, ready = await self._rendezvous(request.link_id, prefix)
+        store, ready = self._rendezvous(request.link_id, prefix)
         self._links[request.link_id] = link
         logger.info("KV link %s (%s) to decode worker %s: %d prefill x %d decode ranks, %d pairs", request.link_id,
                     self.backend, request.decode_worker_id, len(plan.src_heads), len(plan.dst_heads),

@@ -1,6 +1,6 @@
 """A KV link's rendezvous store, over the prefill worker's authenticated gRPC port instead of an open c10d TCPStore.
 
-The prefill rank keeps one in-process `dist.HashStore` per link (`LinkStores`). Every other rank of a gloo link (the
+The prefill rank keeps one in-process `dist.HashStore` per link (`LinkStores`). Every other rank of a link (the
 decode worker's rank 0, and the tensor-parallel ranks > 0 of both workers, which are processes of their own) builds
 its pair groups on `RpcLinkStore`, a `dist.Store` whose every call is a `KVLinkStore` RPC, carrying the cluster
 credential like every worker RPC, that the prefill worker applies to that link's store. Rank 0 of the decode worker
@@ -17,6 +17,8 @@ Invariants:
   peer cannot grow the prefill worker (RESOURCE_EXHAUSTED past them);
 - no call blocks the event loop or holds a thread: GET and WAIT poll for their keys on the loop (`_present`), at
   most the link's setup timeout, and only then touch the store;
+- c10d's own polls of keys outside the link (ProcessGroupNCCL's watchdog checks its store's root for a dump flag)
+  are answered "absent" on the calling side: no RPC, no refusal logged every second;
 - the decode side keeps its `RpcLinkStore` referenced for as long as the process group lives (c10d calls back into
   the Python object).
 """
@@ -45,6 +47,11 @@ CHANNEL_OPTIONS = (("grpc.max_send_message_length", 2 * MAX_VALUE_BYTES),
 KEYED_OPS = frozenset({pb.KV_LINK_STORE_OP_SET, pb.KV_LINK_STORE_OP_GET, pb.KV_LINK_STORE_OP_ADD,
                        pb.KV_LINK_STORE_OP_COMPARE_SET, pb.KV_LINK_STORE_OP_DELETE})
 WRITE_OPS = frozenset({pb.KV_LINK_STORE_OP_SET, pb.KV_LINK_STORE_OP_ADD, pb.KV_LINK_STORE_OP_COMPARE_SET})
+
+
+def link_prefix(link_id: str) -> str:
+    """The prefix of the link's keys in its store (the KVLinkStore RPC accepts no other key for the link)."""
+    return f"kvflow/link/{link_id}/"
 
 
 class LinkStores:
@@ -155,6 +162,7 @@ class RpcLinkStore(dist.Store):
     def __init__(self, stub: Any, link_id: str, loop: asyncio.AbstractEventLoop | None, timeout_s: float) -> None:
         super().__init__()
         self._stub, self._link_id, self._loop, self._timeout_s = stub, link_id, loop, timeout_s
+        self._prefix = link_prefix(link_id)
 
     def _call(self, op: int, **fields: Any) -> pb.KVLinkStoreResponse:
         request = pb.KVLinkStoreRequest(link_id=self._link_id, op=op, timeout_s=self._timeout_s, **fields)
@@ -181,6 +189,10 @@ class RpcLinkStore(dist.Store):
         self._call(pb.KV_LINK_STORE_OP_WAIT, keys=keys)
 
     def check(self, keys: list[str]) -> bool:
+        if not all(key.startswith(self._prefix) for key in keys):
+            # ProcessGroupNCCL's watchdog polls its store's root for a job-wide "dump" flag about once a second;
+            # a link's store has no root keys, so the answer is no, without a call
+            return False
         return self._call(pb.KV_LINK_STORE_OP_CHECK, keys=keys).ok
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:

@@ -481,20 +481,16 @@ class KVRankHeads(_message.Message):
     def __init__(self, heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVLinkReady(_message.Message):
-    __slots__ = ("store_host", "store_port", "store_prefix", "timeout_s", "rpc_store", "rank_heads")
-    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
-    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("store_prefix", "timeout_s", "rpc_store", "rank_heads")
     STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RPC_STORE_FIELD_NUMBER: _ClassVar[int]
     RANK_HEADS_FIELD_NUMBER: _ClassVar[int]
-    store_host: str
-    store_port: int
     store_prefix: str
     timeout_s: float
     rpc_store: bool
     rank_heads: _containers.RepeatedCompositeFieldContainer[KVRankHeads]
-    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., timeout_s: _Optional[float] = ..., rpc_store: _Optional[bool] = ..., rank_heads: _Optional[_Iterable[_Union[KVRankHeads, _Mapping]]] = ...) -> None: ...
+    def __init__(self, store_prefix: _Optional[str] = ..., timeout_s: _Optional[float] = ..., rpc_store: _Optional[bool] = ..., rank_heads: _Optional[_Iterable[_Union[KVRankHeads, _Mapping]]] = ...) -> None: ...
 
 class KVLinkStoreRequest(_message.Message):
     __slots__ = ("link_id", "op", "key", "value", "expected", "amount", "keys", "timeout_s")
