@@ -187,8 +187,8 @@ async def drive(url: str, load: list[Arrival], api_key: str) -> tuple[list[Reque
 
 async def poll_pools(client: httpx.AsyncClient, url: str, headers: dict[str, str], start: float,
                      done: asyncio.Event) -> list[tuple]:
-    """(seconds, {worker: pool}, pool moves so far or None), every POLL_S until `done`, once more after;
-    (seconds, None, None) for a poll that failed."""
+    """(seconds, {worker: pool}, pool moves so far or None, {worker: [running, waiting]}, {"path/reason": count}),
+    every POLL_S until `done`, once more after; (seconds, None, None, {}, {}) for a poll that failed."""
     samples: list[tuple] = []
     while True:
         last = done.is_set()
@@ -197,36 +197,58 @@ async def poll_pools(client: httpx.AsyncClient, url: str, headers: dict[str, str
             response.raise_for_status()
             samples.append((time.perf_counter() - start, *parse_pools(response.text)))
         except httpx.HTTPError:
-            samples.append((time.perf_counter() - start, None, None))
+            samples.append((time.perf_counter() - start, None, None, {}, {}))
         if last:
             return samples
         await asyncio.sleep(POLL_S)
 
 
-def parse_pools(text: str) -> tuple[dict[str, str], float | None]:
+def parse_pools(text: str) -> tuple[dict[str, str], float | None, dict[str, list[float]], dict[str, float]]:
+    """From one /metrics page: each worker's pool, the planner's moves so far, each worker's [running, waiting]
+    requests and the per-request prefill choices so far by path and reason."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    pools, moves = {}, None
+    pools, moves, queues, decisions = {}, None, {}, {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "kvflow:worker_pool" and s.value == 1:
                 pools[s.labels["worker"]] = s.labels["pool"]
             elif s.name == "kvflow:pool_moves_total":
                 moves = (moves or 0.0) + s.value
-    return pools, moves
+            elif s.name in ("kvflow:worker_num_requests_running", "kvflow:worker_num_requests_waiting"):
+                slot = 0 if s.name.endswith("running") else 1
+                queues.setdefault(s.labels["worker"], [0.0, 0.0])[slot] = s.value
+            elif s.name == "kvflow:prefill_path_decisions_total":
+                decisions[f"{s.labels['path']}/{s.labels['reason']}"] = s.value
+    return pools, moves, queues, decisions
+
+
+def load_timeline(samples: list[tuple], load: list[Arrival], results: list[RequestResult],
+                  bucket_s: float = 2.0) -> list[dict[str, Any]]:
+    """Per `bucket_s` of arrival time: requests, their TTFT p50 / p90, and each worker's [running, waiting] at the
+    bucket's first poll (how a backlog builds, and where)."""
+    out = []
+    for start in np.arange(0.0, max((a.at for a in load), default=0.0) + bucket_s, bucket_s):
+        ttfts = [r.ttft_s for a, r in zip(load, results, strict=True) if r.ok and start <= a.at < start + bucket_s]
+        polls = [s for s in samples if s[1] is not None and s[0] >= start]
+        out.append({"t_s": float(start), "requests": len(ttfts),
+                    "ttft_p50_s": round(float(np.percentile(ttfts, 50)), 3) if ttfts else None,
+                    "ttft_p90_s": round(float(np.percentile(ttfts, 90)), 3) if ttfts else None,
+                    "workers_running_waiting": polls[0][3] if polls else None})
+    return out
 
 
 def pool_record(samples: list[tuple], change_at: float | None) -> dict[str, Any]:
     """pool_moves (and, given the phase change, seconds_to_adapt and pool_timeline); None where no pools."""
     good = [s for s in samples if s[1] is not None]
-    has_pools = any(pools for _, pools, _ in good)
-    moves = [m for _, _, m in good if m is not None]
+    has_pools = any(sample[1] for sample in good)
+    moves = [sample[2] for sample in good if sample[2] is not None]
     out: dict[str, Any] = {"pool_moves": moves[-1] - moves[0] if has_pools and moves else None,
                            "metrics_poll_failures": len(samples) - len(good)}
     if change_at is None:
         return out
-    timeline = [{"t_s": round(t, 2), "pools": pools} for i, (t, pools, _) in enumerate(good)
-                if i == 0 or pools != good[i - 1][1]]
+    timeline = [{"t_s": round(sample[0], 2), "pools": sample[1]} for i, sample in enumerate(good)
+                if i == 0 or sample[1] != good[i - 1][1]]
     changes = [e["t_s"] - change_at for e in timeline[1:] if e["t_s"] >= change_at]
     return {**out, "seconds_to_adapt": max(changes, default=0.0) if has_pools else None,
             "pool_timeline": timeline if has_pools else None}
@@ -263,7 +285,9 @@ def measure(url: str, api_key: str, workload: Workload, load: list[Arrival], slo
               "phases": [{"name": ph.name, "seconds": ph.seconds,
                           **metrics([r for a, r in pairs if a.phase == i], slo)}
                          for i, ph in enumerate(workload.phases)],
-              **pool_record(samples, workload.phases[0].seconds if workload.key == "changing" else None)}
+              **pool_record(samples, workload.phases[0].seconds if workload.key == "changing" else None),
+              "prefill_path_decisions": next((s[4] for s in reversed(samples) if s[1] is not None), {}),
+              "load_timeline": load_timeline(samples, load, results)}
     return {**record, "request_rate": workload.rate} if workload.rate is not None else record
 
 

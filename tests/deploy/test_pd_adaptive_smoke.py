@@ -42,20 +42,25 @@ def router_metrics(pools: dict[str, str], moves: int) -> str:
     rows = [f'kvflow:worker_pool{{pool="{pool}",worker="{w}"}} {float(pool == mine)}'
             for w, mine in pools.items() for pool in ("prefill", "decode")]
     return "\n".join(["# TYPE kvflow:worker_pool gauge", *rows, "# TYPE kvflow:pool_moves counter",
-                      f'kvflow:pool_moves_total{{from="decode",to="prefill"}} {moves}.0', ""])
+                      f'kvflow:pool_moves_total{{from="decode",to="prefill"}} {moves}.0',
+                      "# TYPE kvflow:worker_num_requests_waiting gauge",
+                      *[f'kvflow:worker_num_requests_waiting{{worker="{w}"}} {moves}.0' for w in pools],
+                      "# TYPE kvflow:prefill_path_decisions counter",
+                      f'kvflow:prefill_path_decisions_total{{path="local",reason="faster_local"}} {moves}.0', ""])
 
 
 def test_pools_parsed_from_the_router_metrics_and_the_adaptation_timed() -> None:
     one, two, three = {"a": "prefill", "b": "decode"}, {"a": "prefill", "b": "prefill"}, {"a": "decode", "b": "prefill"}
-    assert parse_pools(router_metrics(one, 3)) == (one, 3.0)
+    assert parse_pools(router_metrics(one, 3)) == (one, 3.0, {"a": [0.0, 3.0], "b": [0.0, 3.0]},
+                                                    {"local/faster_local": 3.0})
     # Phase 2 starts at 60 s: b moves to prefill at 61.0 s, a poll fails at 61.5, a moves to decode at 63.5.
     polls = [(0.0, one, 1), (30.0, one, 1), (61.0, two, 2), (63.5, three, 3), (70.0, three, 3)]
     samples = [(t, *parse_pools(router_metrics(pools, moves))) for t, pools, moves in polls]
-    record = pool_record([*samples[:3], (61.5, None, None), *samples[3:]], change_at=60.0)
+    record = pool_record([*samples[:3], (61.5, None, None, {}, {}), *samples[3:]], change_at=60.0)
     assert record["pool_moves"] == 2.0 and record["metrics_poll_failures"] == 1
     assert record["seconds_to_adapt"] == 3.5 and [e["pools"] for e in record["pool_timeline"]] == [one, two, three]
     assert pool_record(samples[:2], change_at=60.0)["seconds_to_adapt"] == 0.0
-    assert pool_record([(0.0, {}, None)], change_at=60.0) == {"pool_moves": None, "metrics_poll_failures": 0,
+    assert pool_record([(0.0, {}, None, {}, {})], change_at=60.0) == {"pool_moves": None, "metrics_poll_failures": 0,
                                                               "seconds_to_adapt": None, "pool_timeline": None}
 
 
@@ -81,4 +86,7 @@ def test_smoke_records_every_field_for_every_mode(tmp_path: Path) -> None:
             assert r["classes"]["chat"]["itl_max_s"] is not None and r["classes"]["doc"]["ttft_p99_s"] is not None
     adaptive = [r for r in records if r["mode"] == "adaptive" and "changing" in r["workload"]]
     assert all(r["pool_moves"] is not None for r in adaptive), "adaptive exports kvflow:pool_moves_total"
+    for r in records:  # the diagnostics: where each request was prefilled, and how the backlog moved
+        assert sum(r["prefill_path_decisions"].values()) >= r["requests"] or r["mode"] != "adaptive", r
+        assert sum(b["requests"] for b in r["load_timeline"]) == r["requests"] - r["failed"]
     assert done.returncode == 0, done.stdout[-3000:]
