@@ -64,6 +64,11 @@ def add_engine_args(parser: argparse.ArgumentParser, d: Any, *, default_log_stat
                    help="when requests are decoding, prefill tokens per step are capped so that a step is "
                         "predicted (from measured step times) to take at most this many milliseconds; steps "
                         "without decodes are not capped. Needs chunked prefill. Off by default")
+    g.add_argument("--ttft-target-ms", type=float, default=None,
+                   help="with --itl-target-ms: when the prompt tokens queued on this engine would not all be "
+                        "prefilled within this many milliseconds at the capped rate, the cap yields to the chunk "
+                        "size that does (up to --max-num-batched-tokens): waiting prompts' TTFT is traded against "
+                        "the decodes' gaps. Off by default (the cap never yields)")
     g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap space")
     g.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
                    help="GiB of the model's weights (whole decoder layers, first layers first) kept in pinned "

@@ -142,6 +142,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     itl_target_ms: float | None = None  # None: off (prefill chunks are bounded by max_num_batched_tokens only)
+    ttft_target_ms: float | None = None  # with itl_target_ms: the queued prompts' drain time that makes the cap yield
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed to the GPU per layer (CUDA only)
     kv_offloading_size: float | None = None  # GiB of host memory for evicted prefix-cache blocks; None: off
@@ -265,6 +266,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             itl_target_ms=self.itl_target_ms,
+            ttft_target_ms=self.ttft_target_ms,
         )
 
     def _model_config(self, resolved: ResolvedModel, dtype: str, device: str, max_model_len: int) -> ModelConfig:
@@ -385,6 +387,7 @@ class EngineArgs:
                 raise ValueError(message)
         check_generation_config(self.generation_config)
         self.validate_itl_target()
+        self.validate_ttft_target()
         self.validate_kv_offloading()
         self.validate_parallel()
 
@@ -399,6 +402,17 @@ class EngineArgs:
         if not self.enable_chunked_prefill:
             raise ValueError("--itl-target-ms needs chunked prefill (it caps prefill chunks); drop "
                              "--no-enable-chunked-prefill or --itl-target-ms")
+
+    def validate_ttft_target(self) -> None:
+        """ttft_target_ms (--ttft-target-ms): positive when set, and only beside --itl-target-ms (it says when
+        that cap yields; alone it would do nothing)."""
+        target = self.ttft_target_ms
+        if target is None:
+            return
+        if not target > 0 or target == float("inf"):
+            raise ValueError(f"--ttft-target-ms must be a positive number of milliseconds, got {target:g}")
+        if self.itl_target_ms is None:
+            raise ValueError("--ttft-target-ms only says when the --itl-target-ms cap yields: give both, or neither")
 
     def validate_kv_offloading(self) -> None:
         """kv_offloading_size / kv_offloading_backend (cheap: `kvflow serve` checks them before starting a worker)."""

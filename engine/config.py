@@ -64,6 +64,10 @@ class SchedulerConfig:
     # --itl-target-ms: while requests decode, cap a step's prefill tokens so that the step is predicted to take at
     # most this long (engine/core/step_budget.py). None: off. Needs chunked prefill.
     itl_target_ms: float | None = None
+    # --ttft-target-ms (with itl_target_ms): the cap yields when the prompt tokens queued here would not all be
+    # prefilled within this long at the capped rate; chunks then grow to the rate that does (or to
+    # max_num_batched_tokens). Waiting prompts' TTFT is weighed against the decodes' gaps. None: the cap never yields.
+    ttft_target_ms: float | None = None
 
 
 @dataclass(frozen=True)

@@ -272,25 +272,25 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         sched = self.scheduler
-        pending = [*sched.waiting, *sched.running]
-        queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in pending)
+        queued = sched.queued_prefill_tokens()
         pool = self.kv_manager.pool
         return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
                           pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions,
-                          self.busy.fraction(time.perf_counter()), self._prefill_rate(), self._host_reload_cost(),
+                          self.busy.fraction(time.perf_counter()), self._prefill_rate(queued), self._host_reload_cost(),
                           self.kv_manager.stats.host_hits)
 
     def _host_reload_cost(self) -> float:
         tier = self.runner.kv_tier
         return self.reload_cost.fraction(tier.copy_seconds_per_block) if tier is not None else 0.0
 
-    def _prefill_rate(self) -> float:
+    def _prefill_rate(self, queued_tokens: int) -> float:
         if self.step_model is None:
             return 0.0
         config = self.config.scheduler
         target = config.itl_target_ms / 1000 if config.itl_target_ms is not None else None
+        backlog_rate = queued_tokens / (config.ttft_target_ms / 1000) if config.ttft_target_ms is not None else 0.0
         decoding = sum(1 for r in self.scheduler.running if r.prefill_done)
-        return self.step_model.prefill_tokens_per_s(decoding, target, config.max_num_batched_tokens)
+        return self.step_model.prefill_tokens_per_s(decoding, target, config.max_num_batched_tokens, backlog_rate)
 
     @property
     def device(self) -> torch.device:

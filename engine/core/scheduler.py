@@ -11,7 +11,8 @@ preempts them (their blocks are being written), and `max_seqs` caps the batch's 
 With `itl_target_ms` set (and chunked prefill on), a step that holds at least one decoding request also caps its
 prefill tokens (running prefill chunks and new admissions together) at the step-time model's budget
 (engine/core/step_budget.py), so the decodes' inter-token gap stays near the target. Decode tokens are never
-capped; a step without decodes is not capped either.
+capped; a step without decodes is not capped either. With `ttft_target_ms` too, the cap yields to the chunk that
+prefills every queued prompt token within that target.
 """
 
 from __future__ import annotations
@@ -280,7 +281,24 @@ class Scheduler:
         # The chunk the cap will mostly go to: a running prompt's next one, else the next admission's first.
         first = next((r for r in self.running if not is_decoding(r)), self.waiting[0] if self.waiting else None)
         context = first.num_computed_tokens if first is not None else 0
-        return self.prefill_budget.prefill_token_budget(num_decodes, target_ms / 1000.0, context)
+        cap = self.prefill_budget.prefill_token_budget(num_decodes, target_ms / 1000.0, context)
+        return self._yield_to_queue(cap, num_decodes, context)
+
+    def _yield_to_queue(self, cap: int | None, num_decodes: int, context: int) -> int | None:
+        """`ttft_target_ms`: the cap grows to the chunk predicted to prefill every queued prompt token within the
+        target (gaps stretch while a burst of prompts drains, instead of every prompt waiting past its TTFT)."""
+        ttft_ms = self.config.ttft_target_ms
+        if cap is None or ttft_ms is None or self.prefill_budget is None:
+            return cap
+        rate = self.queued_prefill_tokens() / (ttft_ms / 1000.0)
+        needed = self.prefill_budget.prefill_tokens_for_rate(num_decodes, rate, context,
+                                                             self.config.max_num_batched_tokens)
+        return max(cap, needed)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting here but not computed yet (a remote prefill's are not this
+        engine's work: those requests wait in `remote_waiting`)."""
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in (*self.waiting, *self.running))
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, apply stop rules; returns the requests that changed."""

@@ -1,4 +1,5 @@
-"""`--itl-target-ms`: an online model of step time, and the prefill tokens a step may carry to meet a target.
+"""`--itl-target-ms`: an online model of step time, and the prefill tokens a step may carry to meet a target
+(and, with `--ttft-target-ms`, the larger chunk that drains the queued prompts in time: the cap then yields).
 
 A step's wall time is modelled as
 
@@ -45,6 +46,10 @@ class PrefillBudget(Protocol):
     """What the scheduler asks each step while `--itl-target-ms` is set."""
 
     def prefill_token_budget(self, num_decode_seqs: int, target_s: float, context_tokens: int = 0) -> int | None:
+        ...
+
+    def prefill_tokens_for_rate(self, num_decode_seqs: int, tokens_per_s: float, context_tokens: int,
+                                max_tokens: int) -> int:
         ...
 
 
@@ -211,15 +216,43 @@ class StepTimeModel:
             return seen  # prefill looks free, or cheap enough: as far as the model has seen
         return max(self.floor_tokens, int(fits))
 
-    def prefill_tokens_per_s(self, num_decode_seqs: int, target_s: float | None, chunk_tokens: int) -> float:
+    def prefill_tokens_for_rate(self, num_decode_seqs: int, tokens_per_s: float, context_tokens: int,
+                                max_tokens: int) -> int:
+        """The smallest chunk (after `context_tokens` cached ones) predicted to prefill at `tokens_per_s` or faster
+        beside `num_decode_seqs` decodes, within what the model has seen (`growth` x the largest chunk) and
+        `max_tokens`; the largest such chunk when none is fast enough; `floor_tokens` while the fit is not trusted.
+        A step's fixed cost is paid per chunk, so a larger chunk prefills faster (binary search on that)."""
+        cost = self.cost()
+        largest = max(self.floor_tokens, min(max_tokens, int(self.growth * self.largest_prefill())))
+        if cost is None or tokens_per_s <= 0:
+            return self.floor_tokens
+
+        def fast_enough(tokens: int) -> bool:
+            seconds = cost.predict(num_decode_seqs, tokens, attention_pairs(tokens, context_tokens))
+            return seconds <= 0 or tokens / seconds >= tokens_per_s
+
+        if not fast_enough(largest):
+            return largest
+        low, high = self.floor_tokens, largest  # fast_enough(high) holds
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fast_enough(middle) else (middle + 1, high)
+        return high
+
+    def prefill_tokens_per_s(self, num_decode_seqs: int, target_s: float | None, chunk_tokens: int,
+                             backlog_tokens_per_s: float = 0.0) -> float:
         """How fast a prompt admitted now would prefill beside `num_decode_seqs` decodes, in chunks of at most
-        `chunk_tokens` (fewer under `target_s` while decodes run); 0.0 while the fit is not trusted. The router
-        weighs local against remote prefill with it."""
+        `chunk_tokens` (fewer under `target_s` while decodes run, unless the queue needs `backlog_tokens_per_s`:
+        the scheduler's cap yields to that, see `prefill_tokens_for_rate`); 0.0 while the fit is not trusted. The
+        router weighs local against remote prefill with it."""
         cost = self.cost()
         if cost is None:
             return 0.0
         tokens = chunk_tokens
         if num_decode_seqs and target_s is not None:
             tokens = min(self.prefill_token_budget(num_decode_seqs, target_s) or chunk_tokens, chunk_tokens)
+            if backlog_tokens_per_s > 0:
+                tokens = max(tokens, self.prefill_tokens_for_rate(num_decode_seqs, backlog_tokens_per_s, 0,
+                                                                  chunk_tokens))
         seconds = cost.predict(num_decode_seqs, tokens, attention_pairs(tokens, 0))
         return tokens / seconds if seconds > 0 else 0.0

@@ -120,6 +120,23 @@ def test_coefficients_are_never_negative() -> None:
                                     cost.mixed_step_s) >= 0
 
 
+def test_the_chunk_for_a_rate_is_the_smallest_fast_enough_within_what_was_seen() -> None:
+    """--ttft-target-ms: the cap yields to the smallest chunk predicted to prefill at the queue's needed rate."""
+    model = trained()  # 10 decodes: a step costs 2 + 1 + 1 ms fixed, plus 10 us a prefill token
+    fixed, per_token = 4e-3, 1e-5
+    want = 50_000.0  # tokens / (4 ms + 10 us x tokens) >= 50k: tokens >= 400
+    chunk = model.prefill_tokens_for_rate(10, want, 0, 8192)
+    assert chunk in (399, 400, 401)  # rounding of the fit
+    assert chunk / (fixed + per_token * chunk) >= want * (1 - 1e-6)
+    assert model.prefill_tokens_for_rate(10, 1.0, 0, 8192) == model.floor_tokens  # a short queue: the floor
+    assert model.prefill_tokens_for_rate(10, 99_000.0, 0, 8192) == 2048  # never fast enough: as far as seen
+    assert model.prefill_tokens_for_rate(10, 99_000.0, 0, 1000) == 1000  # ... and max_num_batched_tokens
+    assert StepTimeModel().prefill_tokens_for_rate(10, want, 0, 8192) == 16  # no fit yet: the floor
+    # the rate a new prompt is quoted grows with the queue the cap yields to
+    slow, fast = (model.prefill_tokens_per_s(10, 0.0045, 8192, backlog) for backlog in (0.0, want))
+    assert slow < 20_000 < want * 0.99 <= fast
+
+
 # ---- (b) the scheduler's cap ------------------------------------------------------------------------------------
 class FixedBudget:
     """A step-time model stand-in that always answers `tokens`."""
@@ -128,11 +145,18 @@ class FixedBudget:
         self.tokens = tokens
         self.asked: list[tuple[int, float]] = []
         self.contexts: list[int] = []
+        self.rates: list[float] = []
 
     def prefill_token_budget(self, num_decode_seqs: int, target_s: float, context_tokens: int = 0) -> int | None:
         self.asked.append((num_decode_seqs, target_s))
         self.contexts.append(context_tokens)
         return self.tokens
+
+    def prefill_tokens_for_rate(self, num_decode_seqs: int, tokens_per_s: float, context_tokens: int,
+                                max_tokens: int) -> int:
+        """A step of 10 ms whatever it carries: the chunk is the queue's rate x 10 ms."""
+        self.rates.append(tokens_per_s)
+        return min(max(1, math.ceil(tokens_per_s * 0.010)), max_tokens)
 
 
 def _request(rid: str, n_prompt: int, max_tokens: int = 50) -> Request:
@@ -198,6 +222,26 @@ def test_a_capped_prefill_never_blocks_the_decodes_behind_it() -> None:
     out = sched.schedule()
     assert _sizes(out) == {"p": 16, "a": 1}  # "q" waits: the cap is spent; the decode still runs
     assert out.chunks[-1].request_id == "a" and budget.asked[-1] == (1, 0.025)
+
+
+def test_the_cap_yields_to_a_queue_that_would_miss_the_ttft_target() -> None:
+    budget = FixedBudget(4)
+    kv = KVCacheManager(256, 4, BlockHasher.for_model("t", 4), enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                                      itl_target_ms=25.0, ttft_target_ms=100.0), kv, None, budget)
+    sched.add_request(_request("a", 4))
+    _advance(sched, sched.schedule())
+    sched.add_request(_request("b", 20))  # 20 queued tokens in 100 ms: 200 tokens/s, 2 a step, under the cap
+    assert sched.queued_prefill_tokens() == 20
+    out = sched.schedule()
+    assert _sizes(out) == {"a": 1, "b": 4} and out.prefill_token_cap == 4 and budget.rates == [200.0]
+    _advance(sched, out)
+    for name in "cde":
+        sched.add_request(_request(name, 100))  # 16 + 300 queued: 3,160 tokens/s, 32 a step, over the cap
+    out = sched.schedule()
+    assert out.prefill_token_cap == 32 and budget.rates[-1] == 3160.0
+    assert _sizes(out) == {"a": 1, "b": 16, "c": 16}
+    assert sched.queued_prefill_tokens() == 316  # nothing computed until the step's output comes back
 
 
 @pytest.mark.parametrize(("itl_target_ms", "chunked", "first", "second"), [
@@ -300,6 +344,30 @@ def test_bad_targets_are_refused_naming_the_flag(bad: float) -> None:
         EngineArgs(model="tiny", itl_target_ms=bad).create_engine_config()
 
 
+@pytest.mark.parametrize(("args", "match"), [
+    ({"itl_target_ms": 30, "ttft_target_ms": 0.0}, "--ttft-target-ms must be a positive number"),
+    ({"itl_target_ms": 30, "ttft_target_ms": float("nan")}, "--ttft-target-ms must be a positive number"),
+    ({"ttft_target_ms": 500.0}, "--ttft-target-ms only says when the --itl-target-ms cap yields"),
+])
+def test_bad_ttft_targets_are_refused_naming_the_flag(args: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model="tiny", **args).create_engine_config()
+
+
+def test_adaptive_serve_on_gpus_sets_both_targets_from_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvflow.launcher
+    from kvflow.commands.serve import adaptive_itl_target
+
+    monkeypatch.setattr(kvflow.launcher, "visible_gpus", lambda: [0, 1])
+    gpu = EngineArgs(model="tiny", device="cuda")
+    got = adaptive_itl_target(gpu, "adaptive", 40.0, 1000.0)
+    assert (got.itl_target_ms, got.ttft_target_ms) == (32.0, 500.0)
+    assert adaptive_itl_target(EngineArgs(model="tiny", device="cuda", ttft_target_ms=300.0), "adaptive", 40.0,
+                               1000.0).ttft_target_ms == 300.0  # the user's own
+    assert adaptive_itl_target(gpu, "static", 40.0, 1000.0) == gpu
+    assert adaptive_itl_target(EngineArgs(model="tiny", device="cpu"), "adaptive", 40.0, 1000.0).itl_target_ms is None
+
+
 def test_the_target_needs_chunked_prefill() -> None:
     with pytest.raises(ValueError, match="--itl-target-ms needs chunked prefill"):
         EngineArgs(model="tiny", itl_target_ms=20, enable_chunked_prefill=False).create_engine_config()
@@ -318,6 +386,11 @@ def test_the_flag_reaches_the_config_and_the_workers() -> None:
     assert engine_args.itl_target_ms == 40.0
     forwarded = engine_argv(engine_args)  # what `kvflow serve` hands its workers
     assert forwarded[forwarded.index("--itl-target-ms") + 1] == "40.0"
+    args = parser.parse_args(prepare_argv(parser, ["serve", "--itl-target-ms", "40", "--ttft-target-ms", "400"]))
+    forwarded = engine_argv(EngineArgs.from_cli_args(args))
+    assert forwarded[forwarded.index("--ttft-target-ms") + 1] == "400.0"
+    assert EngineArgs(model="tiny", itl_target_ms=40, ttft_target_ms=400).create_engine_config(
+    ).scheduler.ttft_target_ms == 400
     back = parser.parse_args(["decode", "--port", "1", *forwarded])
     assert EngineArgs.from_cli_args(back).itl_target_ms == 40.0
     assert "--itl-target-ms" not in engine_argv(EngineArgs())  # off is not forwarded
