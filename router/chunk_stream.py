@@ -57,7 +57,9 @@ class ChunkStream:
         self._base = envelope(kind, completion_id(prepared.request_id, chat), prepared.model, prepared.created)
         self._head = f'data: {json.dumps(self._base)[:-1]}, "choices": '  # every chunk's start, up to its choices
         self._num_choices = len(prepared.prompts) * self._n
-        self._sent_text: dict[int, str] = {}  # per choice, the text streamed so far
+        # per choice, the text streamed so far, in pieces: appending to one string per token copies it each time
+        # (quadratic in a long output); joined only at the end, where the whole text is needed
+        self._sent_parts: dict[int, list[str]] = {}
         self._num_tokens: dict[int, int] = {}  # per choice, tokens streamed so far (continuous usage)
         self._finished: set[int] = set()
         self._usage_of: dict[int, pb.Usage] = {}  # per prompt, the latest its worker reported (an aborted one's too)
@@ -120,7 +122,7 @@ class ChunkStream:
                 yield self._choice_event(index, "", list(chunk.logprobs), tool_delta=tool_delta or {})
             if finish is not None:
                 self._finished.add(index)
-                tool_delta, finish = tools.finish(self._sent_text[index], finish)
+                tool_delta, finish = tools.finish(self._sent_text(index), finish)
                 yield self._choice_event(index, "", [], finish, stop_reason(chunk), tool_delta=tool_delta)
         elif chunk.text or chunk.logprobs or chunk.token_ids or finish:  # as vLLM: one event per step
             self._record(index, chunk)  # text may be "" (no tokenizer)
@@ -136,7 +138,7 @@ class ChunkStream:
         """A choice's final message: it ends the choice unless a chunk already did, with the text not yet sent."""
         if index in self._finished:
             return
-        already = self._sent_text.get(index, "")
+        already = self._sent_text(index)
         rest = choice.text[len(already):] if choice.text.startswith(already) else ""
         self._finished.add(index)
         tools = self._tool_stream(index)
@@ -147,8 +149,17 @@ class ChunkStream:
         yield self._choice_event(index, rest, [], FINISH.get(choice.finish_reason), stop_reason(choice))
 
     def _record(self, index: int, chunk: pb.GenerateChunk) -> None:
-        self._sent_text[index] = self._sent_text.get(index, "") + chunk.text
+        if chunk.text:
+            self._sent_parts.setdefault(index, []).append(chunk.text)
         self._num_tokens[index] = self._num_tokens.get(index, 0) + len(chunk.token_ids)
+
+    def _sent_text(self, index: int) -> str:
+        parts = self._sent_parts.get(index)
+        if parts is None:
+            return ""
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0]
 
     def _tool_stream(self, index: int) -> ToolStream | None:
         """The choice's tool-call parser, when this chat request's output becomes tool calls."""

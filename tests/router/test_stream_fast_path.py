@@ -1,6 +1,6 @@
 """The streaming hot path's shortcuts keep the bytes: a token event formatted directly equals the one built from
-dicts and json.dumps (completions and chat, any text), and a stream that fell behind sends its queued events
-joined in one write, each whole and in order."""
+dicts and json.dumps (completions and chat, any text), a choice's final message sends only what was not streamed,
+and a stream that fell behind sends its queued events joined in one write, each whole and in order."""
 
 from __future__ import annotations
 
@@ -47,6 +47,21 @@ def test_chunks_take_the_fast_path_only_when_it_applies(chat: bool) -> None:
     assert lines == expected
     usage = _stream(chat, continuous_usage=True)  # per-chunk usage: the generic path
     assert '"usage"' in list(usage._on_response(0, token))[-1]
+
+
+def test_the_final_message_sends_only_the_text_not_streamed_yet() -> None:
+    """A choice that ends in the complete message (an abort that did not migrate, a detokenizer's held-back tail)
+    gets exactly the rest of its text, however many chunks came before."""
+    stream = _stream(chat=False)
+    pieces = [f" t{i}" for i in range(500)]
+    for i, text in enumerate(pieces):
+        list(stream._on_response(0, pb.GenerateResponse(chunk=pb.GenerateChunk(index=0, token_ids=[i], text=text))))
+    whole = "".join(pieces) + " tail"
+    complete = pb.GenerateResponse(complete=pb.GenerateComplete(choices=[pb.CompletionChoice(
+        index=0, text=whole, finish_reason=pb.FINISH_REASON_STOP)]))
+    (event,) = list(stream._on_response(0, complete))
+    assert event == _stream(chat=False)._choice_event(0, " tail", [], "stop", None)
+    assert stream._sent_text(0) == "".join(pieces)
 
 
 def test_queued_responses_go_out_in_one_write_and_no_event_waits() -> None:
