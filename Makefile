@@ -42,7 +42,7 @@ test: install
 	  { command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server); \
 	    redis-server --daemonize yes --bind 127.0.0.1 --port $(REDIS_PORT) --save "" --appendonly no; sleep 1; }
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 lint: install
 	$(BIN)/ruff check .
