@@ -28,6 +28,7 @@ from cluster.request_ids import attempt_request_id
 from cluster.routing.disagg import PrefillPath, choose_fetch, choose_prefill_path
 from cluster.routing.events import EventBatch
 from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex, TierMatch
+from cluster.routing.planner import PaceSampler
 from cluster.routing.policy import make_policy, reload_cost
 from cluster.wire import FINISH_REASON_FROM_PROTO, MAX_MESSAGE_BYTES
 from engine.core.block_hash import BlockHasher
@@ -298,6 +299,7 @@ class Router:
         self.metrics.running.inc()
         first_token_at: float | None = None
         last_chunk_at = arrival
+        pace = PaceSampler()
         try:
             while True:
                 attempts += 1
@@ -332,6 +334,7 @@ class Router:
                             self.pools.planner.observe_ttft(now, now - arrival)
                         elif kind == "chunk" and response.chunk.token_ids:
                             self._observe_gap(now - last_chunk_at, len(response.chunk.token_ids))
+                            self._observe_pace(now, pace.add(now - last_chunk_at, len(response.chunk.token_ids)))
                         last_chunk_at = now
                         if not released:
                             self._reserve(route, -1, prefill_only=True)
@@ -371,6 +374,7 @@ class Router:
                 logger.warning("request %s: decode worker %s failed after %d tokens (%s); migrating", request_id,
                                route.decode.address, len(delivered.token_ids), failure.detail)
         finally:
+            self._observe_pace(time.monotonic(), pace.flush(min_seconds=pace.period_s / 2))
             self.metrics.running.dec()
             self.generations.end(generation)
 
@@ -406,8 +410,12 @@ class Router:
         """A streamed chunk's gap since the previous one, per token it carries (speculation batches several)."""
         per_token = seconds / num_tokens
         self.metrics.itl.observe(per_token)
-        self.pools.planner.observe_itl(time.monotonic(), per_token)
         self.generations.observe_itl(per_token)
+
+    def _observe_pace(self, now: float, seconds_per_token: float | None) -> None:
+        """A request's pace over its last period (cluster/routing/planner.py `PaceSampler`): the planner's ITL."""
+        if seconds_per_token is not None:
+            self.pools.planner.observe_itl(now, seconds_per_token)
 
     def _reserve(self, route: Route, sign: int, prefill_only: bool = False, skip_prefill: bool = False) -> None:
         """Count this router's own in-flight work so back-to-back routes see it before the next heartbeat."""

@@ -7,7 +7,7 @@ import pytest
 
 from cluster.routing.disagg import choose_prefill_path
 from cluster.routing.events import WorkerLoad
-from cluster.routing.planner import Member, PlannerConfig, PoolPlanner, SampleWindow
+from cluster.routing.planner import Member, PaceSampler, PlannerConfig, PoolPlanner, SampleWindow
 from cluster.routing.policy import WorkerView, shares_compute
 
 CONFIG = PlannerConfig(slo_ttft_s=1.0, slo_itl_s=0.040, window_s=5.0, confirm_ticks=2, min_dwell_s=5.0,
@@ -188,6 +188,21 @@ def test_slo_flags_are_validated() -> None:
         PoolPlanner(PlannerConfig(slo_itl_s=0.0))
     with pytest.raises(ValueError, match="--slo-ttft-ms"):
         PoolPlanner(PlannerConfig(slo_ttft_s=-1.0))
+
+
+def test_pace_is_a_requests_mean_gap_per_period_so_one_long_step_does_not_read_as_a_breach() -> None:
+    """25 ms steps with one 200 ms prefill chunk among them: gap by gap, 1 in 33 is over a 40 ms SLO (a p90 can
+    cross it once such chunks come every few steps); the request's pace over that second is 30.3 ms, as its TPOT."""
+    pace = PaceSampler(period_s=1.0)
+    gaps = [0.025] * 40
+    gaps[10] = 0.200
+    samples = [sample for gap in gaps if (sample := pace.add(gap, 1)) is not None]
+    assert samples == [pytest.approx(sum(gaps[:33]) / 33)]  # the 33rd gap fills the second
+    assert samples[0] < 0.040
+    assert pace.flush(min_seconds=0.5) is None  # what is left (a few gaps) says no pace
+    burst = PaceSampler(period_s=1.0)
+    assert burst.add(0.6, 3) is None and burst.flush(min_seconds=0.5) == pytest.approx(0.2)  # 3 tokens, one chunk
+    assert burst.flush() is None  # nothing since
 
 
 def test_sample_window_forgets_old_samples() -> None:
