@@ -201,6 +201,8 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
             self._pulls.pop(request_id, None)
             self._aborted_pulls.discard(request_id)
         self.ctx.metrics.record_transfer(result.backend, result.num_bytes, result.seconds)
+        block_size = self.ctx.kv_port.layout.block_size
+        self.ctx.events.transfer_pace.observe(result.num_blocks_received * block_size, result.wire_seconds)
         # Tokens the prefill worker served from its cache (not the ones this worker had: those were not sent).
         own_cached = slot.num_cached_blocks * self.ctx.kv_port.layout.block_size
         self.ctx.metrics.fetched_tokens.inc(max(result.remote_cached_tokens - own_cached, 0))

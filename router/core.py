@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from cluster.request_ids import attempt_request_id
-from cluster.routing.disagg import PrefillPath, choose_fetch, choose_prefill_path
+from cluster.routing.disagg import PrefillPath, choose_fetch, choose_prefill_path, fetch_transfer_cost
 from cluster.routing.events import EventBatch
 from cluster.routing.index import IndexUnavailable, MemoryIndex, PrefixIndex, TierMatch
 from cluster.routing.planner import PaceSampler
@@ -205,7 +205,8 @@ class Router:
         choice = choose_fetch(
             holder.view(), planner.view(), planned is not None, work(holder), work(planner),
             uncached_tokens(num_tokens, tiers.get(decode.worker_id, none).blocks, block_size),
-            decoding=decode_view.load.num_running > 0 or decode_view.pending_requests > 0)
+            decoding=decode_view.load.num_running > 0 or decode_view.pending_requests > 0,
+            transfer_cost=fetch_transfer_cost(decode_view, holder.view()))
         self.metrics.fetch_decisions.labels("fetch" if choice.remote else "recompute", choice.reason).inc()
         return holder if choice.remote else None
 

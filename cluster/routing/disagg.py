@@ -18,7 +18,8 @@ prompt than the planned prefiller, the decode worker may pull them from H instea
 the prompt, which computes only its tail past H's cached blocks (loaded back first if they are in H's host tier),
 and ships every block the decode worker lacks, cached ones included, leased on H until exported (the Prefill RPC).
 The same weighing decides it, H in place of the prefill worker, plus the transfer of the shipped tokens
-(`fetch_transfer_cost` of their recompute each). A shared compute domain does not rule it out: the fetch saves the
+(`fetch_transfer_cost` of their recompute each: the decode worker's measured wire time per received token times H's
+prefill rate, once both are reported). A shared compute domain does not rule it out: the fetch saves the
 cached tokens' compute, wherever the tail runs.
 """
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from cluster.routing.policy import WorkerView, shares_compute
 
 DISAGG_POLICIES = ("static", "adaptive")
+MAX_TRANSFER_COST = 0.99  # a measured transfer cost is capped here (fetch_transfer_cost)
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,9 @@ class PrefillPathWeights:
     # TTFT measured 1.19x local on H100: ~190 tokens).
     remote_overhead_tokens: int = 192
     remote_overhead_s: float = 0.006  # the same, measured: 39.1 vs 32.9 ms TTFT at 1k tokens
-    # A shipped token's transfer over its recompute, for the fetch (not yet measured per link: NVLink moves a
-    # Llama-8B token's KV in ~1 % of its H100 prefill time, gRPC bytes on a CPU pair in ~2 % of SmolLM2's).
+    # A shipped token's transfer over its recompute, for the fetch, until the decode worker has measured its pulls
+    # (fetch_transfer_cost): NVLink moves a Llama-8B token's KV in ~1 % of its H100 prefill time, gRPC bytes on a
+    # CPU pair in ~2 % of SmolLM2's.
     fetch_transfer_cost: float = 0.1
 
     def __post_init__(self) -> None:
@@ -76,14 +79,28 @@ def choose_prefill_path(policy: str, prefill: WorkerView | None, decode: WorkerV
     return PrefillPath(True, "cheaper_remote") if remote < local else PrefillPath(False, "cheaper_local")
 
 
+def fetch_transfer_cost(decode: WorkerView, holder: WorkerView,
+                        weights: PrefillPathWeights = PrefillPathWeights()) -> float:
+    """A shipped token's transfer in tokens of the holder's recompute: the decode worker's measured wire seconds
+    per received token times the holder's prefill rate, once both are known (capped below 1: a transfer that
+    costs as much as the recompute is never chosen over it anyway); `weights.fetch_transfer_cost` until then."""
+    seconds, rate = decode.load.kv_receive_s_per_token, holder.load.prefill_tokens_per_s
+    if seconds > 0 and rate > 0:
+        return min(seconds * rate, MAX_TRANSFER_COST)
+    return weights.fetch_transfer_cost
+
+
 def choose_fetch(holder: WorkerView, planned: WorkerView, planned_remote: bool, holder_uncached: float,
                  planned_uncached: float, shipped_tokens: int, decoding: bool,
-                 weights: PrefillPathWeights = PrefillPathWeights()) -> PrefillPath:
+                 weights: PrefillPathWeights = PrefillPathWeights(), transfer_cost: float | None = None
+                 ) -> PrefillPath:
     """Prefill on `holder` (it caches more of the prompt) and ship to the decode worker (remote True), or keep the
     plan: `planned` prefills `planned_uncached` tokens, remotely (shipping too) or on the decode worker itself,
     which is `decoding` already. `*_uncached`: the tokens each would compute (host-tier loads counted at their
-    reload cost); `shipped_tokens`: the prompt tokens the decode worker does not cache."""
-    transfer = shipped_tokens * weights.fetch_transfer_cost  # in tokens of recompute
+    reload cost); `shipped_tokens`: the prompt tokens the decode worker does not cache; `transfer_cost`: a shipped
+    token's transfer in tokens of recompute (`fetch_transfer_cost`; None: the weights' default)."""
+    per_token = weights.fetch_transfer_cost if transfer_cost is None else transfer_cost
+    transfer = shipped_tokens * per_token  # in tokens of recompute
     holder_rate, planned_rate = holder.load.prefill_tokens_per_s, planned.load.prefill_tokens_per_s
     if holder_rate > 0 and planned_rate > 0:
         fetch_s = (holder.queued_prefill_tokens + holder_uncached + transfer) / holder_rate + weights.remote_overhead_s

@@ -46,6 +46,7 @@ class WorkerLoad:
     prefill_tokens_per_s: float = 0.0  # a new prompt's prefill rate there now; 0: not known
     host_reload_cost: float = 0.0  # a host-tier block's load time over its recompute time; 0: not measured
     external_prefix_cache_hits: int = 0  # prompt tokens loaded back from the host tier (cumulative)
+    kv_receive_s_per_token: float = 0.0  # its pulls' wire seconds per received prompt token; 0: not measured
 
 
 @dataclass(frozen=True, slots=True)

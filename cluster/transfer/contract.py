@@ -61,6 +61,25 @@ class PullJob:
     lease_s: float = DEFAULT_LEASE_S
 
 
+class TransferPace:
+    """How long this worker's pulls spend moving a prompt token's KV (wire seconds per token, an exponential
+    average over pulls that moved blocks): reported in its load, so the router weighs a fetch's transfer by this
+    link's measured cost rather than a guessed share of the recompute."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.seconds_per_token = 0.0  # 0: no pull measured yet
+
+    def observe(self, num_tokens: int, wire_seconds: float) -> None:
+        if num_tokens <= 0 or wire_seconds <= 0:
+            return
+        sample = wire_seconds / num_tokens
+        previous = self.seconds_per_token
+        self.seconds_per_token = sample if previous == 0 else previous + self.weight * (sample - previous)
+
+
 @dataclass(frozen=True)
 class PullResult:
     """A finished pull: every block is written on the device (the writes have completed, not just been queued)."""

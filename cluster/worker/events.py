@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from cluster.transfer.contract import TransferPace
 from engine.core.block_pool import BlockRemoved, BlockStored, KVEvent, KVTier
 from engine.llm_engine import EngineLoad
 from protos.kvflow.v1 import kvflow_pb2 as pb
@@ -30,6 +31,7 @@ class KVEventHub:
         self.epoch = time.time_ns()  # new on every process start
         self.cached: dict[bytes, tuple[bytes | None, KVTier]] = {}
         self.load: EngineLoad | None = None
+        self.transfer_pace = TransferPace()  # fed by the decode side's pulls; published with the load
         self._subscribers: set[asyncio.Queue[list[pb.KVEvent]]] = set()
 
     def publish(self, events: list[KVEvent], load: EngineLoad) -> None:
@@ -65,13 +67,14 @@ class KVEventHub:
     def _load_proto(self) -> pb.WorkerLoad:
         load = self.load
         if load is None:
-            return pb.WorkerLoad()
+            return pb.WorkerLoad(kv_receive_s_per_token=self.transfer_pace.seconds_per_token)
         return pb.WorkerLoad(num_running=load.num_running, num_waiting=load.num_waiting,
                              queued_prefill_tokens=load.queued_prefill_tokens, kv_cache_usage=load.kv_cache_usage,
                              num_kv_blocks=load.num_kv_blocks, num_preemptions=load.num_preemptions,
                              busy_fraction=load.busy_fraction, prefill_tokens_per_s=load.prefill_tokens_per_s,
                              host_reload_cost=load.host_reload_cost,
-                             external_prefix_cache_hits=load.external_prefix_cache_hits)
+                             external_prefix_cache_hits=load.external_prefix_cache_hits,
+                             kv_receive_s_per_token=self.transfer_pace.seconds_per_token)
 
     def _batch(self, sequence: int, events: list[pb.KVEvent]) -> pb.KVEventBatch:
         return pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, sequence=sequence, events=events,

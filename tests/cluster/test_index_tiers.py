@@ -68,6 +68,7 @@ def test_hub_puts_the_tier_on_the_wire_and_in_snapshots() -> None:
     hub = KVEventHub("w")
     h = HASHES
     load = EngineLoad(0, 0, 0, 0.0, 10, 10, 0, host_reload_cost=0.05)
+    hub.transfer_pace.observe(1000, 0.004)  # the decode side's pulls: 4 us of wire time a token
     hub.publish([BlockStored(list(h[:3]), None), BlockStored(list(h[1:3]), None, KVTier.HOST),
                  BlockRemoved([h[2]])], load)
 
@@ -83,6 +84,7 @@ def test_hub_puts_the_tier_on_the_wire_and_in_snapshots() -> None:
     assert index.match_tiers(h, ["w"]) == {"w": TierMatch(2, 1)}
     assert hub.cached[h[1]] == (h[0], KVTier.HOST)  # the move kept the parent the device store gave
     assert snapshot.load is not None and snapshot.load.host_reload_cost == pytest.approx(0.05)
+    assert snapshot.load.kv_receive_s_per_token == pytest.approx(4e-6)
 
 
 def view(wid: str, reload_cost: float = 0.0) -> WorkerView:

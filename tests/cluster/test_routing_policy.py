@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.routing.disagg import PrefillPath, PrefillPathWeights, choose_fetch
+from cluster.routing.disagg import PrefillPath, PrefillPathWeights, choose_fetch, fetch_transfer_cost
 from cluster.routing.events import WorkerLoad
 from cluster.routing.policy import CostWeights, WorkerView, decode_cost, make_policy, prefill_cost
+from cluster.transfer.contract import TransferPace
 
 
 def view(wid: str, queued: int = 0, usage: float = 0.0, running: int = 0, pending: int = 0) -> WorkerView:
@@ -90,3 +91,34 @@ def test_fetch_in_seconds_weighs_the_transfer_against_the_recompute() -> None:
         PrefillPath(False, "faster_recompute")
     with pytest.raises(ValueError, match="fetch_transfer_cost"):
         PrefillPathWeights(fetch_transfer_cost=1.0)
+
+
+def test_a_measured_link_prices_the_fetch_transfer() -> None:
+    """The decode worker's pulls measured 0.2 ms of wire time per token; the holder prefills 1,000 tok/s: a shipped
+    token costs 0.2 tokens of its recompute, not the 0.1 default. A slow link (0.9 ms/token) turns the fetch down."""
+    holder = rated("a", 1000)
+    unmeasured = rated("b", 1000)
+    measured = WorkerView("b", "b:1", WorkerLoad(prefill_tokens_per_s=1000, kv_receive_s_per_token=2e-4))
+    assert fetch_transfer_cost(unmeasured, holder) == PrefillPathWeights().fetch_transfer_cost
+    assert fetch_transfer_cost(measured, holder) == pytest.approx(0.2)
+    assert fetch_transfer_cost(measured, rated("a", 0.0)) == 0.1  # the holder's rate unknown: the default
+    slow = WorkerView("b", "b:1", WorkerLoad(prefill_tokens_per_s=1000, kv_receive_s_per_token=0.05))
+    assert fetch_transfer_cost(slow, holder) == 0.99  # capped below the recompute
+    # 600 of 1100 tokens cached on the holder: fetch at the default cost, recompute over a link at 0.9 ms/token
+    assert choose_fetch(holder, unmeasured, False, 500, 1100, 1100, False).remote
+    assert not choose_fetch(holder, unmeasured, False, 500, 1100, 1100, False, transfer_cost=0.9).remote
+
+
+def test_the_transfer_pace_averages_pulls_that_moved_blocks() -> None:
+    pace = TransferPace(weight=0.5)
+    assert pace.seconds_per_token == 0.0
+    pace.observe(0, 1.0)  # nothing moved (every block cached here): says nothing
+    pace.observe(100, 0.0)
+    assert pace.seconds_per_token == 0.0
+    pace.observe(1000, 0.002)  # the first pull sets it
+    assert pace.seconds_per_token == pytest.approx(2e-6)
+    pace.observe(1000, 0.004)  # then each moves it halfway
+    assert pace.seconds_per_token == pytest.approx(3e-6)
+    with pytest.raises(ValueError, match="weight"):
+        TransferPace(weight=0.0)
+
