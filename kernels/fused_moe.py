@@ -57,8 +57,9 @@ def moe_tiles(num_slots: int, num_experts: int) -> MoeTiles:
 MOE_ALIGN_TRITON_MAX_SLOTS = 4096
 """Above this many T*k slots `moe_align` takes the torch path: the Triton kernel is one program walking the slots in
 sequential chunks (twice), so its time grows with T*k on one SM while the torch path's ~20 launches cost the same at
-any size. 4096 covers every decode batch a CUDA graph captures (256 tokens x top-8 = 2048) with room to spare;
-prefill chunks (thousands of tokens) go to torch, whose many small kernels are then a small share of the step."""
+any size. 4096 = the largest batch a CUDA graph captures (engine/runner/cuda_graphs.py MAX_CAPTURE_SIZE, 512) x
+top-8, so every captured decode step of Qwen3-MoE-like models takes one launch; prefill chunks (thousands of
+tokens) go to torch, whose many small kernels are then a small share of the step. Not yet tuned on a GPU."""
 
 MOE_ALIGN_TRITON_MAX_EXPERTS = 1024  # the kernel's [chunk, E_POW2] one-hot tiles: past this, registers spill
 
@@ -127,9 +128,7 @@ def moe_align_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int
     """`moe_align` in one Triton launch of one program (decode-sized inputs; see MOE_ALIGN_TRITON_MAX_SLOTS)."""
     require_triton("moe_align")
     device = topk_ids.device
-    flat = topk_ids.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = topk_ids.reshape(-1)  # contiguous: a view, or a copy when topk_ids is strided
     num_slots = flat.numel()
     capacity = _align_capacity(num_slots, block_m, num_experts)
     sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
