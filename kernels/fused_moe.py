@@ -19,14 +19,16 @@ reference is `fused_moe_ref` (a loop over the experts that received tokens).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import HAS_TRITON, dot_needs_upcast, require_triton, tl, triton
+from kernels._triton import HAS_TRITON, dot_needs_upcast, next_pow2, require_triton, tl, triton
 from kernels.silu_and_mul import silu_and_mul
 
-__all__ = ["MoeTiles", "moe_tiles", "moe_align", "fused_moe", "fused_moe_ref"]
+__all__ = ["MoeTiles", "moe_tiles", "moe_align", "moe_align_ref", "moe_align_triton", "fused_moe",
+           "fused_moe_ref"]
 
 
 @dataclass(frozen=True)
@@ -52,16 +54,52 @@ def moe_tiles(num_slots: int, num_experts: int) -> MoeTiles:
     return MoeTiles(64, 128, 64, num_warps=8, num_stages=3)
 
 
+MOE_ALIGN_TRITON_MAX_SLOTS = 4096
+"""Above this many T*k slots `moe_align` takes the torch path: the Triton kernel is one program walking the slots in
+sequential chunks (twice), so its time grows with T*k on one SM while the torch path's ~20 launches cost the same at
+any size. 4096 = the largest batch a CUDA graph captures (engine/runner/cuda_graphs.py MAX_CAPTURE_SIZE, 512) x
+top-8, so every captured decode step of Qwen3-MoE-like models takes one launch; prefill chunks (thousands of
+tokens) go to torch, whose many small kernels are then a small share of the step. Not yet tuned on a GPU."""
+
+MOE_ALIGN_TRITON_MAX_EXPERTS = 1024  # the kernel's [chunk, E_POW2] one-hot tiles: past this, registers spill
+
+
 def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted slots [P], the expert of each BLOCK_M tile [P / block_m] (-1: unused), the used
-    length [1]). P = roundup(T*k + E*(block_m-1), block_m), a host-known bound. An id outside [0, num_experts)
-    (an expert another expert-parallel rank holds) drops its slot: no tile holds it, so no row is computed."""
+    length [1]), all int32. P = roundup(T*k + E*(block_m-1), block_m), a host-known bound.
+
+    Invariants (both implementations, bit for bit): slots are grouped by expert in ascending expert order, each
+    expert's slots in ascending slot order (stable), each expert's run padded to a multiple of block_m with the
+    sentinel T*k, which also fills everything past the used length; an id outside [0, num_experts) (an expert
+    another expert-parallel rank holds) drops its slot: no tile holds it, so no row is computed. No host sync and
+    no data-dependent shape, so a decode step can be graph-captured.
+
+    Dispatch: one Triton launch (`moe_align_triton`) for decode-sized inputs on CUDA (or on CPU under
+    TRITON_INTERPRET=1, as the other kernels' tests run), else the torch reference `moe_align_ref`."""
+    num_slots = topk_ids.numel()
+    if (_triton_runs_on(topk_ids.device) and 0 < num_slots <= MOE_ALIGN_TRITON_MAX_SLOTS
+            and num_experts <= MOE_ALIGN_TRITON_MAX_EXPERTS):
+        return moe_align_triton(topk_ids, block_m, num_experts)
+    return moe_align_ref(topk_ids, block_m, num_experts)
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def _align_capacity(num_slots: int, block_m: int, num_experts: int) -> int:
+    return -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+
+
+def moe_align_ref(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align` in plain torch (~20 small ops): the reference, and the path for large inputs and no Triton."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # bucket num_experts: dropped
-    capacity = -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+    capacity = _align_capacity(num_slots, block_m, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded[num_experts:].zero_()  # a device fill: a scalar store would copy from the host, which graph capture refuses
@@ -80,7 +118,76 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int
     return sorted_ids, expert_ids, padded.sum().reshape(1).to(torch.int32)
 
 
+def _align_chunk(experts_pow2: int) -> int:
+    """Slots (and tiles) per loop step: the one-hot tile [chunk, E_POW2] stays near 8K elements (registers)."""
+    return max(16, min(256, 8192 // experts_pow2))
+
+
+def moe_align_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align` in one Triton launch of one program (decode-sized inputs; see MOE_ALIGN_TRITON_MAX_SLOTS)."""
+    require_triton("moe_align")
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)  # contiguous: a view, or a copy when topk_ids is strided
+    num_slots = flat.numel()
+    capacity = _align_capacity(num_slots, block_m, num_experts)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    used = torch.empty(1, dtype=torch.int32, device=device)
+    experts_pow2 = next_pow2(max(num_experts, 2))
+    chunk = _align_chunk(experts_pow2)
+    _moe_align_kernel[(1,)](
+        flat, sorted_ids, expert_ids, used, num_slots, num_experts, capacity,
+        BLOCK_M=block_m, E_POW2=experts_pow2, CHUNK=chunk, FILL=1024, num_warps=8 if experts_pow2 >= 128 else 4)
+    return sorted_ids, expert_ids, used
+
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _onehot(Ids, offs, num_slots, num_experts, E_POW2: tl.constexpr):
+        """Slots offs -> ([chunk, E_POW2] int32 one-hot of their expert, in range): a dropped id (outside
+        [0, num_experts)) or a slot past the end matches no column."""
+        in_range = offs < num_slots
+        ids = tl.load(Ids + offs, mask=in_range, other=-1).to(tl.int32)
+        keep = in_range & (ids >= 0) & (ids < num_experts)
+        ids = tl.where(keep, ids, -1)
+        return (ids[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32), keep
+
+    @triton.jit
+    def _moe_align_kernel(Ids, SortedIds, ExpertIds, Used, num_slots, num_experts, capacity,
+                          BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+        """One program: count per expert, pad, exclusive-scan the padded counts, fill sorted_ids with the
+        sentinel, then scatter each slot to its expert's start + its stable rank (a running per-expert cursor
+        across chunks plus an exclusive scan of the one-hot inside a chunk), and tag each tile with its expert."""
+        counts = tl.zeros((E_POW2,), dtype=tl.int32)
+        for s0 in range(0, num_slots, CHUNK):
+            onehot, _ = _onehot(Ids, s0 + tl.arange(0, CHUNK), num_slots, num_experts, E_POW2)
+            counts += tl.sum(onehot, axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # columns past num_experts count 0, pad to 0
+        padded_end = tl.cumsum(padded, axis=0)
+        total = tl.sum(padded, axis=0)
+        tl.store(Used, total)
+        for p0 in range(0, capacity, FILL):
+            offs = p0 + tl.arange(0, FILL)
+            tl.store(SortedIds + offs, tl.full((FILL,), 0, tl.int32) + num_slots, mask=offs < capacity)
+        # The scatter below overwrites some sentinels: other threads of this program must see the fill first.
+        tl.debug_barrier()
+        cursor = padded_end - padded  # where each expert's next slot goes
+        for s0 in range(0, num_slots, CHUNK):
+            offs = s0 + tl.arange(0, CHUNK)
+            onehot, keep = _onehot(Ids, offs, num_slots, num_experts, E_POW2)
+            before = tl.cumsum(onehot, axis=0) - onehot  # same-expert slots earlier in this chunk
+            dest = tl.sum(onehot * (cursor[None, :] + before), axis=1)
+            tl.store(SortedIds + dest, offs, mask=keep)
+            cursor += tl.sum(onehot, axis=0)
+        # Tile t belongs to the number of experts whose padded run ends at or before it; past `total` that is
+        # E_POW2 >= num_experts (padded_end of the empty columns is `total`): -1.
+        for t0 in range(0, capacity // BLOCK_M, CHUNK):
+            tiles = t0 + tl.arange(0, CHUNK)
+            expert = tl.sum((padded_end[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
+            expert = tl.where(expert < num_experts, expert, -1)
+            tl.store(ExpertIds + tiles, expert, mask=tiles < capacity // BLOCK_M)
 
     @triton.jit
     def _moe_gemm(A, B, C, Weights, SortedIds, ExpertIds, NumUsed, N, K, num_slots, capacity,

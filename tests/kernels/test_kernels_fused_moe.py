@@ -1,6 +1,7 @@
 """The fused MoE kernel (kernels/fused_moe.py) against its torch reference (a loop over the active experts), at
 tiny shapes under Triton's interpreter (re-run in a subprocess with TRITON_INTERPRET=1); the expert alignment
-on its own, in plain torch."""
+on its own (plain torch outside the interpreter, the Triton kernel inside it), and the Triton alignment against
+the torch one bit for bit."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
-from kernels.fused_moe import MoeTiles, fused_moe, fused_moe_ref, moe_align
+import kernels.fused_moe as fm
+from kernels.fused_moe import MoeTiles, fused_moe, fused_moe_ref, moe_align, moe_align_ref, moe_align_triton
 from tests.helpers.interpreter import interpreter_cases_test
 
-test_fused_moe_under_interpreter = interpreter_cases_test(__file__, at_least=12, at_most=12, timeout=900)
+test_fused_moe_under_interpreter = interpreter_cases_test(__file__, at_least=26, at_most=26, timeout=900)
 
 
 def _routing(tokens: int, experts: int, top_k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +40,73 @@ def test_alignment_drops_other_ranks_experts() -> None:
     sorted_ids, expert_ids, used = moe_align(ids, 2, 2)
     assert int(used) == 4 and expert_ids.tolist()[:2] == [0, 1]
     assert sorted_ids[:4].tolist() == [0, 4, 3, 4] and set(sorted_ids.tolist()) == {0, 3, 4}  # 4: padding
+
+
+def _align_ids(tokens: int, top_k: int, experts: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    """Routing ids of one shape: `random` (uniform over the experts), `ragged` (a few experts take most slots),
+    `one_expert` (every slot on one expert), `ep_drop` (ids in [-1, 2E): other ranks' experts and -1 dropped)."""
+    if kind == "random":
+        return torch.randint(0, experts, (tokens, top_k), generator=g)
+    if kind == "ragged":
+        skew = torch.rand(experts, generator=g) ** 6 + 1e-3
+        return torch.multinomial(skew, tokens * top_k, replacement=True, generator=g).view(tokens, top_k)
+    if kind == "one_expert":
+        return torch.full((tokens, top_k), experts // 2 + 1)
+    return torch.randint(-1, 2 * experts, (tokens, top_k), generator=g)
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m", "kind"), [
+    (1, 1, 8, 16, "random"),  # T*k = 1
+    (1, 1, 8, 16, "ep_drop_all"),  # the one slot dropped: nothing used, every tile -1
+    (1, 8, 128, 16, "random"),  # Qwen3-30B-A3B decode batch 1 (128 experts, top-8)
+    (3, 2, 8, 32, "ragged"),
+    (37, 4, 8, 16, "ragged"),
+    (64, 8, 128, 64, "ragged"),
+    (16, 8, 128, 32, "one_expert"),
+    (50, 3, 8, 64, "one_expert"),
+    (33, 8, 128, 16, "ep_drop"),
+    (20, 2, 8, 32, "ep_drop"),
+    (10, 6, 60, 16, "ep_drop"),  # E not a power of two: ids 60..63 fall inside the kernel's 64 columns
+    (300, 8, 128, 16, "random"),  # 2400 slots: many chunks, running per-expert cursors across them
+    (9, 1, 256, 16, "random"),
+])
+def test_triton_alignment_matches_torch_bit_for_bit(tokens: int, top_k: int, experts: int, block_m: int,
+                                                    kind: str) -> None:
+    g = torch.Generator().manual_seed(tokens * 1000 + experts * 10 + block_m)
+    if kind == "ep_drop_all":
+        ids = torch.full((tokens, top_k), experts)
+    else:
+        ids = _align_ids(tokens, top_k, experts, kind, g)
+    for dtype in (torch.int64, torch.int32):  # topk's int64, and the int32 some routers emit
+        got = moe_align_triton(ids.to(dtype), block_m, experts)
+        ref = moe_align_ref(ids.to(dtype), block_m, experts)
+        for a, b in zip(got, ref, strict=True):
+            assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape and torch.equal(a, b), (a, b)
+    if kind == "ep_drop_all":
+        assert int(got[2]) == 0 and (got[1] == -1).all() and (got[0] == tokens * top_k).all()
+
+
+@pytest.mark.triton_interpreter
+def test_alignment_dispatches_by_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(fm, "MOE_ALIGN_TRITON_MAX_SLOTS", 8)
+    monkeypatch.setattr(fm, "moe_align_triton", lambda *a: calls.append("triton") or moe_align_triton(*a))
+    monkeypatch.setattr(fm, "moe_align_ref", lambda *a: calls.append("torch") or moe_align_ref(*a))
+    small, large = torch.zeros(4, 2, dtype=torch.long), torch.zeros(3, 3, dtype=torch.long)
+    assert torch.equal(fm.moe_align(small, 16, 4)[0], moe_align_ref(small, 16, 4)[0])
+    assert torch.equal(fm.moe_align(large, 16, 4)[0], moe_align_ref(large, 16, 4)[0])
+    assert calls == ["triton", "torch"]
+
+
+@pytest.mark.outside_interpreter
+def test_alignment_on_cpu_without_interpreter_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("the Triton alignment ran on CPU outside the interpreter")
+
+    monkeypatch.setattr(fm, "moe_align_triton", refuse)
+    ids = torch.tensor([[1, 0]])
+    assert torch.equal(fm.moe_align(ids, 4, 2)[0], moe_align_ref(ids, 4, 2)[0])
 
 
 @pytest.mark.triton_interpreter
