@@ -3,7 +3,8 @@ issue's benchmarks). Modes (`--modes`, `kvflow serve` flags in MODE_FLAGS): stat
 worker, `--disagg-policy static` where serve has it), dp2 (`--data-parallel-size 2`: replicas that prefill
 locally), adaptive (`--disagg-policy adaptive` from 1P1D, the SLO as its targets). `--layout x4` (the four-GPU
 issue): static_2p2d, static_1p3d, dp4 (`--data-parallel-size 4`) and adaptive from 1P3D, written to
-pd_adaptive_x4_<workload>.json; `--rate-scale 2` gives each GPU the two-GPU runs' load.
+pd_adaptive_x4_<workload>.json; `--rate-scale 2` gives each GPU the two-GPU runs' load. Named only: adaptive_dp2 /
+adaptive_dp4, adaptive starting as replicas (no prefill pool).
 
 Workloads (`--workloads`): open-loop Poisson arrivals per class (own lengths and rate), phases in order; every
 class and phase gets at least one request.
@@ -63,6 +64,9 @@ MODE_FLAGS = {  # serve's default policy is adaptive: the fixed layouts pin stat
     "static_1p1d": ("--disagg-policy", "static", "--prefill-workers", "1", "--decode-workers", "1"),
     "dp2": ("--disagg-policy", "static", "--data-parallel-size", "2"),
     "adaptive": ("--disagg-policy", "adaptive", "--prefill-workers", "1", "--decode-workers", "1"),
+    # adaptive from replicas (no prefill pool): the planner gives a worker to prefill only when the requests' pace
+    # breaks while decode workers prefill locally. Run only when named (--modes): not one of the issue's layouts.
+    "adaptive_dp2": ("--disagg-policy", "adaptive", "--data-parallel-size", "2"),
 }
 # The four-GPU issue's layouts. adaptive starts as 1P3D: one prefill GPU carries these loads' prompts at the
 # two-GPU rates scaled by 2, and the planner moves workers from there.
@@ -71,15 +75,17 @@ MODE_FLAGS_X4 = {
     "static_1p3d": ("--disagg-policy", "static", "--prefill-workers", "1", "--decode-workers", "3"),
     "dp4": ("--disagg-policy", "static", "--data-parallel-size", "4"),
     "adaptive": ("--disagg-policy", "adaptive", "--prefill-workers", "1", "--decode-workers", "3"),
+    "adaptive_dp4": ("--disagg-policy", "adaptive", "--data-parallel-size", "4"),  # when named, as adaptive_dp2
 }
 LAYOUTS = {"x2": MODE_FLAGS, "x4": MODE_FLAGS_X4}
+OPT_IN_MODES = frozenset({"adaptive_dp2", "adaptive_dp4"})  # not in a layout's default --modes
 POLL_S = 0.5
 
 
 def mode_flags(mode: str, slo: dict[str, float], itl_target_ms: float | None, layout: str = "x2") -> list[str]:
-    """`kvflow serve` flags of a mode in `layout`; adaptive gets the SLO as its targets."""
+    """`kvflow serve` flags of a mode in `layout`; the adaptive modes get the SLO as their targets."""
     flags = list(LAYOUTS[layout][mode])
-    if mode == "adaptive":
+    if mode.startswith("adaptive"):
         flags += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:g}", "--slo-itl-ms", f"{slo['itl_s'] * 1e3:g}"]
         flags += ["--itl-target-ms", f"{itl_target_ms:g}"] if itl_target_ms else []
     return flags
@@ -395,7 +401,8 @@ def main() -> int:
                         help="x2: the two-GPU modes (pd_adaptive_*.json); x4: 2P2D, 1P3D, four replicas and "
                              "adaptive from 1P3D (pd_adaptive_x4_*.json)")
     parser.add_argument("--modes", nargs="+", choices=sorted({m for flags in LAYOUTS.values() for m in flags}),
-                        default=None, help="default: every mode of --layout")
+                        default=None, help="default: every mode of --layout but the opt-in adaptive_dp2 / "
+                                           "adaptive_dp4 (adaptive starting as replicas)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="multiplies every workload's rate (e.g. 2 on four GPUs: the two-GPU load per GPU)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", RESULTS)))
@@ -408,7 +415,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, seconds-long loads: the plumbing")
     args = parser.parse_args()
     layout_modes = LAYOUTS[args.layout]
-    args.modes = args.modes or list(layout_modes)
+    args.modes = args.modes or [m for m in layout_modes if m not in OPT_IN_MODES]
     if unknown := [m for m in args.modes if m not in layout_modes]:
         parser.error(f"--modes {' '.join(unknown)}: not a mode of --layout {args.layout} ({', '.join(layout_modes)})")
     if args.rate_scale <= 0:
