@@ -219,14 +219,14 @@ class PoolPlanner:
             return None
         locally = any(m.load.queued_prefill_tokens > 0 for m in decode)
         if s.itl_p90_s is not None and s.itl_p90_s > c.slo_itl_s and not locally:
-            return f"inter-token p90 {s.itl_p90_s * 1000:.0f} ms over the {c.slo_itl_s * 1000:.0f} ms SLO from decode load"
+            return f"pace p90 {s.itl_p90_s * 1000:.0f} ms/token over the {c.slo_itl_s * 1000:.0f} ms SLO from decode load"
         busy = any(m.load.num_running > 0 for m in decode)
         if busy and idle and all(m.load.queued_prefill_tokens == 0 for m in prefill):
             return f"prefill pool idle ({s.remote_share:.0%} of prompt tokens)"
         prefill_busy, decode_busy = _mean_busy(prefill), _mean_busy(decode)
         near_slo = s.itl_p90_s is not None and s.itl_p90_s > c.itl_headroom * c.slo_itl_s
         if prefill_busy < c.idle_busy and decode_busy > c.saturated_busy and near_slo:
-            return (f"decode pool saturated ({decode_busy:.0%} busy, inter-token p90 {s.itl_p90_s * 1000:.0f} ms) "
+            return (f"decode pool saturated ({decode_busy:.0%} busy, pace p90 {s.itl_p90_s * 1000:.0f} ms/token) "
                     f"beside a prefill pool {prefill_busy:.0%} busy")
         return None
 
@@ -234,7 +234,7 @@ class PoolPlanner:
         c = self.config
         locally = any(m.load.queued_prefill_tokens > 0 for m in decode)
         if s.itl_p90_s is not None and s.itl_p90_s > c.slo_itl_s and locally:
-            return (f"inter-token p90 {s.itl_p90_s * 1000:.0f} ms over the {c.slo_itl_s * 1000:.0f} ms SLO while "
+            return (f"pace p90 {s.itl_p90_s * 1000:.0f} ms/token over the {c.slo_itl_s * 1000:.0f} ms SLO while "
                     "decode workers prefill locally")
         headroom = s.itl_p90_s is None or s.itl_p90_s <= c.itl_headroom * c.slo_itl_s
         if s.ttft_p90_s is not None and s.ttft_p90_s > c.slo_ttft_s and headroom:
