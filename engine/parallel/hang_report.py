@@ -112,8 +112,13 @@ class HangWatch:
     def report_overdue(self, now: float | None = None) -> int:
         """Report every overdue task once; how many were reported."""
         late = self.overdue(time.monotonic() if now is None else now)
+        reported = 0
         for key, what, seconds, detail in late:
             with self._lock:
+                if key not in self._tasks:
+                    # It ended while this thread was getting to it (a loaded host can starve the watch thread for
+                    # seconds): nothing is stuck, and the stacks would show the rank after the task.
+                    continue
                 self._reported.add(key)
             parts = [f"{self.who}: {what} has run for {seconds:.0f} s (if it never ends, a rank waits for another)"]
             for extra in (detail, self.describe):
@@ -126,7 +131,8 @@ class HangWatch:
                     handler.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             self.reports += 1
-        return len(late)
+            reported += 1
+        return reported
 
     def _watch(self) -> None:
         interval = min(1.0, self.report_s / 4)

@@ -41,6 +41,19 @@ def test_an_overdue_task_is_reported_once_with_its_calls_and_the_stacks(capfd: p
     assert "test_an_overdue_task_is_reported_once" in capfd.readouterr().err  # the stacks (faulthandler)
 
 
+def test_a_task_that_ended_before_its_report_is_written_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """A starved watch thread finds a task overdue, and the task ends before the report is written: no report (its
+    stacks would show the rank after the task, and nothing is stuck)."""
+    watch = HangWatch("rank 1", 0.1)
+    watch.close()  # this test drives the reports itself
+    with watch.task("step 1"):
+        late = watch.overdue(time.monotonic() + 1.0)
+    assert [what for _, what, _, _ in late] == ["step 1"]
+    watch.overdue = lambda now: late  # type: ignore[method-assign]  # what the starved thread had computed
+    assert watch.report_overdue() == 0 and watch.reports == 0
+    assert "step 1" not in caplog.text
+
+
 def test_reports_are_off_at_zero_and_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     watch = HangWatch("rank 0", 0)
     with watch.task("step 0"):
@@ -57,13 +70,14 @@ def test_reports_are_off_at_zero_and_the_setting_is_checked(monkeypatch: pytest.
 
 def test_a_stage_stuck_in_a_step_is_reported_by_it_and_by_the_stage_waiting_for_it(
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
-    """PP2 on CPU: stage 0 (world rank 1) sleeps 4 s in its second step; with reports after 1 s, it reports that
+    """PP2 on CPU: stage 0 (world rank 1) sleeps 8 s in its second step; with reports after 1 s, it reports that
     step with its stack (in the sleep), and rank 0 (the last stage) reports the same step waiting in its receive
-    from rank 1; then the step completes and the engine goes on."""
+    from rank 1; then the step completes and the engine goes on. (With a 4 s sleep, a CI box under load once
+    starved the watch thread past the sleep: its stacks showed the rank after the step.)"""
     monkeypatch.setenv("KVFLOW_TP_HANG_REPORT_S", "1")
     args = EngineArgs(model="tiny", load_format="dummy", kv_cache_memory_bytes=1 << 24, pipeline_parallel_size=2)
     engine = LLMEngine.from_engine_args(args, rank_module="tests.helpers.slow_rank",
-                                        rank_env={"KVFLOW_TEST_SLOW_STEP": "1", "KVFLOW_TEST_SLOW_S": "4"})
+                                        rank_env={"KVFLOW_TEST_SLOW_STEP": "1", "KVFLOW_TEST_SLOW_S": "8"})
     try:
         engine.add_request("a", {"prompt_token_ids": [1, 5, 9, 33]},
                            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
