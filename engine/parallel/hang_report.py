@@ -5,7 +5,8 @@ kernel) shows nothing from outside: NCCL kernels never time out, and the driver'
 after KVFLOW_TP_TIMEOUT_S. So every rank keeps a `HangWatch`: the task it is in (a step, a frame written to a rank)
 and, when one runs past KVFLOW_TP_HANG_REPORT_S (default 30 s; 0: off), it logs once what the task is, how long
 it has run, the communication calls this rank issued during it (`CallLog`: counts by kind and peer, and the last
-one) and then every thread's Python stack (faulthandler, straight to stderr). Read side by side, the ranks' reports
+one) and then every thread's Python stack (faulthandler's, buffered and written to stderr whole, so that ranks
+reporting at once do not interleave mid-line). Read side by side, the ranks' reports
 say who waits for whom. On GPUs the calls are issued asynchronously: a rank's count says what it enqueued, its
 stack where its host waits (a stream sync behind the GPU's collective, a pipe write, an NCCL call setting up a
 connection).
@@ -19,6 +20,7 @@ import itertools
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -41,6 +43,22 @@ def hang_report_s() -> float:
     if value < 0:
         raise ValueError(f"{REPORT_ENV} must be >= 0, got {raw!r}")
     return value
+
+
+def thread_stacks() -> bytes:
+    """Every thread's stack (faulthandler's text), dumped into a buffer first: faulthandler writes a line in
+    several pieces, and ranks that report at the same moment into one stderr would interleave mid-line."""
+    with tempfile.TemporaryFile() as buffer:
+        faulthandler.dump_traceback(file=buffer, all_threads=True)
+        buffer.seek(0)
+        return buffer.read()
+
+
+def write_whole(fd: int, data: bytes) -> None:
+    """`data` to `fd` in as few writes as the fd takes (one, for a file or a pipe under its buffer size)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 class CallLog:
@@ -129,7 +147,7 @@ class HangWatch:
             with contextlib.suppress(Exception):
                 for handler in logging.getLogger().handlers:
                     handler.flush()
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                write_whole(sys.stderr.fileno(), thread_stacks())
             self.reports += 1
             reported += 1
         return reported

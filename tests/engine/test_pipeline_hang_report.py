@@ -4,6 +4,8 @@ thread's stack, so a hang on GPUs (where NCCL never times out) says which rank w
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import time
 
@@ -11,7 +13,7 @@ import pytest
 
 from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.parallel.hang_report import CallLog, HangWatch, hang_report_s
+from engine.parallel.hang_report import CallLog, HangWatch, hang_report_s, thread_stacks, write_whole
 from engine.sampling_params import SamplingParams
 
 
@@ -54,6 +56,22 @@ def test_a_task_that_ended_before_its_report_is_written_is_not_reported(caplog: 
     assert "step 1" not in caplog.text
 
 
+def test_the_stacks_go_out_in_one_piece() -> None:
+    """Two ranks that report at once share one stderr: faulthandler alone writes each line in pieces, and the
+    ranks' lines interleaved mid-line ("line 176 in Thread 0x...main") in a CI run. Buffered, each dump is whole."""
+    stacks = thread_stacks()
+    assert b"in test_the_stacks_go_out_in_one_piece" in stacks and stacks.endswith(b"\n")
+    read, write = os.pipe()
+    try:
+        write_whole(write, stacks)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            assert pipe.read() == stacks
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(write)
+
+
 def test_reports_are_off_at_zero_and_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     watch = HangWatch("rank 0", 0)
     with watch.task("step 0"):
@@ -70,14 +88,13 @@ def test_reports_are_off_at_zero_and_the_setting_is_checked(monkeypatch: pytest.
 
 def test_a_stage_stuck_in_a_step_is_reported_by_it_and_by_the_stage_waiting_for_it(
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
-    """PP2 on CPU: stage 0 (world rank 1) sleeps 8 s in its second step; with reports after 1 s, it reports that
+    """PP2 on CPU: stage 0 (world rank 1) sleeps 4 s in its second step; with reports after 1 s, it reports that
     step with its stack (in the sleep), and rank 0 (the last stage) reports the same step waiting in its receive
-    from rank 1; then the step completes and the engine goes on. (With a 4 s sleep, a CI box under load once
-    starved the watch thread past the sleep: its stacks showed the rank after the step.)"""
+    from rank 1; then the step completes and the engine goes on."""
     monkeypatch.setenv("KVFLOW_TP_HANG_REPORT_S", "1")
     args = EngineArgs(model="tiny", load_format="dummy", kv_cache_memory_bytes=1 << 24, pipeline_parallel_size=2)
     engine = LLMEngine.from_engine_args(args, rank_module="tests.helpers.slow_rank",
-                                        rank_env={"KVFLOW_TEST_SLOW_STEP": "1", "KVFLOW_TEST_SLOW_S": "8"})
+                                        rank_env={"KVFLOW_TEST_SLOW_STEP": "1", "KVFLOW_TEST_SLOW_S": "4"})
     try:
         engine.add_request("a", {"prompt_token_ids": [1, 5, 9, 33]},
                            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
