@@ -204,7 +204,7 @@ class GenerationServicer(WorkerServicer, kvflow_pb2_grpc.GenerationServicer):
         block_size = self.ctx.kv_port.layout.block_size
         self.ctx.events.transfer_pace.observe(result.num_blocks_received * block_size, result.wire_seconds)
         # Tokens the prefill worker served from its cache (not the ones this worker had: those were not sent).
-        own_cached = slot.num_cached_blocks * self.ctx.kv_port.layout.block_size
+        own_cached = slot.num_cached_blocks * block_size
         self.ctx.metrics.fetched_tokens.inc(max(result.remote_cached_tokens - own_cached, 0))
         await self.engine.call(
             lambda e: e.finish_remote_prefill(request_id, result.first_token_id, result.first_token_logprobs,
