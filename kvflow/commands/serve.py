@@ -109,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args.validate_itl_target()
     engine_args.validate_kv_offloading()
     PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_itl_s=args.slo_itl_ms / 1000).validate()  # before workers
-    engine_args = adaptive_itl_target(engine_args, args.disagg_policy, args.slo_itl_ms)
-    engine_args.validate_ttft_target()  # after adaptive's defaults: it may have set --itl-target-ms
+    engine_args.validate_ttft_target()
     engine_args.structured_outputs()
     args.prefill_workers = pipeline_prefill_workers(engine_args.pipeline_parallel_size, args.prefill_workers)
     args.prefill_workers, args.decode_workers = worker_counts(args.prefill_workers, args.decode_workers,
@@ -173,22 +172,6 @@ def run(args: argparse.Namespace) -> int:
         if clean:
             cluster.remove_logs()
     return 0
-
-
-def adaptive_itl_target(engine_args: EngineArgs, policy: str, slo_itl_ms: float) -> EngineArgs:
-    """Adaptive on GPU workers: unless --itl-target-ms is given, local prefill beside decodes is chunked to keep
-    steps within 0.8 x --slo-itl-ms (the pool planner's headroom: gaps at the cap must not read as a breach). CPU
-    workers are left uncapped: a CPU decode step alone takes about a typical ITL target (SmolLM2, 2 cores:
-    ~40 ms), so a cap would only starve prefill. --ttft-target-ms (the cap yields to a queue that would miss it)
-    is not set here: on 4 x H200 it cut the prefill-heavy load's TTFT p99 from 11-21 s to 2.9 s but broke its
-    TPOT instead (SLO 0.06-0.26 -> 0.03), and the mixed load's SLO went 0.997 -> 0.958."""
-    if policy != "adaptive" or engine_args.itl_target_ms is not None or not engine_args.enable_chunked_prefill:
-        return engine_args
-    from kvflow.launcher import visible_gpus
-
-    if engine_args.device not in ("auto", "cuda") or not visible_gpus():
-        return engine_args
-    return dataclasses.replace(engine_args, itl_target_ms=PlannerConfig().itl_headroom * slo_itl_ms)
 
 
 def pipeline_prefill_workers(pipeline_parallel: int, prefill: int | None) -> int | None:

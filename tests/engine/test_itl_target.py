@@ -354,20 +354,6 @@ def test_bad_ttft_targets_are_refused_naming_the_flag(args: dict, match: str) ->
         EngineArgs(model="tiny", **args).create_engine_config()
 
 
-def test_adaptive_serve_on_gpus_sets_the_itl_target_from_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvflow.launcher
-    from kvflow.commands.serve import adaptive_itl_target
-
-    monkeypatch.setattr(kvflow.launcher, "visible_gpus", lambda: [0, 1])
-    gpu = EngineArgs(model="tiny", device="cuda")
-    got = adaptive_itl_target(gpu, "adaptive", 40.0)
-    assert (got.itl_target_ms, got.ttft_target_ms) == (32.0, None)
-    mine = EngineArgs(model="tiny", device="cuda", itl_target_ms=20.0, ttft_target_ms=300.0)
-    assert adaptive_itl_target(mine, "adaptive", 40.0) == mine  # the user's own
-    assert adaptive_itl_target(gpu, "static", 40.0) == gpu
-    assert adaptive_itl_target(EngineArgs(model="tiny", device="cpu"), "adaptive", 40.0).itl_target_ms is None
-
-
 def test_the_target_needs_chunked_prefill() -> None:
     with pytest.raises(ValueError, match="--itl-target-ms needs chunked prefill"):
         EngineArgs(model="tiny", itl_target_ms=20, enable_chunked_prefill=False).create_engine_config()
