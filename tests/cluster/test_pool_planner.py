@@ -237,3 +237,36 @@ def test_a_saturated_decode_pool_takes_a_mostly_idle_prefill_worker() -> None:
     members = [member("p", "decode", since=10.0), member("d", "decode", num_running=190, busy_fraction=1.0)]
     feed(planner, 12.0, ttft=3.0, itl=0.010, local=8000)
     assert settle(planner, members, 12.0) == [None, None]
+
+
+def test_a_lone_decode_worker_whose_pace_breaks_beside_local_prefill_takes_the_busy_prefill_worker() -> None:
+    """It has no peer to give to prefill; the replicas' layout adds a decoder (2 x H200, 2k prompts at 16 req/s
+    from 1P1D: pace p90 104 ms, SLO 0.09; two replicas met it for every request)."""
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill", busy_fraction=0.9, queued_prefill_tokens=8000),
+               member("d", "decode", num_running=150, busy_fraction=1.0, queued_prefill_tokens=4000)]
+    feed(planner, 10.0, ttft=0.5, itl=0.104, remote=8000, local=8000)
+    move = settle(planner, members, 10.0)[-1]
+    assert move is not None and (move.worker_id, move.target) == ("p", "decode")
+    assert "only decode worker" in move.reason
+    # without local prefill the lone worker's gaps come from decode load, which the busy prefill worker's remote
+    # prefills would only add to: it stays (test_a_busy_last_prefill_worker_stays_whatever_the_gaps_say)
+    members[1] = member("d", "decode", num_running=150, busy_fraction=1.0)
+    assert settle(PoolPlanner(CONFIG), members, 10.0) == [None, None]
+
+
+def test_a_move_that_undoes_the_last_waits_the_reverse_dwell() -> None:
+    planner = PoolPlanner(CONFIG)
+    members = [member("p", "prefill", busy_fraction=0.9, queued_prefill_tokens=8000),
+               member("d", "decode", num_running=150, queued_prefill_tokens=4000)]
+    feed(planner, 10.0, ttft=0.5, itl=0.104, remote=8000, local=8000)
+    assert settle(planner, members, 10.0)[-1] is not None  # p -> decode
+    replicas = [member("p", "decode", since=10.0, num_running=80, queued_prefill_tokens=4000),
+                member("d", "decode", num_running=80, queued_prefill_tokens=4000)]
+    at = 10.0 + CONFIG.min_dwell_s + 1.0
+    feed(planner, at, ttft=0.5, itl=0.080, local=8000)  # pace breaks beside local prefill: wants one back
+    assert settle(planner, replicas, at) == [None, None]
+    later = 10.0 + CONFIG.reverse_dwell_s + 1.0
+    feed(planner, later, ttft=0.5, itl=0.080, local=8000)
+    move = settle(planner, replicas, later)[-1]
+    assert move is not None and move.target == "prefill"
