@@ -229,7 +229,7 @@ class PoolPlanner:
         if all(m.load.kv_cache_usage >= c.saturated_kv_usage for m in decode):
             return "decode pool KV cache nearly full"
         idle = s.routed_requests >= c.min_samples and s.remote_share < c.idle_remote_share
-        locally = any(m.load.queued_prefill_tokens > 0 for m in decode)
+        locally = self._prefills_locally(s, decode)
         if len(decode) == 1 and locally and s.itl_p90_s is not None and s.itl_p90_s > c.slo_itl_s:
             # The only decode worker's pace breaks beside its local prefill, and it has no peer to give to the
             # prefill pool: the replicas' layout adds a decoder (2 x H200, 2k prompts at 16 req/s from 1P1D:
@@ -250,9 +250,18 @@ class PoolPlanner:
                     f"beside a prefill pool {prefill_busy:.0%} busy")
         return None
 
+    def _prefills_locally(self, s: Signals, decode: list[Member]) -> bool:
+        """The decode pool prefills locally: a worker reports queued prompt tokens, or the window's routes left it
+        at least `idle_remote_share` of the prompt tokens. The routes count too: an uncapped worker prefills a
+        burst of prompts in one step, so its queue reads empty at most heartbeats (2 x H200, 2k prompts at
+        16 req/s from 1P1D: half the prompts prefilled locally, the pace p90 at 104 ms read as decode load)."""
+        c = self.config
+        routed_locally = s.routed_requests >= c.min_samples and 1.0 - s.remote_share >= c.idle_remote_share
+        return routed_locally or any(m.load.queued_prefill_tokens > 0 for m in decode)
+
     def _to_prefill_reason(self, s: Signals, decode: list[Member]) -> str | None:
         c = self.config
-        locally = any(m.load.queued_prefill_tokens > 0 for m in decode)
+        locally = self._prefills_locally(s, decode)
         if s.itl_p90_s is not None and s.itl_p90_s > c.slo_itl_s and locally:
             return (f"pace p90 {s.itl_p90_s * 1000:.0f} ms/token over the {c.slo_itl_s * 1000:.0f} ms SLO while "
                     "decode workers prefill locally")

@@ -249,10 +249,17 @@ def test_a_lone_decode_worker_whose_pace_breaks_beside_local_prefill_takes_the_b
     move = settle(planner, members, 10.0)[-1]
     assert move is not None and (move.worker_id, move.target) == ("p", "decode")
     assert "only decode worker" in move.reason
+    # an uncapped worker prefills a burst in one step, so its queue reads empty at most heartbeats: the routes say
+    # it prefills locally all the same
+    members[1] = member("d", "decode", num_running=150, busy_fraction=1.0)
+    planner = PoolPlanner(CONFIG)
+    feed(planner, 10.0, ttft=0.5, itl=0.104, remote=8000, local=8000)
+    assert settle(planner, members, 10.0)[-1].worker_id == "p"
     # without local prefill the lone worker's gaps come from decode load, which the busy prefill worker's remote
     # prefills would only add to: it stays (test_a_busy_last_prefill_worker_stays_whatever_the_gaps_say)
-    members[1] = member("d", "decode", num_running=150, busy_fraction=1.0)
-    assert settle(PoolPlanner(CONFIG), members, 10.0) == [None, None]
+    planner = PoolPlanner(CONFIG)
+    feed(planner, 10.0, ttft=0.5, itl=0.104, remote=8000)
+    assert settle(planner, members, 10.0) == [None, None]
 
 
 def test_a_move_that_undoes_the_last_waits_the_reverse_dwell() -> None:
