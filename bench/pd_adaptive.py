@@ -18,8 +18,9 @@ SLO: a request meets it if it completed, its TTFT <= slo["ttft_s"] and its TPOT 
 the first) <= slo["itl_s"]; slo_attainment = requests meeting it / requests sent (a failed one misses it).
 
 Writes $OUT/pd_adaptive_<workload>.json (--smoke: pd_adaptive_smoke.json), rewritten after each mode; its
-records' fields: bench/README.md. The file's records of modes not run are kept: a workload's modes can be measured
-over several device calls (copy the file into $OUT first: a device's $OUT starts empty).
+records' fields: bench/README.md. A record replaces the file's earlier one of its mode (and rate) when it is written;
+the others are kept: a workload's modes can be measured over several device calls (copy the file into $OUT first: a
+device's $OUT starts empty).
 
 Servers: one per mode and workload (the same starting pools for each), warmed up with a few requests per class;
 --smoke (tiny model on CPU, seconds-long loads) starts one per mode for all workloads, all three up front.
@@ -373,9 +374,19 @@ def run_group(bench: Bench, modes: list[str], runs: list[Workload],
                 server.stop()
 
 
-def kept_records(path: Path, modes: list[str]) -> list[dict[str, Any]]:
-    """The file's records of other modes: a workload can be measured a mode per device call (records are dated)."""
-    return [r for r in json.loads(path.read_text())["records"] if r["mode"] not in modes] if path.exists() else []
+def file_records(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())["records"] if path.exists() else []
+
+
+def replace_record(records: list[dict[str, Any]], record: dict[str, Any]) -> list[dict[str, Any]]:
+    """`records` with `record` in place of the file's earlier one of its workload, mode and sweep rate: a workload
+    can be measured a mode per device call (records are dated), and a mode cut short by a call's limit keeps its
+    old one."""
+
+    def key(r: dict[str, Any]) -> tuple:
+        return r.get("workload"), r["mode"], r.get("request_rate")
+
+    return [r for r in records if key(r) != key(record)] + [record]
 
 
 def commit() -> str:
@@ -439,7 +450,7 @@ def main() -> int:
     for group in groups:
         for workload, record in run_group(bench, args.modes, [w for key in group for w in runs[key]], args.smoke):
             path = args.out / f"{bench.prefix}{'smoke' if args.smoke else workload.key}.json"
-            files.setdefault(path.name, kept_records(path, args.modes)).append(record)
+            files[path.name] = replace_record(files.get(path.name) or file_records(path), record)
             write_json(path, {"context": context(bench, args.smoke), "records": files[path.name]}, indent=1)
     return 1 if any("error" in r for records in files.values() for r in records if r["mode"] in args.modes) else 0
 

@@ -35,7 +35,7 @@ MAX_TRANSFER_COST = 0.99  # a measured transfer cost is capped here (fetch_trans
 
 @dataclass(frozen=True)
 class PrefillPathWeights:
-    # Local prefill on a decoding worker runs in ITL-capped chunks beside its decode steps: about half its speed.
+    # Local prefill on a decoding worker shares its steps with the decodes: taken at about half its speed.
     local_slowdown_while_decoding: float = 2.0
     # The extra RPC hop, the KV transfer and the first token's relay, in prompt tokens of prefill time (the 1k-token
     # TTFT measured 1.19x local on H100: ~190 tokens).

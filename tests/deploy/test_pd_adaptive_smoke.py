@@ -8,7 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.pd_adaptive import MODE_FLAGS, OPT_IN_MODES, SLO, mode_flags, parse_pools, plan, pool_record
+from bench.pd_adaptive import (
+    MODE_FLAGS,
+    OPT_IN_MODES,
+    SLO,
+    mode_flags,
+    parse_pools,
+    plan,
+    pool_record,
+    replace_record,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = {"workload", "device", "mode", "ttft_p99_s", "itl_p99_s", "slo_attainment", "slo", "out_tok_s", "failed",
@@ -25,6 +34,20 @@ def test_mode_flags_pin_the_fixed_layouts_to_the_static_policy() -> None:
     assert " ".join(adaptive).endswith("--slo-ttft-ms 1000 --slo-itl-ms 40 --itl-target-ms 30")
     assert " ".join(mode_flags("adaptive_dp2", SLO, None)) == ("--disagg-policy adaptive --data-parallel-size 2 "
                                                                "--slo-ttft-ms 1000 --slo-itl-ms 40")
+
+
+def test_a_record_replaces_only_its_own_mode_workload_and_rate() -> None:
+    """A mode cut short by a device call's limit keeps the file's older record (it once lost two-replica records)."""
+    old = [{"workload": "w", "mode": "dp2", "date": "1"}, {"workload": "w", "mode": "adaptive", "date": "1"},
+           {"workload": "v", "mode": "adaptive", "date": "1"},
+           {"workload": "s", "mode": "adaptive", "request_rate": 12, "date": "1"},
+           {"workload": "s", "mode": "adaptive", "request_rate": 16, "date": "1"}]
+    new = replace_record(old, {"workload": "w", "mode": "adaptive", "date": "2"})
+    assert [(r["workload"], r["mode"], r["date"]) for r in new] == [
+        ("w", "dp2", "1"), ("v", "adaptive", "1"), ("s", "adaptive", "1"), ("s", "adaptive", "1"),
+        ("w", "adaptive", "2")]
+    rates = replace_record(new, {"workload": "s", "mode": "adaptive", "request_rate": 16, "date": "2"})
+    assert [(r.get("request_rate"), r["date"]) for r in rates if r["workload"] == "s"] == [(12, "1"), (16, "2")]
 
 
 def test_the_four_gpu_layout_and_the_rate_scale() -> None:
