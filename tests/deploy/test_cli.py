@@ -94,3 +94,27 @@ def test_help_shows_defaults_but_never_one_from_the_environment(monkeypatch: pyt
     for command in ("serve", "router"):
         text = commands[command].format_help()
         assert "secret" not in text and "$KVFLOW_API_KEY" in text
+
+
+def test_adaptive_serve_starts_as_replicas_where_two_workers_get_gpus_of_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 2 x H200, adaptive from two replicas met the SLO on mixed and prefill-heavy loads (1.000 / 1.000), from
+    1P1D 1.000 / 0.678: the default start on GPUs. Explicit pools, -dp, TP that leaves no room, pinned GPU lists,
+    the static policy and CPU keep the 1P1D default."""
+    import kvflow.launcher
+    from cluster.worker.args import server_engine_args
+    from kvflow.commands.serve import adaptive_starts_as_replicas
+
+    def starts(argv: list[str], gpus: int = 2) -> bool:
+        monkeypatch.setattr(kvflow.launcher, "visible_gpus", lambda: [str(i) for i in range(gpus)])
+        args = build_parser().parse_args(["serve", "--model", "tiny", *argv])
+        args.gpu_memory_utilization = 0.9
+        engine_args = server_engine_args(args)
+        tp = engine_args.tensor_parallel_size
+        return adaptive_starts_as_replicas(args, engine_args, tp, tp)
+
+    assert starts([]) and starts(["--device", "cuda"]) and starts(["-tp", "2"], gpus=4)
+    assert not starts([], gpus=1) and not starts(["-tp", "2"], gpus=2)
+    for flags in (["--prefill-workers", "1"], ["--decode-workers", "1"], ["-dp", "2"], ["--decode-gpus", "0"],
+                  ["--disagg-policy", "static"], ["--device", "cpu"]):
+        assert not starts(flags), flags
