@@ -131,7 +131,8 @@ class Router:
     def route(self, token_ids: Sequence[int], cache_salt: Sequence[str] = (),
               exclude_decode: frozenset[str] = frozenset()) -> Route:
         """Pick the decode worker, and where the prompt is prefilled: on a prefill-pool worker (by cached prefix and
-        load) or on the decode worker itself (cluster/routing/disagg.py). Runs in a tokenizer thread: hashing and
+        load) or on the decode worker itself (cluster/routing/disagg.py). Without a prefill pool (replicas) the
+        decode worker is picked by cached prefix and load, as a prefill worker is; beside one, by load. Runs in a tokenizer thread: hashing and
         the index lookup block."""
         start = time.perf_counter()
         info = self.model_info
@@ -150,7 +151,10 @@ class Router:
             choice = self.policy.choose_prefill([w.view() for w in prefills], matched, len(token_ids),
                                                 info.block_size, on_host)
             prefill, prefill_blocks = by_id[choice.worker.worker_id], choice.matched_blocks
-        decode_view = self.policy.choose_decode([w.view() for w in decodes])
+            decode_view = self.policy.choose_decode([w.view() for w in decodes])
+        else:  # replicas: the decode worker prefills the prompt itself (cluster/routing/policy.py choose_replica)
+            decode_view = self.policy.choose_replica([w.view() for w in decodes], matched, len(token_ids),
+                                                     info.block_size, on_host).worker
         decode = next(w for w in decodes if w.address == decode_view.address)
         local_blocks = matched.get(decode.worker_id, 0)
         path = choose_prefill_path(self.config.disagg_policy, prefill.view() if prefill is not None else None,
@@ -216,7 +220,8 @@ class Router:
         decode pool's (adaptive: they may prefill locally; a fetch: what they lack is shipped), and the workers a
         prefix may be fetched from."""
         candidates = [w.worker_id for w in prefills]
-        if self.config.disagg_policy == "adaptive" or holders:  # a fetch weighs what the decode worker caches
+        # adaptive: a decode worker may prefill locally; a fetch weighs what it caches; replicas prefill locally
+        if self.config.disagg_policy == "adaptive" or holders or not prefills:
             candidates += [w.worker_id for w in decodes]
         candidates = list(dict.fromkeys(candidates + [w.worker_id for w in holders]))
         if not candidates or not self.policy.uses_index or self.tokenizers is None:

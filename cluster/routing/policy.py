@@ -1,4 +1,5 @@
-"""Routing policies: pick a prefill worker (by cached prefix and load) and a decode worker (by load).
+"""Routing policies: pick a prefill worker (by cached prefix and load), a decode worker (by load) and, without a
+prefill pool, a replica that does both (as a prefill worker, plus its in-flight requests' KV).
 
 The prefix policy's cost follows Dynamo's: per worker, the prefill work it would have queued if it took the
 request, minus the blocks it already caches, plus the KV blocks its running requests hold:
@@ -89,6 +90,14 @@ def prefill_cost(worker: WorkerView, prompt_tokens: int, matched_blocks: int, bl
     return weights.prefill_load_scale * adjusted / block_size + worker.used_kv_blocks
 
 
+def unreported_blocks(worker: WorkerView, prompt_tokens: int, block_size: int) -> float:
+    """KV blocks this router's requests on `worker` will hold that its last heartbeat does not count yet: requests
+    in flight beyond those it reports, each taken at this prompt's size (Dynamo's router likewise tracks the blocks
+    of the requests it routed itself)."""
+    unseen = max(worker.pending_requests - worker.load.num_running - worker.load.num_waiting, 0)
+    return unseen * -(-prompt_tokens // block_size)
+
+
 def decode_cost(worker: WorkerView) -> float:
     requests = max(worker.load.num_running + worker.load.num_waiting, worker.pending_requests)
     return requests + worker.load.kv_cache_usage
@@ -118,16 +127,40 @@ class RoutingPolicy:
             raise ValueError("no decode workers to choose from")
         return self._pick_decode(workers)
 
-    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
-                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
+    def choose_replica(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                       block_size: int, host_matched: Mapping[str, int] | None = None) -> PrefillChoice:
+        """A worker that prefills the prompt and decodes it (no prefill pool: replicas). The prefix policy scores it
+        as a prefill worker, plus the KV its in-flight requests will hold that no heartbeat shows yet
+        (`unreported_blocks`): a turn goes to the replica caching its conversation unless that one is busier by
+        more than the cached blocks."""
+        if not workers:
+            raise ValueError("no workers to choose from")
+        return self._pick_replica(workers, matched, prompt_tokens, block_size, host_matched or {})
+
+    def _cheapest(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int, block_size: int,
+                host_matched: Mapping[str, int], replica: bool = False) -> PrefillChoice:
+        """The cheapest worker by `prefill_cost` (plus `unreported_blocks` for a replica), ties at random."""
         scored = []
         for w in workers:
             cached, on_host = matched.get(w.worker_id, 0), host_matched.get(w.worker_id, 0)
             credit = cached if self.uses_index else 0  # load-only policies ignore the cache
             cost = prefill_cost(w, prompt_tokens, credit, block_size, self.weights, on_host)
+            cost += unreported_blocks(w, prompt_tokens, block_size) if replica else 0.0
             scored.append(PrefillChoice(w, cached, cost, on_host))
         best = min(c.cost for c in scored)
         return self._rng.choice([c for c in scored if c.cost <= best + 1e-9])
+
+    def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
+        return self._cheapest(workers, matched, prompt_tokens, block_size, host_matched)
+
+    def _pick_replica(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
+        return self._cheapest(workers, matched, prompt_tokens, block_size, host_matched, replica=True)
+
+    def _as_choice(self, worker: WorkerView, matched: dict[str, int], host_matched: Mapping[str, int]
+                   ) -> PrefillChoice:
+        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0, host_matched.get(worker.worker_id, 0))
 
     def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         costs = [decode_cost(w) for w in workers]
@@ -154,8 +187,11 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
                       block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
-        worker = workers[next(self._prefill_turn) % len(workers)]
-        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0, host_matched.get(worker.worker_id, 0))
+        return self._as_choice(workers[next(self._prefill_turn) % len(workers)], matched, host_matched)
+
+    def _pick_replica(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
+        return self._as_choice(self._pick_decode(workers), matched, host_matched)
 
     def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         return workers[next(self._decode_turn) % len(workers)]
@@ -166,8 +202,11 @@ class RandomPolicy(RoutingPolicy):
 
     def _pick_prefill(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
                       block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
-        worker = self._rng.choice(list(workers))
-        return PrefillChoice(worker, matched.get(worker.worker_id, 0), 0.0, host_matched.get(worker.worker_id, 0))
+        return self._as_choice(self._rng.choice(list(workers)), matched, host_matched)
+
+    def _pick_replica(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
+        return self._as_choice(self._pick_decode(workers), matched, host_matched)
 
     def _pick_decode(self, workers: Sequence[WorkerView]) -> WorkerView:
         return self._rng.choice(list(workers))

@@ -56,6 +56,26 @@ def test_round_robin_and_random() -> None:
     assert {rnd.choose_prefill(workers, {}, 10, 16).worker.worker_id for _ in range(60)} == {"a", "b", "c"}
 
 
+def test_a_replica_is_chosen_by_its_cached_prefix_unless_busier_by_more_than_it_caches() -> None:
+    """No prefill pool: the worker that caches the conversation takes its next turn; requests this router sent it
+    that no heartbeat shows yet count at the prompt's size each (8 x 22 blocks > 20 cached)."""
+    prefix = make_policy("prefix", seed=0)
+    idle_pair = [view("a"), view("b")]
+    assert all(prefix.choose_replica(idle_pair, {"a": 20}, 352, 16).worker.worker_id == "a" for _ in range(20))
+    busy_a = [view("a", pending=8), view("b")]
+    choice = prefix.choose_replica(busy_a, {"a": 20}, 352, 16)
+    assert (choice.worker.worker_id, choice.matched_blocks) == ("b", 0)
+    # reported work is in the heartbeat's numbers already: not counted twice
+    reported = [view("a", running=8, pending=8), view("b", usage=0.05)]
+    assert prefix.choose_replica(reported, {"a": 20}, 352, 16).worker.worker_id == "a"
+    least = make_policy("least-load", seed=1)
+    assert {least.choose_replica(idle_pair, {"a": 20}, 352, 16).worker.worker_id for _ in range(40)} == {"a", "b"}
+    rr = make_policy("round-robin")
+    assert [rr.choose_replica(idle_pair, {"a": 20}, 352, 16).worker.worker_id for _ in range(3)] == ["a", "b", "a"]
+    with pytest.raises(ValueError, match="no workers"):
+        prefix.choose_replica([], {}, 10, 16)
+
+
 def test_bad_policy_and_empty_pools() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("fastest")

@@ -98,7 +98,8 @@ def pool_worker(router: Router, worker: Worker) -> Any:
 
 @contextmanager
 def busy(router: Router, worker: Worker) -> Iterator[None]:
-    """`worker` looks loaded to the router (8 of its requests in flight there): the other worker decodes."""
+    """`worker` looks loaded to the router (8 of its requests in flight there, which its heartbeats do not show):
+    the other worker decodes."""
     target = pool_worker(router, worker)
     target.pending_requests += 8
     try:
@@ -218,6 +219,25 @@ def test_a_short_cached_prefix_is_recomputed_and_fetch_can_be_turned_off(
         assert not route.fetch and route.prefill is None
     finally:
         router.config = config
+
+
+def test_with_no_prefill_pool_a_turn_goes_to_the_replica_caching_its_prefix(
+        router: Router, workers: tuple[Worker, Worker, str]) -> None:
+    """Replicas are chosen as prefill workers are (cached prefix, then load): an idle pair sends the next turn to
+    the worker holding the conversation, which computes only the new tokens; no fetch, no transfer."""
+    a, b, _ = workers
+    history = tokens(400, HISTORY_BLOCKS)
+    on(router, b, history)  # turn one on A
+    wait_until(lambda: matched(router, a, history).blocks == HISTORY_BLOCKS, 5, "A's blocks in the index")
+    idle = lambda w: (pool_worker(router, w).load.num_running, pool_worker(router, w).load.kv_cache_usage)  # noqa: E731
+    wait_until(lambda: idle(a) == idle(b) == (0, 0.0), 5, "heartbeats showing both idle")
+    turn = history + tokens(401, 2)
+    for _ in range(8):  # not a tie broken at random: every pick
+        route = router.route(turn)
+        assert route.decode.address == a.address and route.prefill is None and not route.fetch
+        assert route.matched_blocks == HISTORY_BLOCKS
+    done = generate(router, turn)
+    assert done.usage.cached_tokens == HISTORY_BLOCKS * BLOCK
 
 
 def test_the_flag_reaches_the_router_config() -> None:
