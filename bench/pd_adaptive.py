@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -129,9 +130,10 @@ class Arrival:
 
 
 def plan(key: str, smoke: bool, rates: list[float], seconds_per_rate: float, rate_scale: float = 1.0) -> list[Workload]:
-    """The workload's runs (one, or one per sweep rate); --smoke shrinks lengths 32x, rates 4x, times 30x;
-    `rate_scale` multiplies every rate (the four-GPU runs: the two-GPU loads per GPU)."""
-    length, slower, shorter = (32, 4.0 / rate_scale, 30.0) if smoke else (1, 1.0 / rate_scale, 1.0)
+    """The workload's runs (one, or one per sweep rate); --smoke shrinks lengths 32x, rates 4x, times 60x (every
+    class and phase still gets a request); `rate_scale` multiplies every rate (the four-GPU runs: the two-GPU loads
+    per GPU)."""
+    length, slower, shorter = (32, 4.0 / rate_scale, 60.0) if smoke else (1, 1.0 / rate_scale, 1.0)
 
     def cls(name: str, input_len: int, output_len: int, rate: float) -> Traffic:
         return Traffic(name, max(input_len // length, 4), max(output_len // length, 2), rate / slower)
@@ -207,7 +209,8 @@ async def poll_pools(client: httpx.AsyncClient, url: str, headers: dict[str, str
             samples.append((time.perf_counter() - start, None, None, {}, {}))
         if last:
             return samples
-        await asyncio.sleep(POLL_S)
+        with contextlib.suppress(asyncio.TimeoutError):  # the next poll in POLL_S, or at once when the load is done
+            await asyncio.wait_for(done.wait(), POLL_S)
 
 
 def parse_pools(text: str) -> tuple[dict[str, str], float | None, dict[str, list[float]], dict[str, float]]:

@@ -5,15 +5,22 @@ the pytest process would leak into every other test module. So each kernel test 
 `test_<what>_under_interpreter = interpreter_cases_test(__file__, ...)`, collected only outside the interpreter: it
 re-runs that module's own file with the variable set, where tests/conftest.py collects the module's
 `triton_interpreter` cases (and only there). It fails when any of them fails, and when fewer (or more) of them
-passed than the module expects, so a case that silently stops being collected is noticed."""
+passed than the module expects, so a case that silently stops being collected is noticed.
+
+One subprocess serves every such module collected in this session (each start imports torch, Triton and pytest
+again: ~4 s apiece on a 2-core box): the first of these tests to run re-runs all the collected modules' files at
+once, and each test then judges its own module's cases from that run's JUnit report. Its time shows on that first
+test in --durations."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
+import tempfile
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -21,23 +28,77 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@dataclass
+class _Run:
+    """The shared subprocess's outcome: per file, the cases that passed and the failures' reports."""
+
+    output: str
+    passed: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, list[str]] = field(default_factory=dict)
+    error: str | None = None  # the run itself failed (timed out, crashed, no report)
+
+
+_FILES: dict[Path, float] = {}  # every registered module's file -> its timeout
+_RUNS: dict[tuple[Path, ...], _Run] = {}
+
+
 def interpreter_cases_test(test_file: str, *, at_least: int, at_most: int | None = None,
                            timeout: float) -> Callable[[], None]:
     """The test that runs `test_file`'s interpreter cases: all must pass, `at_least` to `at_most` of them (no upper
     bound: None)."""
+    path = Path(test_file).resolve()
+    _FILES[path] = timeout
 
     @pytest.mark.outside_interpreter
-    def run_cases() -> None:
-        _run_under_interpreter(Path(test_file).resolve(), at_least, at_most, timeout)
+    def run_cases(request: pytest.FixtureRequest) -> None:
+        _check_module(path, _selected_files(request.session), at_least, at_most)
 
+    run_cases.interpreter_file = path  # type: ignore[attr-defined]
     return run_cases
 
 
-def _run_under_interpreter(test_file: Path, at_least: int, at_most: int | None, timeout: float) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    count = re.search(r"\b(\d+) passed", proc.stdout)
-    passed = int(count.group(1)) if count else 0
-    assert at_least <= passed and (at_most is None or passed <= at_most), proc.stdout[-2000:]
+def _selected_files(session: pytest.Session) -> tuple[Path, ...]:
+    """The files of every interpreter-cases test this session runs (after -k / deselection), in its order."""
+    files = (getattr(getattr(item, "function", None), "interpreter_file", None) for item in session.items)
+    return tuple(dict.fromkeys(f for f in files if f is not None))
+
+
+def _check_module(test_file: Path, selected: tuple[Path, ...], at_least: int, at_most: int | None) -> None:
+    files = selected if test_file in selected else (test_file,)
+    if files not in _RUNS:
+        _RUNS[files] = _run_under_interpreter(files, sum(_FILES.get(f, 900.0) for f in files))
+    run = _RUNS[files]
+    assert run.error is None, run.error
+    key = str(test_file.relative_to(REPO))
+    failures = run.failures.get(key, [])
+    assert not failures, "\n\n".join(failures)[-8000:]
+    passed = run.passed.get(key, 0)
+    assert at_least <= passed and (at_most is None or passed <= at_most), (passed, run.output[-2000:])
+
+
+def _run_under_interpreter(files: tuple[Path, ...], timeout: float) -> _Run:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+               f"--junitxml={report}", *map(str, files)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            return _Run("", error=f"the interpreter run of {len(files)} file(s) ran past {timeout:.0f} s: {exc}")
+        output = proc.stdout[-8000:] + proc.stderr[-2000:]
+        if not report.exists():
+            return _Run(output, error=f"no report from the interpreter run (exit {proc.returncode}):\n{output}")
+        run = _Run(output)
+        for case in ET.parse(report).getroot().iter("testcase"):
+            # xunit1 names the case's file; a collection error has none, only its module in classname / name
+            name = case.get("file") or (case.get("classname") or case.get("name") or "").replace(".", "/") + ".py"
+            bad = [child for child in case if child.tag in ("failure", "error")]
+            if bad:
+                run.failures.setdefault(name, []).extend(
+                    f"{case.get('name')}: {child.get('message', '')}\n{child.text or ''}" for child in bad)
+            elif not any(child.tag == "skipped" for child in case):
+                run.passed[name] = run.passed.get(name, 0) + 1
+        if proc.returncode != 0 and not run.failures:  # e.g. an internal error: every module sees it
+            run.error = f"the interpreter run exited {proc.returncode} with no failed case:\n{output}"
+        return run

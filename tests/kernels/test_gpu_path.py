@@ -167,8 +167,9 @@ def test_fused_model_matches_torch_model() -> None:
 
 VARIANTS = (SmallGemmMode(True, 1 << 30, True, "gemv"), SmallGemmMode(True, 1 << 30, True, "dot"),
             SmallGemmMode(True, 0, False, "gemv"),
-            SmallGemmMode(True, 1 << 30, True, "gemv", GemvConfig(block_k=16, pipelined=True, prefetch=True)),
-            None)  # fused prologues, the same on tensor cores, none, pipelined GEMV loads over K tiles; None: off
+            SmallGemmMode(True, 1 << 30, True, "gemv", GemvConfig(block_n=16, block_k=16, pipelined=True, prefetch=True)),
+            None)  # fused prologues, the same on tensor cores, none, pipelined GEMV loads over K tiles (4 to 8 of them;
+# 16-row programs: a quarter of the interpreter's program launches of the default 4 rows); None: off
 
 
 @interp
