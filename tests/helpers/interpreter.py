@@ -38,8 +38,8 @@ class _Run:
     error: str | None = None  # the run itself failed (timed out, crashed, no report)
 
 
-_FILES: dict[Path, float] = {}  # every registered module's file -> its timeout
-_RUNS: dict[tuple[Path, ...], _Run] = {}
+# The session's runs, by the files they covered: kept in the pytest config's stash, not in a module global.
+_RUNS_KEY = pytest.StashKey[dict[tuple[Path, ...], _Run]]()
 
 
 def interpreter_cases_test(test_file: str, *, at_least: int, at_most: int | None = None,
@@ -47,27 +47,30 @@ def interpreter_cases_test(test_file: str, *, at_least: int, at_most: int | None
     """The test that runs `test_file`'s interpreter cases: all must pass, `at_least` to `at_most` of them (no upper
     bound: None)."""
     path = Path(test_file).resolve()
-    _FILES[path] = timeout
 
     @pytest.mark.outside_interpreter
     def run_cases(request: pytest.FixtureRequest) -> None:
-        _check_module(path, _selected_files(request.session), at_least, at_most)
+        selected = _selected_files(request.session)
+        files = selected if path in selected else {path: timeout}
+        runs = request.config.stash.setdefault(_RUNS_KEY, {})
+        key = tuple(files)
+        if key not in runs:
+            runs[key] = _run_under_interpreter(key, sum(files.values()))
+        _check_module(path, runs[key], at_least, at_most)
 
     run_cases.interpreter_file = path  # type: ignore[attr-defined]
+    run_cases.interpreter_timeout = timeout  # type: ignore[attr-defined]
     return run_cases
 
 
-def _selected_files(session: pytest.Session) -> tuple[Path, ...]:
-    """The files of every interpreter-cases test this session runs (after -k / deselection), in its order."""
-    files = (getattr(getattr(item, "function", None), "interpreter_file", None) for item in session.items)
-    return tuple(dict.fromkeys(f for f in files if f is not None))
+def _selected_files(session: pytest.Session) -> dict[Path, float]:
+    """The files (and timeouts) of every interpreter-cases test this session runs (after -k / deselection), in
+    its order."""
+    tests = (getattr(item, "function", None) for item in session.items)
+    return {f.interpreter_file: f.interpreter_timeout for f in tests if hasattr(f, "interpreter_file")}
 
 
-def _check_module(test_file: Path, selected: tuple[Path, ...], at_least: int, at_most: int | None) -> None:
-    files = selected if test_file in selected else (test_file,)
-    if files not in _RUNS:
-        _RUNS[files] = _run_under_interpreter(files, sum(_FILES.get(f, 900.0) for f in files))
-    run = _RUNS[files]
+def _check_module(test_file: Path, run: _Run, at_least: int, at_most: int | None) -> None:
     assert run.error is None, run.error
     key = str(test_file.relative_to(REPO))
     failures = run.failures.get(key, [])
