@@ -62,10 +62,19 @@ class CostWeights:
     # A host-tier block's load over its recompute, until the worker reports a measured one: a GPU loads a block
     # over PCIe in a few percent of its prefill time.
     host_reload_cost: float = 0.1
+    # Replicas (the prefix policy's `choose_replica`), SGLang's cache-aware defaults: a prompt goes to the replica
+    # caching the most of it when that is at least `cache_threshold` of the prompt, unless the replicas' request
+    # counts are out of balance (apart by more than `balance_abs_threshold` and by more than
+    # `balance_rel_threshold` times): then to the least loaded.
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
 
     def __post_init__(self) -> None:
         if not 0.0 < self.host_reload_cost < 1.0:
             raise ValueError(f"host_reload_cost must be in (0, 1), got {self.host_reload_cost}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +107,13 @@ def unreported_blocks(worker: WorkerView, prompt_tokens: int, block_size: int) -
     return unseen * -(-prompt_tokens // block_size)
 
 
+def requests_on(worker: WorkerView) -> int:
+    """Its requests: the reported running and waiting ones, or this router's in flight there if more."""
+    return max(worker.load.num_running + worker.load.num_waiting, worker.pending_requests)
+
+
 def decode_cost(worker: WorkerView) -> float:
-    requests = max(worker.load.num_running + worker.load.num_waiting, worker.pending_requests)
-    return requests + worker.load.kv_cache_usage
+    return requests_on(worker) + worker.load.kv_cache_usage
 
 
 class RoutingPolicy:
@@ -129,10 +142,10 @@ class RoutingPolicy:
 
     def choose_replica(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
                        block_size: int, host_matched: Mapping[str, int] | None = None) -> PrefillChoice:
-        """A worker that prefills the prompt and decodes it (no prefill pool: replicas). The prefix policy scores it
-        as a prefill worker, plus the KV its in-flight requests will hold that no heartbeat shows yet
-        (`unreported_blocks`): a turn goes to the replica caching its conversation unless that one is busier by
-        more than the cached blocks."""
+        """A worker that prefills the prompt and decodes it (no prefill pool: replicas). The prefix policy keeps a
+        conversation on the replica caching it unless the replicas are out of balance (`CostWeights`); otherwise,
+        and for the load-only policies, the cheapest by `prefill_cost` plus the KV its in-flight requests will hold
+        that no heartbeat shows yet (`unreported_blocks`)."""
         if not workers:
             raise ValueError("no workers to choose from")
         return self._pick_replica(workers, matched, prompt_tokens, block_size, host_matched or {})
@@ -171,6 +184,20 @@ class RoutingPolicy:
 class PrefixPolicy(RoutingPolicy):
     name = "prefix"
     uses_index = True
+
+    def _pick_replica(self, workers: Sequence[WorkerView], matched: dict[str, int], prompt_tokens: int,
+                      block_size: int, host_matched: Mapping[str, int]) -> PrefillChoice:
+        """SGLang's cache-aware choice. Dynamo's cost alone broke affinity whenever the holder ran one request more
+        than its peer (a running request's KV weighs about a conversation's cached prefix): on 2-core CPU
+        replicas it kept 0.80 of prompt tokens cached where a sticky choice keeps ~0.88."""
+        w = self.weights
+        loads = [requests_on(v) for v in workers]
+        if max(loads) - min(loads) > w.balance_abs_threshold and max(loads) > w.balance_rel_threshold * min(loads):
+            return self._as_choice(self._pick_decode(workers), matched, host_matched)
+        most = max(matched.get(v.worker_id, 0) for v in workers)
+        if most > 0 and min(most * block_size, prompt_tokens) >= w.cache_threshold * prompt_tokens:
+            workers = [v for v in workers if matched.get(v.worker_id, 0) == most]
+        return self._cheapest(workers, matched, prompt_tokens, block_size, host_matched, replica=True)
 
 
 class LeastLoadPolicy(RoutingPolicy):

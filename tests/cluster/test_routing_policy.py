@@ -56,18 +56,23 @@ def test_round_robin_and_random() -> None:
     assert {rnd.choose_prefill(workers, {}, 10, 16).worker.worker_id for _ in range(60)} == {"a", "b", "c"}
 
 
-def test_a_replica_is_chosen_by_its_cached_prefix_unless_busier_by_more_than_it_caches() -> None:
-    """No prefill pool: the worker that caches the conversation takes its next turn; requests this router sent it
-    that no heartbeat shows yet count at the prompt's size each (8 x 22 blocks > 20 cached)."""
+def test_a_replica_keeps_its_conversation_unless_the_replicas_are_out_of_balance() -> None:
+    """No prefill pool (SGLang's cache-aware rule): the worker caching at least 30 % of the prompt takes it, even a
+    few requests busier; requests apart by more than 64 and 1.5x send it to the least loaded; below the threshold
+    the cheapest by prefill cost, where this router's unreported requests count at the prompt's size each."""
     prefix = make_policy("prefix", seed=0)
     idle_pair = [view("a"), view("b")]
     assert all(prefix.choose_replica(idle_pair, {"a": 20}, 352, 16).worker.worker_id == "a" for _ in range(20))
-    busy_a = [view("a", pending=8), view("b")]
-    choice = prefix.choose_replica(busy_a, {"a": 20}, 352, 16)
+    busier = [view("a", running=4, usage=0.6), view("b")]
+    assert prefix.choose_replica(busier, {"a": 20}, 352, 16).worker.worker_id == "a"
+    out_of_balance = [view("a", pending=100), view("b", running=30)]
+    choice = prefix.choose_replica(out_of_balance, {"a": 20}, 352, 16)
     assert (choice.worker.worker_id, choice.matched_blocks) == ("b", 0)
+    # 2 of 22 blocks cached (under 30 %): load decides, unreported requests included
+    assert prefix.choose_replica([view("a", pending=2), view("b")], {"a": 2}, 352, 16).worker.worker_id == "b"
     # reported work is in the heartbeat's numbers already: not counted twice
-    reported = [view("a", running=8, pending=8), view("b", usage=0.05)]
-    assert prefix.choose_replica(reported, {"a": 20}, 352, 16).worker.worker_id == "a"
+    reported = [view("a", running=2, pending=2), view("b", usage=0.05)]
+    assert prefix.choose_replica(reported, {"a": 2}, 352, 16).worker.worker_id == "a"
     least = make_policy("least-load", seed=1)
     assert {least.choose_replica(idle_pair, {"a": 20}, 352, 16).worker.worker_id for _ in range(40)} == {"a", "b"}
     rr = make_policy("round-robin")

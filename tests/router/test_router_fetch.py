@@ -98,14 +98,14 @@ def pool_worker(router: Router, worker: Worker) -> Any:
 
 @contextmanager
 def busy(router: Router, worker: Worker) -> Iterator[None]:
-    """`worker` looks loaded to the router (8 of its requests in flight there, which its heartbeats do not show):
-    the other worker decodes."""
+    """`worker` looks loaded to the router (100 of its requests in flight there, which its heartbeats do not show:
+    out of balance by the replica rule's thresholds): the other worker decodes."""
     target = pool_worker(router, worker)
-    target.pending_requests += 8
+    target.pending_requests += 100
     try:
         yield
     finally:
-        target.pending_requests -= 8
+        target.pending_requests -= 100
 
 
 def on(router: Router, busy_worker: Worker, token_ids: list[int], cache_salt: tuple[str, ...] = ()
