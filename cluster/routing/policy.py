@@ -62,12 +62,14 @@ class CostWeights:
     # A host-tier block's load over its recompute, until the worker reports a measured one: a GPU loads a block
     # over PCIe in a few percent of its prefill time.
     host_reload_cost: float = 0.1
-    # Replicas (the prefix policy's `choose_replica`), SGLang's cache-aware defaults: a prompt goes to the replica
+    # Replicas (the prefix policy's `choose_replica`), SGLang's cache-aware rule: a prompt goes to the replica
     # caching the most of it when that is at least `cache_threshold` of the prompt, unless the replicas' request
     # counts are out of balance (apart by more than `balance_abs_threshold` and by more than
-    # `balance_rel_threshold` times): then to the least loaded.
+    # `balance_rel_threshold` times): then to the least loaded. SGLang's abs default is 64; 4 here, because a chat
+    # template's fixed header can be 30 % of a short prompt: the first replica to cache it would take every request
+    # until it ran 64 more than an idle peer, which then never caches the header (two replicas at moderate load).
     cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
+    balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ def test_round_robin_and_random() -> None:
 
 def test_a_replica_keeps_its_conversation_unless_the_replicas_are_out_of_balance() -> None:
     """No prefill pool (SGLang's cache-aware rule): the worker caching at least 30 % of the prompt takes it, even a
-    few requests busier; requests apart by more than 64 and 1.5x send it to the least loaded; below the threshold
+    few requests busier; requests apart by more than 4 and 1.5x send it to the least loaded; below the threshold
     the cheapest by prefill cost, where this router's unreported requests count at the prompt's size each."""
     prefix = make_policy("prefix", seed=0)
     idle_pair = [view("a"), view("b")]
@@ -68,6 +68,13 @@ def test_a_replica_keeps_its_conversation_unless_the_replicas_are_out_of_balance
     out_of_balance = [view("a", pending=100), view("b", running=30)]
     choice = prefix.choose_replica(out_of_balance, {"a": 20}, 352, 16)
     assert (choice.worker.worker_id, choice.matched_blocks) == ("b", 0)
+    # a shared template header (40 % of a short prompt) cached on the first replica only: an idle peer gets a
+    # request once the holder runs 5 more, caches the header too, and from then on the two tie on the match
+    header = [view("a", running=5), view("b")]
+    assert prefix.choose_replica(header, {"a": 2}, 80, 16).worker.worker_id == "b"
+    assert prefix.choose_replica([view("a", running=4), view("b")], {"a": 2}, 80, 16).worker.worker_id == "a"
+    many = [view("a", running=100), view("b", running=96)]  # busy replicas: the ratio keeps the affinity
+    assert prefix.choose_replica(many, {"a": 20}, 352, 16).worker.worker_id == "a"
     # 2 of 22 blocks cached (under 30 %): load decides, unreported requests included
     assert prefix.choose_replica([view("a", pending=2), view("b")], {"a": 2}, 352, 16).worker.worker_id == "b"
     # reported work is in the heartbeat's numbers already: not counted twice
