@@ -132,8 +132,8 @@ class Router:
               exclude_decode: frozenset[str] = frozenset()) -> Route:
         """Pick the decode worker, and where the prompt is prefilled: on a prefill-pool worker (by cached prefix and
         load) or on the decode worker itself (cluster/routing/disagg.py). Without a prefill pool (replicas) the
-        decode worker is picked by cached prefix and load, as a prefill worker is; beside one, by load. Runs in a tokenizer thread: hashing and
-        the index lookup block."""
+        decode worker is picked by cached prefix and load (`RoutingPolicy.choose_replica`); beside one, by load.
+        Runs in a tokenizer thread: hashing and the index lookup block."""
         start = time.perf_counter()
         info = self.model_info
         decodes = [w for w in self.pool.workers("decode") if w.address not in exclude_decode]

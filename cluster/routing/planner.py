@@ -24,8 +24,8 @@ single worker whose pace breaks while it prefills locally: it has no peer to giv
 layout adds a decoder.
 Hysteresis: a move must be wanted on `confirm_ticks` consecutive ticks, no move follows another within
 `min_dwell_s`, a move that undoes the previous one waits `reverse_dwell_s`, and after a move only samples taken
-since count. A move never empties the decode pool, never touches a
-pinned worker, and never puts a worker in a pool whose members share its compute (that adds no capacity).
+since count. A move never empties the decode pool, never touches a pinned worker, and never puts a worker in a pool
+whose members share its compute (that adds no capacity).
 """
 
 from __future__ import annotations

@@ -86,6 +86,9 @@ def test_a_replica_keeps_its_conversation_unless_the_replicas_are_out_of_balance
     assert [rr.choose_replica(idle_pair, {"a": 20}, 352, 16).worker.worker_id for _ in range(3)] == ["a", "b", "a"]
     with pytest.raises(ValueError, match="no workers"):
         prefix.choose_replica([], {}, 10, 16)
+    for bad in ({"cache_threshold": 1.5}, {"balance_abs_threshold": -1}, {"balance_rel_threshold": 0.5}):
+        with pytest.raises(ValueError, match="threshold"):
+            CostWeights(**bad)
 
 
 def test_bad_policy_and_empty_pools() -> None:
