@@ -1,12 +1,15 @@
 """Tensor parallelism on two GPUs, checked and timed in one scenario (issue 12's benchmarks).
 
 Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as it finishes):
-  check       token-exact: greedy ids of a tiny fp32 model at TP=2 equal TP=1's, with CUDA graphs (NCCL all-reduce
-              captured) and eager (PASS/FAIL per mode)
-  allreduce   NCCL all-reduce µs per call at decode message sizes (8-32 KB, and larger for context), eager (host
-              timed, one call at a time) and inside a CUDA graph (100 calls captured, replayed); torch symmetric
-              memory's one-shot candidate (symm_mem_one_shot) was retired: it runs at `git checkout be1a1ae`
-  decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs), and TP2 eager
+  check       token-exact: greedy ids of a tiny fp32 model at TP=2 equal TP=1's, with CUDA graphs (the engine's
+              all-reduce captured: NCCL, and the peer one-shot with --enable-custom-all-reduce) and eager
+  allreduce   all-reduce µs per call at 8 KB-4 MB, eager (host timed, one call at a time) and inside a CUDA graph
+              (100 calls captured, replayed): NCCL, and the peer-memory one-shot (engine/parallel/peer_all_reduce.py)
+              at 8 / 16 / 32 programs; every size checked on random inputs, and a graph of mixed sizes replayed
+              50 times on fresh inputs. torch symmetric memory's one-shot (symm_mem_one_shot) was retired: it runs
+              at `git checkout be1a1ae`
+  decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs; NCCL, and the peer one-shot),
+              and TP2 eager
   tput8b      N x 512/128 (default 1000) offline throughput: TP2 vs two TP1 replicas (data parallel, one per GPU,
               run side by side; aggregate = the sum of the replicas' output tok/s)
   llama70b    Llama-3.1-70B shapes, bf16, TP2: batch-1 decode tok/s against the aggregate memory roofline (both
@@ -69,6 +72,7 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
         if "tput" in job:
             out.update(throughput(llm, **job["tput"]))
         out["cuda_graphs"] = llm.llm_engine.runner.graphs is not None
+        out["all_reduce"] = llm.llm_engine.runner.all_reduce_kind
         out["num_kv_blocks"] = llm.llm_engine.num_gpu_blocks
     finally:
         llm.close()
@@ -128,11 +132,15 @@ def call_us(call: Callable[[], Any], iters: int, cuda: bool) -> dict[str, float]
 
 
 def allreduce_rank(job: dict[str, Any]) -> dict[str, Any]:
-    """One rank of the all-reduce timing (the engine's own process group, engine/parallel/group.py)."""
+    """One rank of the all-reduce timing (the engine's own process group, engine/parallel/group.py): NCCL, then
+    on GPUs the peer-memory one-shot (engine/parallel/peer_all_reduce.py) with each `programs` variant, its
+    threshold raised to the largest size so the crossover shows. Every size is also checked on random data:
+    eagerly, and replayed from a graph of mixed sizes with fresh inputs before each replay."""
     import torch
+    import torch.distributed as dist
 
-    from bench.harness.timing import capture_graph
     from engine.parallel.group import TPGroup
+    from engine.parallel.peer_all_reduce import PeerAllReduce
 
     rank, size, cuda = job["rank"], job["size"], job["cuda"]
     device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
@@ -140,18 +148,75 @@ def allreduce_rank(job: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(device)
     group = TPGroup("127.0.0.1", job["port"], rank, size, device, 60.0)
     dtype = torch.bfloat16 if cuda else torch.float32
-    rows: list[dict[str, Any]] = []
-    for nbytes in job["sizes"]:
-        x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
-        rows.append({"bytes": nbytes, **call_us(lambda x=x: group.all_reduce(x), job["iters"], cuda)})
-        if cuda:  # correctness of a captured all-reduce: ones sum to `size`
-            single = capture_graph(lambda x=x: group.all_reduce(x))
-            x.fill_(1.0)
-            single.replay()
-            torch.cuda.synchronize()
-            rows[-1]["graph_result_ok"] = bool(torch.all(x == float(size)).item())
+    out: dict[str, Any] = {"rank": rank, "nccl" if cuda else "gloo": time_sizes(group.all_reduce, job, device, dtype)}
+    for programs in job.get("peer_programs", []) if cuda else []:
+        store = dist.PrefixStore(f"bench-peer-{programs}", group.store)
+        peer, why = PeerAllReduce.setup(store, rank, size, device, 10.0, max_bytes=max(job["sizes"]),
+                                        programs=programs)
+        if peer is None:
+            out[f"peer_p{programs}"] = {"error": why}
+            continue
+        out[f"peer_p{programs}"] = {"describe": peer.describe(), "rows": time_sizes(peer, job, device, dtype),
+                                    "graph_mixed_sizes_ok": mixed_graph_ok(peer, rank, size, device, dtype),
+                                    "gave_up_waiting": peer.failed()}
+        torch.cuda.synchronize()
+        peer.close()
     group.close()
-    return {"rank": rank, "rows": rows}
+    return out
+
+
+def rank_inputs(numel: int, size: int, seed: int, device: Any, dtype: Any) -> list[Any]:
+    """Every rank's input for one check (each rank draws all of them from the same seeds)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen).to(device, dtype) for _ in range(size)]
+
+
+def time_sizes(reduce: Callable[[Any], Any], job: dict[str, Any], device: Any, dtype: Any) -> list[dict[str, Any]]:
+    """µs per call at each size, and the sum of random inputs checked against the fp32 sum in rank order: `exact`
+    where every bit matches, else the largest error relative to the largest magnitude."""
+    import torch
+
+    rank, size, cuda = job["rank"], job["size"], job["cuda"]
+    rows = []
+    for index, nbytes in enumerate(job["sizes"]):
+        x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)
+        row: dict[str, Any] = {"bytes": nbytes, **call_us(lambda x=x: reduce(x), job["iters"], cuda)}
+        inputs = rank_inputs(x.numel(), size, 1000 + index, device, dtype)
+        want = torch.stack([t.float() for t in inputs]).sum(0)
+        x.copy_(inputs[rank])
+        reduce(x)
+        if cuda:
+            torch.cuda.synchronize()
+        row["exact"] = bool(torch.equal(x, want.to(dtype)))
+        row["max_rel_err"] = float((x.float() - want).abs().max() / want.abs().max())
+        rows.append(row)
+    return rows
+
+
+def mixed_graph_ok(reduce: Callable[[Any], Any], rank: int, size: int, device: Any, dtype: Any,
+                   replays: int = 50) -> bool:
+    """A graph of three all-reduces of different sizes (8 KB, 64 KB, 8 KB) replayed `replays` times, with fresh
+    random inputs before each replay: every result bit-exact (the epochs and buffer halves stay in step)."""
+    import torch
+
+    from bench.harness.timing import capture_graph
+
+    elems = [4096, 32768, 4096]
+    xs = [torch.zeros(n, dtype=dtype, device=device) for n in elems]
+    graph = capture_graph(lambda: [reduce(x) for x in xs])
+    ok = True
+    for replay in range(replays):
+        wants = []
+        for index, (x, n) in enumerate(zip(xs, elems, strict=True)):
+            inputs = rank_inputs(n, size, 7 * replay + index, device, dtype)
+            x.copy_(inputs[rank])
+            wants.append(torch.stack([t.float() for t in inputs]).sum(0).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = ok and all(torch.equal(x, want) for x, want in zip(xs, wants, strict=True))
+    return ok
 
 
 # ---- parts ----------------------------------------------------------------------------------------------------
@@ -188,9 +253,10 @@ class Bench:
         ids = {"prompts": prompts, "max_tokens": 24}
         fp32 = {"dtype": "float32", "gpu_memory_utilization": 0.3, "cudagraph_capture_sizes": [1, 2, 4]} \
             if self.cuda else {}
-        modes = ["graphs", "eager"] if self.cuda else ["eager"]
+        modes = ["graphs", "eager", "graphs_peer"] if self.cuda else ["eager"]
         jobs = [{"kind": "engine", "engine": self.engine("tiny", 1, enforce_eager=True, **fp32), "ids": ids}]
-        jobs += [{"kind": "engine", "engine": self.engine("tiny", 2, enforce_eager=mode == "eager", **fp32),
+        jobs += [{"kind": "engine", "engine": self.engine("tiny", 2, enforce_eager=mode == "eager",
+                                                          enable_custom_all_reduce=mode.endswith("peer"), **fp32),
                   "ids": ids} for mode in modes]
         results = [r for job in jobs for r in self.jobs([job], 180)]
         base = results[0].get("ids")
@@ -200,22 +266,26 @@ class Bench:
             record[f"tp2_{mode}"] = "PASS" if base is not None and res.get("ids") == base else \
                 f"FAIL {res.get('error', '')}".strip()
             record[f"tp2_{mode}_cuda_graphs"] = res.get("cuda_graphs")
+            record[f"tp2_{mode}_all_reduce"] = res.get("all_reduce")
         self.write("check", record)
 
     def allreduce(self) -> None:
         from engine.parallel.executor import free_port
 
-        sizes = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20]
+        sizes = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
         port = free_port()
         jobs = [{"kind": "allreduce", "rank": r, "size": 2, "port": port, "cuda": self.cuda, "sizes": sizes,
-                 "iters": 20 if self.smoke else 200} for r in range(2)]
+                 "iters": 20 if self.smoke else 200, "peer_programs": [8, 16, 32]} for r in range(2)]
         results = self.jobs(jobs, 300)
         record: dict[str, Any] = {
-            "workload": "NCCL all-reduce, 2 ranks, bf16" if self.cuda else "gloo all-reduce, 2 ranks, fp32 (smoke)",
-            "backend": "nccl" if self.cuda else "gloo", "rows": results[0].get("rows", results[0]),
-            "rank1": results[1].get("rows", results[1])}
+            "workload": "all-reduce, 2 ranks, bf16, random inputs: NCCL and the peer-memory one-shot "
+                        "(programs 8 / 16 / 32)" if self.cuda else "gloo all-reduce, 2 ranks, fp32 (smoke)",
+            "backend": "nccl" if self.cuda else "gloo", "rank0": results[0], "rank1": results[1]}
         if self.cuda:
-            record["engine_uses"] = "nccl"
+            from engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES, DEFAULT_PROGRAMS
+
+            record["engine_uses"] = f"NCCL; with --enable-custom-all-reduce the peer one-shot (programs " \
+                                    f"{DEFAULT_PROGRAMS}) up to {DEFAULT_MAX_BYTES} bytes, NCCL above"
         self.write("allreduce", record)
 
     def decode8b(self) -> None:
@@ -223,13 +293,16 @@ class Bench:
         decode = {"short": 16, "long": 80 if self.smoke else 272, "prompt_len": 32, "repeats": 2}
         small = {} if self.smoke else {"max_model_len": 4096, "max_num_seqs": 8, "cudagraph_capture_sizes": [1, 2]}
         engines = {"tp1": self.engine(model, 1, **small), "tp2": self.engine(model, 2, **small),
+                   "tp2_peer": self.engine(model, 2, enable_custom_all_reduce=True, **small),
                    "tp2_eager": self.engine(model, 2, enforce_eager=True, **small)}
         res = {name: self.jobs([{"kind": "engine", "engine": e, "decode": decode}], 600)[0]
                for name, e in engines.items()}
         tp1, tp2 = res["tp1"].get("decode_tok_s"), res["tp2"].get("decode_tok_s")
         self.write("decode8b", {"workload": f"{model} {self.dtype} batch-1 decode ({decode['long'] - decode['short']} "
                                 f"tokens after a {decode['prompt_len']}-token prompt)", **res,
-                                "speedup_tp2_vs_tp1": round(tp2 / tp1, 3) if tp1 and tp2 else None})
+                                "speedup_tp2_vs_tp1": round(tp2 / tp1, 3) if tp1 and tp2 else None,
+                                "speedup_tp2_peer_vs_tp1": round(res["tp2_peer"]["decode_tok_s"] / tp1, 3)
+                                if tp1 and res["tp2_peer"].get("decode_tok_s") else None})
 
     def tput8b(self) -> None:
         model = "tiny" if self.smoke else "llama-3.1-8b"

@@ -103,6 +103,11 @@ def add_engine_args(parser: argparse.ArgumentParser, d: Any, *, default_log_stat
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: deal whole experts out across the --tensor-parallel-size ranks (attention "
                         "stays tensor-parallel; each rank's expert outputs are summed by one all-reduce)")
+    g.add_argument("--enable-custom-all-reduce", action="store_true",
+                   help="tensor parallelism on GPUs: all-reduces up to 512 KiB go one-shot over peer GPU memory "
+                        "(3.5x faster per call than NCCL, but not yet faster end to end: off by default)")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="(vLLM) every all-reduce on NCCL, which is kvflow's default")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
                    help="decode batch sizes captured as CUDA graphs (default: by --max-num-seqs, as vLLM)")
     g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,

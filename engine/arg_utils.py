@@ -155,6 +155,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # contiguous layer ranges per stage (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE models: whole experts dealt out across the TP ranks
+    enable_custom_all_reduce: bool = False  # TP on GPUs: small all-reduces one-shot over peer memory (opt-in)
+    disable_custom_all_reduce: bool = False  # vLLM's flag: NCCL for every all-reduce (kvflow's default)
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
@@ -217,6 +219,9 @@ class EngineArgs:
         from engine.parallel.stages import validate_pp
 
         validate_tp(arch, self.tensor_parallel_size)
+        if self.enable_custom_all_reduce and self.disable_custom_all_reduce:
+            raise ValueError("enable_custom_all_reduce and disable_custom_all_reduce contradict each other: pass "
+                             "one")
         validate_pp(arch.num_layers, self.pipeline_parallel_size)
         if self.pipeline_parallel_size > 1:
             from engine.models.registry import model_class
@@ -331,6 +336,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
+            custom_all_reduce=self.enable_custom_all_reduce,
             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else None,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
         )

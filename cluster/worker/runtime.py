@@ -107,6 +107,7 @@ def info_response(engine: LLMEngine, role: int, worker_id: str, disagg_min_promp
         pipeline_parallel_size=config.device.pipeline_parallel_size,
         rank_devices=rank_devices,
         compute_domain=compute_domain([torch.device(d) for d in rank_devices]),
+        all_reduce=engine.runner.all_reduce_kind,
     )
 
 

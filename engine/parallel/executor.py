@@ -268,8 +268,9 @@ class TPDriverRunner(ModelRunner):
                 raise TensorParallelError(f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]} during "
                                           "start-up (see its log above)") from exc
             raise
-        logger.info("parallel: %d ranks, tensor %d x pipeline %d (%s, %s)", size, config.device.tensor_parallel_size,
-                    config.device.pipeline_parallel_size, group.backend, config.device.device)
+        logger.info("parallel: %d ranks, tensor %d x pipeline %d (%s, %s), all-reduce: %s", size,
+                    config.device.tensor_parallel_size, config.device.pipeline_parallel_size, group.backend,
+                    config.device.device, self.all_reduce_kind)
 
     # -- the engine's calls ------------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -311,6 +312,8 @@ class TPDriverRunner(ModelRunner):
             code = proc.poll()
             if code is not None:
                 self._fail(f"tensor-parallel rank {rank} exited with code {code}")
+        if self._world.tp is not None and self._world.tp.peer_all_reduce_failed():
+            self._fail("a one-shot all-reduce gave up waiting for a peer rank (its step's output was wrong)")
         self._raise_if_failed()
 
     def shutdown(self) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from engine.parallel.hang_report import CallLog
 from engine.parallel.nccl import NcclCommunicator, NcclLibrary
 from engine.parallel.nccl_env import set_nccl_env_defaults
+from engine.parallel.peer_all_reduce import PeerAllReduce
 
 set_nccl_env_defaults()  # before any communicator of this process exists
 
@@ -66,6 +67,9 @@ class TPGroup:
             host, port, size, is_master=rank == 0, timeout=timeout,
             master_listen_fd=_listening_fd(host, port) if rank == 0 else None)
         prefixed = dist.PrefixStore(prefix, self.store)
+        self._prefixed = prefixed
+        self.peer: PeerAllReduce | None = None  # small all-reduces over peer memory (enable_peer_all_reduce)
+        self._peer_why = "not enabled"
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.nccl: NcclCommunicator | None = None
         self.calls = CallLog()  # what this rank issued on the group (engine/parallel/hang_report.py)
@@ -80,9 +84,36 @@ class TPGroup:
                 unique_id = prefixed.get("nccl-unique-id")
             self.nccl = NcclCommunicator(library, unique_id, rank, size, device)
 
+    def enable_peer_all_reduce(self, **options: Any) -> None:
+        """Collective (every rank calls it): run all-reduces up to a size threshold one-shot over peer GPU memory
+        (engine/parallel/peer_all_reduce.py), NCCL above it. If any rank cannot map its peers' memory, every rank
+        keeps NCCL. `options`: PeerAllReduce.setup's max_bytes / programs."""
+        if self.nccl is None or self.size == 1 or self.peer is not None:
+            return
+        self.peer, why = PeerAllReduce.setup(self._prefixed, self.rank, self.size, self.device, self.timeout_s,
+                                             **options)
+        self._peer_why = why
+        if self.peer is None:
+            logger.warning("tensor-parallel all-reduce stays on NCCL: %s", why)
+
+    @property
+    def all_reduce_kind(self) -> str:
+        """Which all-reduce runs (the worker's Info): the peer one-shot and its threshold, NCCL or gloo."""
+        if self.peer is not None:
+            return self.peer.describe()
+        if self.nccl is None:
+            return self.backend
+        return "nccl" if self._peer_why == "not enabled" else f"nccl (peer one-shot unavailable: {self._peer_why})"
+
+    def peer_all_reduce_failed(self) -> bool:
+        """A one-shot all-reduce gave up waiting for a peer (so its result, and the step's, were wrong)."""
+        return self.peer is not None and self.peer.failed()
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place across ranks (row-parallel outputs, the vocab-parallel embedding)."""
         self.calls.record("all_reduce", tuple(tensor.shape), tensor.dtype)
+        if self.peer is not None and self.peer.fits(tensor):
+            return self.peer(tensor)
         if self.nccl is not None:
             return self.nccl.all_reduce(tensor)
         self.cpu_pg.allreduce([tensor]).wait()
@@ -126,7 +157,11 @@ class TPGroup:
     def close(self, failed: bool = False) -> None:
         """Release the communicators. NCCL's always aborts: destroying waits for the other ranks, which are
         stopped first, so it could hang rank 0 at exit. Gloo's: `abort` after a failure (pending operations end
-        with an error), else `shutdown`."""
+        with an error), else `shutdown`. The peer all-reduce's memory is released only after a clean run: after a
+        failure a one-shot kernel may still wait for a dead peer, and freeing would block on it (exit frees it)."""
+        peer, self.peer = self.peer, None
+        if peer is not None and not failed:
+            peer.close()
         if self.nccl is not None and not self.nccl.close(abort=True):
             logger.warning("the NCCL communicator did not close in time; the process exit releases it")
         for name in (("abort", "shutdown") if failed else ("shutdown", "abort")):

@@ -63,6 +63,7 @@ class ParallelWorld:
         self.where = f"rank {rank} (tensor rank {place.tp_rank} of {tp}" + \
             (f", stage {place.stage} of {pp})" if pp > 1 else ")")
         if pp == 1:
+            self._enable_peer_all_reduce(config)
             return
         arch = config.model.arch
         try:
@@ -72,8 +73,20 @@ class ParallelWorld:
         except BaseException:
             self.group.close(failed=True)
             raise
+        self._enable_peer_all_reduce(config)
         stage = PipelineStage.of(arch.num_layers, place.stage, pp)
         self.link = StageLink(self.group, place, stage, arch.hidden_size, DTYPES[config.model.dtype])
+
+    def _enable_peer_all_reduce(self, config: EngineConfig) -> None:
+        """The tensor-parallel group's small all-reduces over peer GPU memory, where the operator asked for it
+        (--enable-custom-all-reduce); on failure the group is closed, as for any other start-up error."""
+        if self.tp is None or self.tp.size == 1 or not config.device.custom_all_reduce:
+            return
+        try:
+            self.tp.enable_peer_all_reduce()
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def calls_since(self) -> Callable[[], str]:
         """A snapshot of the calls issued so far; calling the result says what was issued since (hang reports)."""

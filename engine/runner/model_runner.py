@@ -226,6 +226,11 @@ class ModelRunner:
         layers = self.model.layers[self.stage.start : self.stage.end]
         return tuple(s for layer in layers for s in layer.self_attn.kv_scales)
 
+    @property
+    def all_reduce_kind(self) -> str:
+        """Which all-reduce the tensor-parallel layers run (the worker's Info): 'none' with a single rank."""
+        return self.tp_group.all_reduce_kind if self.tp_group is not None and self.tp_group.size > 1 else "none"
+
     def check_ranks(self) -> None:
         """Raise if a tensor-parallel rank is gone (a single rank has none to lose)."""
 

@@ -112,7 +112,6 @@ UNSUPPORTED: dict[str, str] = {
     "--max-num-partial-prefills": "chunked prefill schedules one partial prefill at a time",
     "--max-long-partial-prefills": "chunked prefill schedules one partial prefill at a time",
     "--long-prefill-token-threshold": "chunked prefill schedules one partial prefill at a time",
-    "--disable-custom-all-reduce": "one GPU per worker: there is no all-reduce",
     "--tokenizer-pool-type": "the router's tokenizer pool is a thread pool (--tokenizer-pool-size)",
     "--tokenizer-pool-extra-config": "the router's tokenizer pool is a thread pool (--tokenizer-pool-size)",
     "--num-scheduler-steps": _V0,

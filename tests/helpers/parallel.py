@@ -51,6 +51,8 @@ def assert_worker_reports(llm: LLM, tensor_parallel_size: int, pipeline_parallel
     ranks = tensor_parallel_size * pipeline_parallel_size
     assert (info.tensor_parallel_size, info.pipeline_parallel_size, list(info.rank_devices)) == (
         tensor_parallel_size, pipeline_parallel_size, ["cpu"] * ranks)
+    # CPU ranks sum over gloo; a single rank per stage has no all-reduce to run
+    assert info.all_reduce == ("gloo" if tensor_parallel_size > 1 else "none")
 
 
 def kill_rank_1(llm: LLM) -> float:

@@ -353,7 +353,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("role", "model", "model_id", "dtype", "block_size", "kv_layout", "num_kv_blocks", "max_model_len", "vocab_size", "device", "worker_id", "version", "num_free_kv_blocks", "disagg_min_prompt_tokens", "tensor_parallel_size", "pipeline_parallel_size", "rank_devices", "compute_domain")
+    __slots__ = ("role", "model", "model_id", "dtype", "block_size", "kv_layout", "num_kv_blocks", "max_model_len", "vocab_size", "device", "worker_id", "version", "num_free_kv_blocks", "disagg_min_prompt_tokens", "tensor_parallel_size", "pipeline_parallel_size", "rank_devices", "compute_domain", "all_reduce")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +372,7 @@ class InfoResponse(_message.Message):
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_DEVICES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    ALL_REDUCE_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model: str
     model_id: str
@@ -390,7 +391,8 @@ class InfoResponse(_message.Message):
     pipeline_parallel_size: int
     rank_devices: _containers.RepeatedScalarFieldContainer[str]
     compute_domain: str
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., worker_id: _Optional[str] = ..., version: _Optional[str] = ..., num_free_kv_blocks: _Optional[int] = ..., disagg_min_prompt_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., rank_devices: _Optional[_Iterable[str]] = ..., compute_domain: _Optional[str] = ...) -> None: ...
+    all_reduce: str
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., worker_id: _Optional[str] = ..., version: _Optional[str] = ..., num_free_kv_blocks: _Optional[int] = ..., disagg_min_prompt_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., rank_devices: _Optional[_Iterable[str]] = ..., compute_domain: _Optional[str] = ..., all_reduce: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "skip_blocks", "decode_worker_id", "expected_layout", "cache_salt", "lease_s", "kv_transfer_backend", "link_id")

@@ -1,0 +1,77 @@
+"""The peer-memory all-reduce's CPU-checkable parts: the collective set-up is all-or-nothing and never hangs, the
+size rule that picks it over NCCL, and the flags that turn it on (opt-in) and off. The kernel itself needs GPUs that map each
+other's memory: bench/tp_gpu.py --parts allreduce check checks it bit-exact, eager and in graphs."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.arg_utils import EngineArgs
+from engine.parallel.peer_all_reduce import PeerAllReduce
+
+
+def _setup_all(size: int, timeout_s: float = 20.0) -> list[tuple[Any, str]]:
+    """PeerAllReduce.setup on `size` threads sharing one store, as `size` ranks would."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    results: list[Any] = [None] * size
+
+    def rank(r: int) -> None:
+        results[r] = PeerAllReduce.setup(store, r, size, torch.device("cpu"), 1.0)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 5)
+    assert not any(thread.is_alive() for thread in threads), "set-up hung"
+    return results
+
+
+def test_setup_without_peer_memory_leaves_every_rank_on_nccl_with_the_same_reason() -> None:
+    results = _setup_all(2)
+    assert [peer for peer, _ in results] == [None, None]
+    reasons = {why for _, why in results}
+    assert len(reasons) == 1 and next(iter(reasons)).startswith("rank 0:")
+
+
+class _NoDriver:
+    """Stands in for libcuda where nothing is allocated (the rule tests only)."""
+
+
+def test_fits_takes_small_contiguous_float_tensors_only() -> None:
+    driver: Any = _NoDriver()
+    peer = PeerAllReduce(driver, 0, [0, 0], 0, torch.device("cpu"), max_bytes=1024, programs=4, timeout_s=1.0)
+    assert peer.fits(torch.zeros(512, dtype=torch.bfloat16))  # exactly 1 KiB
+    assert peer.fits(torch.zeros(256, dtype=torch.float32))
+    assert not peer.fits(torch.zeros(513, dtype=torch.bfloat16))  # over the threshold: NCCL
+    assert not peer.fits(torch.zeros(0, dtype=torch.bfloat16))
+    assert not peer.fits(torch.zeros(64, dtype=torch.int32))
+    assert not peer.fits(torch.zeros(8, 8, dtype=torch.float16).t())  # not contiguous
+    assert peer.describe() == "peer one-shot up to 1 KiB (2 ranks), nccl above"
+
+
+def test_setup_refuses_a_signal_area_too_small_for_the_grid() -> None:
+    with pytest.raises(ValueError, match="signal area"):
+        PeerAllReduce.setup(dist.HashStore(), 0, 8, torch.device("cpu"), 1.0, programs=4096)
+
+
+def test_custom_all_reduce_is_opt_in_and_vllms_disable_flag_keeps_nccl() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+
+    def config(*flags: str) -> Any:
+        return EngineArgs.from_cli_args(parser.parse_args(["--model", "tiny", *flags])).create_engine_config()
+
+    assert config().device.custom_all_reduce is False
+    assert config("--disable-custom-all-reduce").device.custom_all_reduce is False
+    assert config("--enable-custom-all-reduce").device.custom_all_reduce is True
+    with pytest.raises(ValueError, match="contradict"):
+        config("--enable-custom-all-reduce", "--disable-custom-all-reduce")
