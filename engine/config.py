@@ -78,7 +78,7 @@ class DeviceConfig:
     pipeline_parallel_size: int = 1  # stages of contiguous decoder layers (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE: whole experts dealt out across the tensor-parallel ranks
     # GPUs: tensor-parallel all-reduces up to 512 KiB go one-shot over peer memory (engine/parallel/peer_all_reduce.py)
-    # instead of NCCL. Off by default: 3.5x faster per call, but slower end to end so far (bench/README.md)
+    # instead of NCCL. Off by default: 3.5x faster per call, not yet measured faster end to end (bench/README.md)
     custom_all_reduce: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_seq_len_to_capture: int = 8192

@@ -19,7 +19,9 @@ Invariants the kernel relies on (engine/parallel/peer_all_reduce.py keeps them):
   their own `gdc_wait` until this kernel has finished, so the launch gap is hidden as between the other kernels
   (without it the one-shot was slower end to end than NCCL, whose kernels overlap their neighbours');
 - a peer that never arrives (dead process) ends the wait after `timeout_ns` of GPU time: the program sets the
-  error word and goes on, so the GPU is never wedged; the caller reads the word (`PeerAllReduce.failed`).
+  error word and goes on, so the GPU is never wedged. The engine never uses such a result: rank 0's watchdog has
+  failed the engine (dead rank, overrun step) before the wait ends (engine/parallel/peer_all_reduce.py sets the
+  timeout to twice the group's); the benchmark reads the word (`PeerAllReduce.failed`).
 
 Signal area of one rank, int32 words: [0, P) epoch counters, [P, P + P * W) flags (program p, from rank r at
 P + p * W + r), P + P * W the error word.

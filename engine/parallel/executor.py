@@ -312,8 +312,6 @@ class TPDriverRunner(ModelRunner):
             code = proc.poll()
             if code is not None:
                 self._fail(f"tensor-parallel rank {rank} exited with code {code}")
-        if self._world.tp is not None and self._world.tp.peer_all_reduce_failed():
-            self._fail("a one-shot all-reduce gave up waiting for a peer rank (its step's output was wrong)")
         self._raise_if_failed()
 
     def shutdown(self) -> None:
@@ -341,9 +339,12 @@ class TPDriverRunner(ModelRunner):
         self._raise_if_failed()
 
     def _guard(self, fn: Any) -> Any:
+        """Run `fn` (this rank's part of a call); a failure the watchdog found meanwhile (a rank died, a step
+        overran) fails the call even if `fn` returned: a one-shot all-reduce whose peer died returns wrong sums
+        once it gives up waiting (kernels/peer_all_reduce.py), after the watchdog has noticed."""
         self._raise_if_failed()
         try:
-            return fn()
+            result = fn()
         except TensorParallelError:
             raise
         except (RuntimeError, OSError) as exc:  # a collective failed: a peer died or timed out
@@ -351,6 +352,8 @@ class TPDriverRunner(ModelRunner):
             self._fail(f"a tensor-parallel collective failed: {exc}")
             self._raise_if_failed()
             raise
+        self._raise_if_failed()
+        return result
 
     def _fail(self, reason: str) -> None:
         if self._failure is None:

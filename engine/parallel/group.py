@@ -105,10 +105,6 @@ class TPGroup:
             return self.backend
         return "nccl" if self._peer_why == "not enabled" else f"nccl (peer one-shot unavailable: {self._peer_why})"
 
-    def peer_all_reduce_failed(self) -> bool:
-        """A one-shot all-reduce gave up waiting for a peer (so its result, and the step's, were wrong)."""
-        return self.peer is not None and self.peer.failed()
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place across ranks (row-parallel outputs, the vocab-parallel embedding)."""
         self.calls.record("all_reduce", tuple(tensor.shape), tensor.dtype)
