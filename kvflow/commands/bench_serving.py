@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 from engine.arg_utils import EngineArgs
@@ -79,7 +80,9 @@ def _register_multiturn(kinds: argparse._SubParsersAction) -> None:
     multiturn.add_argument("--host-tier-gib", type=float, default=1.0,
                            help="--kv-offloading-size of the host_tier modes")
     multiturn.add_argument("--timeout", type=float, default=900.0, help="seconds each server may take to start")
-    multiturn.add_argument("--log-dir", type=Path, default=Path("kvflow-bench-multiturn-logs"))
+    multiturn.add_argument("--log-dir", type=Path, default=None,
+                           help="where each mode's server log goes (default: a new temporary directory, kept and "
+                                "named at the end)")
     multiturn.add_argument("--output-json", type=Path, default=None, help="a JSON list of the records")
     multiturn.add_argument("serve_flags", nargs=argparse.REMAINDER,
                            help="`kvflow serve` flags for every mode, after `--` (e.g. -- --model smollm2 -dp 2 "
@@ -95,7 +98,9 @@ def run_multiturn_command(args: argparse.Namespace) -> int:
     if not args.host_tier_gib > 0 or not args.timeout > 0:
         raise ValueError("--host-tier-gib and --timeout must be > 0")
     flags = [flag for flag in args.serve_flags if flag != "--"]
-    records = run_multiturn(flags, args.modes, workload, args.host_tier_gib, args.timeout, args.log_dir)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvflow-bench-multiturn-"))
+    records = run_multiturn(flags, args.modes, workload, args.host_tier_gib, args.timeout, log_dir)
+    print(f"server logs in {log_dir}")
     for record in records:
         print(format_line(record))
     digests = {record["outputs_sha256"] for record in records}
