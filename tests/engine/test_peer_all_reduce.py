@@ -75,3 +75,21 @@ def test_custom_all_reduce_is_opt_in_and_vllms_disable_flag_keeps_nccl() -> None
     assert config("--enable-custom-all-reduce").device.custom_all_reduce is True
     with pytest.raises(ValueError, match="contradict"):
         config("--enable-custom-all-reduce", "--disable-custom-all-reduce")
+
+
+def test_a_call_fails_when_the_watchdog_flags_a_failure_while_it_runs() -> None:
+    """A one-shot all-reduce whose peer died returns (wrong sums) after its wait; the watchdog has flagged the dead
+    rank by then, and the step must fail rather than hand those sums on."""
+    from engine.parallel.executor import TensorParallelError, TPDriverRunner
+
+    runner = object.__new__(TPDriverRunner)  # only the failure bookkeeping: no ranks are started
+    runner._failure = None
+
+    def step_while_a_rank_dies() -> str:
+        runner._fail("tensor-parallel rank 1 exited with code -9")
+        return "sums computed without rank 1"
+
+    with pytest.raises(TensorParallelError, match="rank 1 exited"):
+        runner._guard(step_while_a_rank_dies)
+    runner._failure = None
+    assert runner._guard(lambda: "ok") == "ok"
