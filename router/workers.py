@@ -161,6 +161,7 @@ class WorkerPool:
                 "pipeline_parallel_size": (info.pipeline_parallel_size or 1) if info is not None else None,
                 "devices": list(info.rank_devices) if info is not None and info.rank_devices else
                 ([info.device] if info is not None else []),
+                "all_reduce": (info.all_reduce or None) if info is not None else None,  # None: an older worker
             })
         return {"data_parallel_size": sum(1 for w in workers if w.pool == "decode" and w.healthy),
                 "workers": listing}

@@ -27,8 +27,8 @@ def test_serve_runs_a_pipeline_parallel_worker(tmp_path: Path) -> None:
     try:
         wait_healthy(process, url, log)
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["parallel"]["workers"]
-        assert [(w["role"], w["pipeline_parallel_size"], w["devices"]) for w in models] == [
-            ("decode", 2, ["cpu", "cpu"])]
+        assert [(w["role"], w["pipeline_parallel_size"], w["devices"], w["all_reduce"]) for w in models] == [
+            ("decode", 2, ["cpu", "cpu"], "none")]  # one rank per stage: no all-reduce
         for _ in range(2):  # a second request: the ranks are still there after the first
             done = httpx.post(f"{url}/v1/completions", timeout=60, json={
                 "model": "tiny", "prompt": [1, 5, 9, 33, 7, 100], "max_tokens": 8, "temperature": 0,
