@@ -204,6 +204,7 @@ class EngineArgs:
         structured_output_limits = self.structured_output_limits()
         device = _resolve_device(self.device)
         self.validate_cpu_offload(device)
+        self._validate_custom_all_reduce(device)
         dtype = resolve_dtype(self.dtype, device)
         resolved = resolve_model(self.model, self.load_format)
         self._validate_parallel_for(resolved.arch, speculative)
@@ -219,9 +220,6 @@ class EngineArgs:
         from engine.parallel.stages import validate_pp
 
         validate_tp(arch, self.tensor_parallel_size)
-        if self.enable_custom_all_reduce and self.disable_custom_all_reduce:
-            raise ValueError("enable_custom_all_reduce and disable_custom_all_reduce contradict each other: pass "
-                             "one")
         validate_pp(arch.num_layers, self.pipeline_parallel_size)
         if self.pipeline_parallel_size > 1:
             from engine.models.registry import model_class
@@ -444,6 +442,17 @@ class EngineArgs:
         if spec is not None and spec.method == "draft_model":
             raise ValueError("--kv-offloading-size with a draft-model speculative_config is not supported yet (the "
                              "draft's KV cache has no host tier); use ngram speculation or no offloading")
+
+    def _validate_custom_all_reduce(self, device: str) -> None:
+        """The peer-memory all-reduce is GPU memory shared between processes: refused where it could not run."""
+        if not self.enable_custom_all_reduce:
+            return
+        if self.disable_custom_all_reduce:
+            raise ValueError("--enable-custom-all-reduce and --disable-custom-all-reduce contradict each other: pass "
+                             "one")
+        if not device.startswith("cuda"):
+            raise ValueError(f"--enable-custom-all-reduce needs CUDA GPUs (device is {device!r}): CPU ranks sum over "
+                             "gloo; drop the flag")
 
     def validate_cpu_offload(self, device: str | None = None) -> None:
         """cpu_offload_gb against the device (cheap: `kvflow serve` checks it before starting any worker)."""

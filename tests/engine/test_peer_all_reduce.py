@@ -67,14 +67,16 @@ def test_custom_all_reduce_is_opt_in_and_vllms_disable_flag_keeps_nccl() -> None
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
 
-    def config(*flags: str) -> Any:
-        return EngineArgs.from_cli_args(parser.parse_args(["--model", "tiny", *flags])).create_engine_config()
+    def args(*flags: str) -> EngineArgs:
+        return EngineArgs.from_cli_args(parser.parse_args(["--model", "tiny", *flags]))
 
-    assert config().device.custom_all_reduce is False
-    assert config("--disable-custom-all-reduce").device.custom_all_reduce is False
-    assert config("--enable-custom-all-reduce").device.custom_all_reduce is True
+    assert args().create_engine_config().device.custom_all_reduce is False
+    assert args("--disable-custom-all-reduce").create_engine_config().device.custom_all_reduce is False
+    assert args("--enable-custom-all-reduce")._device_config("cuda").custom_all_reduce is True
     with pytest.raises(ValueError, match="contradict"):
-        config("--enable-custom-all-reduce", "--disable-custom-all-reduce")
+        args("--enable-custom-all-reduce", "--disable-custom-all-reduce").create_engine_config()
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):  # this machine's device: CPU ranks sum over gloo
+        args("--enable-custom-all-reduce", "--device", "cpu").create_engine_config()
 
 
 def test_a_call_fails_when_the_watchdog_flags_a_failure_while_it_runs() -> None:
