@@ -69,7 +69,7 @@ class TPGroup:
         prefixed = dist.PrefixStore(prefix, self.store)
         self._prefixed = prefixed
         self.peer: PeerAllReduce | None = None  # small all-reduces over peer memory (enable_peer_all_reduce)
-        self._peer_why = "not enabled"
+        self._peer_why: str | None = None  # why the one-shot was not set up when asked for (None: not asked)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.nccl: NcclCommunicator | None = None
         self.calls = CallLog()  # what this rank issued on the group (engine/parallel/hang_report.py)
@@ -103,7 +103,7 @@ class TPGroup:
             return self.peer.describe()
         if self.nccl is None:
             return self.backend
-        return "nccl" if self._peer_why == "not enabled" else f"nccl (peer one-shot unavailable: {self._peer_why})"
+        return "nccl" if self._peer_why is None else f"nccl (peer one-shot unavailable: {self._peer_why})"
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum in place across ranks (row-parallel outputs, the vocab-parallel embedding)."""
