@@ -2,14 +2,14 @@
 
 Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as it finishes):
   check       token-exact: greedy ids of a tiny fp32 model at TP=2 equal TP=1's, with CUDA graphs (the engine's
-              all-reduce captured: NCCL, and the peer one-shot with --enable-custom-all-reduce) and eager
+              all-reduce captured: TP2's default peer one-shot, and NCCL with --disable-custom-all-reduce) and eager
   allreduce   all-reduce µs per call at 8 KB-4 MB, eager (host timed, one call at a time) and inside a CUDA graph
               (100 calls captured, replayed): NCCL, and the peer-memory one-shot (engine/parallel/peer_all_reduce.py)
               at 8 / 16 / 32 programs; every size checked on random inputs, and a graph of mixed sizes replayed
               50 times on fresh inputs. torch symmetric memory's one-shot (symm_mem_one_shot) was retired: it runs
               at `git checkout be1a1ae`
-  decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs; NCCL, and the peer one-shot),
-              and TP2 eager
+  decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs; the default peer one-shot, and
+              NCCL), and TP2 eager
   tput8b      N x 512/128 (default 1000) offline throughput: TP2 vs two TP1 replicas (data parallel, one per GPU,
               run side by side; aggregate = the sum of the replicas' output tok/s)
   llama70b    Llama-3.1-70B shapes, bf16, TP2: batch-1 decode tok/s against the aggregate memory roofline (both
@@ -253,10 +253,10 @@ class Bench:
         ids = {"prompts": prompts, "max_tokens": 24}
         fp32 = {"dtype": "float32", "gpu_memory_utilization": 0.3, "cudagraph_capture_sizes": [1, 2, 4]} \
             if self.cuda else {}
-        modes = ["graphs", "eager", "graphs_peer"] if self.cuda else ["eager"]
+        modes = ["graphs", "eager", "graphs_nccl"] if self.cuda else ["eager"]
         jobs = [{"kind": "engine", "engine": self.engine("tiny", 1, enforce_eager=True, **fp32), "ids": ids}]
         jobs += [{"kind": "engine", "engine": self.engine("tiny", 2, enforce_eager=mode == "eager",
-                                                          enable_custom_all_reduce=mode.endswith("peer"), **fp32),
+                                                          disable_custom_all_reduce=mode.endswith("nccl"), **fp32),
                   "ids": ids} for mode in modes]
         results = [r for job in jobs for r in self.jobs([job], 180)]
         base = results[0].get("ids")
@@ -284,8 +284,8 @@ class Bench:
         if self.cuda:
             from engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES, DEFAULT_PROGRAMS
 
-            record["engine_uses"] = f"NCCL; with --enable-custom-all-reduce the peer one-shot (programs " \
-                                    f"{DEFAULT_PROGRAMS}) up to {DEFAULT_MAX_BYTES} bytes, NCCL above"
+            record["engine_uses"] = f"at TP2 the peer one-shot (programs {DEFAULT_PROGRAMS}) up to " \
+                                    f"{DEFAULT_MAX_BYTES} bytes, NCCL above; NCCL with --disable-custom-all-reduce"
         self.write("allreduce", record)
 
     def decode8b(self) -> None:
@@ -293,7 +293,7 @@ class Bench:
         decode = {"short": 16, "long": 80 if self.smoke else 272, "prompt_len": 32, "repeats": 2}
         small = {} if self.smoke else {"max_model_len": 4096, "max_num_seqs": 8, "cudagraph_capture_sizes": [1, 2]}
         engines = {"tp1": self.engine(model, 1, **small), "tp2": self.engine(model, 2, **small),
-                   "tp2_peer": self.engine(model, 2, enable_custom_all_reduce=True, **small),
+                   "tp2_nccl": self.engine(model, 2, disable_custom_all_reduce=True, **small),
                    "tp2_eager": self.engine(model, 2, enforce_eager=True, **small)}
         res = {name: self.jobs([{"kind": "engine", "engine": e, "decode": decode}], 600)[0]
                for name, e in engines.items()}
@@ -301,8 +301,8 @@ class Bench:
         self.write("decode8b", {"workload": f"{model} {self.dtype} batch-1 decode ({decode['long'] - decode['short']} "
                                 f"tokens after a {decode['prompt_len']}-token prompt)", **res,
                                 "speedup_tp2_vs_tp1": round(tp2 / tp1, 3) if tp1 and tp2 else None,
-                                "speedup_tp2_peer_vs_tp1": round(res["tp2_peer"]["decode_tok_s"] / tp1, 3)
-                                if tp1 and res["tp2_peer"].get("decode_tok_s") else None})
+                                "speedup_tp2_nccl_vs_tp1": round(res["tp2_nccl"]["decode_tok_s"] / tp1, 3)
+                                if tp1 and res["tp2_nccl"].get("decode_tok_s") else None})
 
     def tput8b(self) -> None:
         model = "tiny" if self.smoke else "llama-3.1-8b"

@@ -155,8 +155,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # contiguous layer ranges per stage (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE models: whole experts dealt out across the TP ranks
-    enable_custom_all_reduce: bool = False  # TP on GPUs: small all-reduces one-shot over peer memory (opt-in)
-    disable_custom_all_reduce: bool = False  # vLLM's flag: NCCL for every all-reduce (kvflow's default)
+    enable_custom_all_reduce: bool = False  # small all-reduces one-shot over peer memory at any TP size on GPUs
+    disable_custom_all_reduce: bool = False  # vLLM's flag: NCCL for every all-reduce (TP2's default is the one-shot)
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
@@ -334,7 +334,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
-            custom_all_reduce=self.enable_custom_all_reduce,
+            custom_all_reduce=self._custom_all_reduce(device),
             cudagraph_capture_sizes=tuple(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else None,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
         )
@@ -442,6 +442,14 @@ class EngineArgs:
         if spec is not None and spec.method == "draft_model":
             raise ValueError("--kv-offloading-size with a draft-model speculative_config is not supported yet (the "
                              "draft's KV cache has no host tier); use ngram speculation or no offloading")
+
+    def _custom_all_reduce(self, device: str) -> bool:
+        """Whether the TP group's small all-reduces go one-shot over peer memory: asked for, or by default at TP2
+        on CUDA, where it was measured faster end to end (bench/results/tp_peer_decode8b_h200.json); at other sizes
+        NCCL until measured there. Set-up falls back to NCCL where peer memory is missing (Info.all_reduce)."""
+        if self.disable_custom_all_reduce:
+            return False
+        return self.enable_custom_all_reduce or (device.startswith("cuda") and self.tensor_parallel_size == 2)
 
     def _validate_custom_all_reduce(self, device: str) -> None:
         """The peer-memory all-reduce is GPU memory shared between processes: refused where it could not run."""

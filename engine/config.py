@@ -78,7 +78,8 @@ class DeviceConfig:
     pipeline_parallel_size: int = 1  # stages of contiguous decoder layers (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE: whole experts dealt out across the tensor-parallel ranks
     # GPUs: tensor-parallel all-reduces up to 512 KiB go one-shot over peer memory (engine/parallel/peer_all_reduce.py)
-    # instead of NCCL. Off by default: 3.5x faster per call, not yet measured faster end to end (bench/README.md)
+    # instead of NCCL. EngineArgs turns it on for TP2 on CUDA (measured faster end to end there) unless
+    # --disable-custom-all-reduce; other TP sizes only with --enable-custom-all-reduce (bench/README.md)
     custom_all_reduce: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_seq_len_to_capture: int = 8192

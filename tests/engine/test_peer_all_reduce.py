@@ -63,7 +63,7 @@ def test_setup_refuses_a_signal_area_too_small_for_the_grid() -> None:
         PeerAllReduce.setup(dist.HashStore(), 0, 8, torch.device("cpu"), 1.0, programs=4096)
 
 
-def test_custom_all_reduce_is_opt_in_and_vllms_disable_flag_keeps_nccl() -> None:
+def test_custom_all_reduce_is_tp2_on_cuda_by_default_and_vllms_disable_flag_keeps_nccl() -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
 
@@ -71,6 +71,11 @@ def test_custom_all_reduce_is_opt_in_and_vllms_disable_flag_keeps_nccl() -> None
         return EngineArgs.from_cli_args(parser.parse_args(["--model", "tiny", *flags]))
 
     assert args().create_engine_config().device.custom_all_reduce is False
+    assert args("-tp", "2").create_engine_config().device.custom_all_reduce is False  # CPU ranks sum over gloo
+    assert args("-tp", "2")._device_config("cuda").custom_all_reduce is True  # measured faster end to end
+    assert args("-tp", "4")._device_config("cuda").custom_all_reduce is False  # not measured at 4: NCCL
+    assert args("-tp", "4", "--enable-custom-all-reduce")._device_config("cuda").custom_all_reduce is True
+    assert args("-tp", "2", "--disable-custom-all-reduce")._device_config("cuda").custom_all_reduce is False
     assert args("--disable-custom-all-reduce").create_engine_config().device.custom_all_reduce is False
     assert args("--enable-custom-all-reduce")._device_config("cuda").custom_all_reduce is True
     with pytest.raises(ValueError, match="contradict"):
