@@ -12,6 +12,11 @@ Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as
               NCCL), and TP2 eager
   tput8b      N x 512/128 (default 1000) offline throughput: TP2 vs two TP1 replicas (data parallel, one per GPU,
               run side by side; aggregate = the sum of the replicas' output tok/s)
+  profile8b   where TP2's offline throughput goes: TP2 on N x 512/128 (default 300) against one TP1 GPU on half of
+              them (the share one replica of two gets), rank 0 under torch.profiler (CUDA kernels only, so the host
+              is not slowed); each step's host seconds and make-up, and per engine the kernels' busy time, the idle
+              time between them, the top kernels and their classes (GEMM, attention, all-reduce, ...). The rank-0
+              chrome traces are written beside the record (tp_profile8b_<engine>.trace.json.gz)
   llama70b    Llama-3.1-70B shapes, bf16, TP2: batch-1 decode tok/s against the aggregate memory roofline (both
               GPUs' measured copy bandwidth over the bytes a decode step reads), and a short N x 512/128
               throughput with MFU (2 x params FLOPs per token over both GPUs' dense bf16 peak)
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -38,7 +44,7 @@ from bench.harness.jobs import MULTICAST_OFF, answer_job, run_jobs
 from bench.harness.records import RESULTS, write_json
 from bench.harness.runs import output_tokens, timed_generate
 
-PARTS = ("check", "allreduce", "decode8b", "tput8b", "llama70b")
+PARTS = ("check", "allreduce", "decode8b", "tput8b", "profile8b", "llama70b")
 H200_BF16_DENSE_TFLOPS = 989.0  # per GPU (H100/H200 SXM spec sheet, dense)
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
 MODULE = "bench.tp_gpu"
@@ -71,6 +77,8 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
             out.update(batch1_decode(llm, **job["decode"]))
         if "tput" in job:
             out.update(throughput(llm, **job["tput"]))
+        if "profile" in job:
+            out.update(profiled_throughput(llm, **job["profile"]))
         out["cuda_graphs"] = llm.llm_engine.runner.graphs is not None
         out["all_reduce"] = llm.llm_engine.runner.all_reduce_kind
         out["num_kv_blocks"] = llm.llm_engine.num_gpu_blocks
@@ -106,6 +114,99 @@ def throughput(llm: Any, num_prompts: int, input_len: int, output_len: int) -> d
     return {"tput_elapsed_s": round(elapsed, 2), "output_tok_s": round(num_out / elapsed, 1),
             "total_tok_s": round((num_out + num_prompts * input_len) / elapsed, 1), "num_prompts": num_prompts,
             "input_len": input_len, "output_len": output_len}
+
+
+def profiled_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int, trace: str) -> dict[str, Any]:
+    """`throughput` with each engine step timed on the host and rank 0's GPU kernels recorded (CUDA activity only:
+    no per-op host events, which would slow the host this measures); the chrome trace goes to `trace` (.gz)."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvflow import SamplingParams
+    from kvflow.benchmarks.throughput import random_prompts
+
+    prompts = random_prompts(num_prompts, input_len, llm.llm_engine.config.model.arch.vocab_size, seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[: min(8, num_prompts)], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    runner = llm.llm_engine.runner
+    inner = runner.execute_model
+    steps: list[tuple[int, int, int, float]] = []
+
+    def timed_step(so: Any) -> Any:  # the bench's own wrapper on this instance: the engine is not changed
+        started = time.perf_counter()
+        try:
+            return inner(so)
+        finally:
+            steps.append((so.total_num_scheduled_tokens, so.num_decode_seqs, so.num_prefill_tokens,
+                          time.perf_counter() - started))
+
+    runner.execute_model = timed_step
+    import torch
+
+    cuda = torch.cuda.is_available()  # --smoke on CPU: host ops only, so no kernels to summarize
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        outs, elapsed = timed_generate(llm, prompts, params)
+    runner.execute_model = inner
+    raw = trace.removesuffix(".gz")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    with open(raw) as handle:
+        kernels = [e for e in json.load(handle).get("traceEvents", []) if e.get("cat") == "kernel"]
+    os.remove(raw)
+    return {"tput_elapsed_s": round(elapsed, 2), "output_tok_s": round(output_tokens(outs) / elapsed, 1),
+            "num_prompts": num_prompts, "steps": step_summary(steps), "kernels": kernel_summary(kernels),
+            "trace": os.path.basename(trace)}
+
+
+def step_summary(steps: list[tuple[int, int, int, float]]) -> dict[str, Any]:
+    """Host seconds in the runner, split into steps that carry prompt tokens ("mixed") and pure decode steps."""
+    out: dict[str, Any] = {}
+    for kind, chosen in (("mixed", [s for s in steps if s[2] > 0]), ("decode", [s for s in steps if s[2] == 0])):
+        seconds = sum(s[3] for s in chosen)
+        out[kind] = {"steps": len(chosen), "seconds": round(seconds, 3),
+                     "mean_ms": round(1e3 * seconds / len(chosen), 2) if chosen else None,
+                     "mean_tokens": round(sum(s[0] for s in chosen) / len(chosen), 1) if chosen else None,
+                     "max_ms": round(1e3 * max(s[3] for s in chosen), 2) if chosen else None}
+    out["first_mixed_steps_ms"] = [round(1e3 * s[3], 1) for s in steps if s[2] > 0][:12]
+    return out
+
+
+KERNEL_CLASSES = (("all_reduce_nccl", ("nccl",)), ("all_reduce_peer", ("peer_all_reduce",)),
+                  ("attention", ("attention", "attn")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
+                  ("norm_rotary_act", ("norm", "rotary", "silu", "act_and_mul")), ("sampling", ("sampl", "argmax",
+                  "softmax", "topk", "sort", "multinomial", "exponential")))
+
+
+def kernel_summary(kernels: list[dict[str, Any]], top: int = 25) -> dict[str, Any]:
+    """Busy time (the union of kernel intervals), idle time inside the span, per-class and top kernels (µs)."""
+    if not kernels:
+        return {"count": 0}
+    spans = sorted((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0.0))) for k in kernels)
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    totals: dict[str, list[float]] = {}
+    for k in kernels:
+        entry = totals.setdefault(k["name"], [0.0, 0])
+        entry[0] += float(k.get("dur", 0.0))
+        entry[1] += 1
+    classes: dict[str, float] = {}
+    for name, (dur, _) in totals.items():
+        low = name.lower()
+        kind = next((c for c, keys in KERNEL_CLASSES if any(key in low for key in keys)), "other")
+        classes[kind] = classes.get(kind, 0.0) + dur
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    span = spans[-1][1] - spans[0][0]
+    return {"count": len(kernels), "span_ms": round(span / 1e3, 1), "busy_ms": round(busy / 1e3, 1),
+            "idle_ms": round((span - busy) / 1e3, 1), "class_ms": {c: round(v / 1e3, 1) for c, v in
+                                                                  sorted(classes.items(), key=lambda i: -i[1])},
+            "top": [{"name": name[:160], "ms": round(dur / 1e3, 2), "calls": calls}
+                    for name, (dur, calls) in ranked]}
 
 
 def call_us(call: Callable[[], Any], iters: int, cuda: bool) -> dict[str, float]:
@@ -321,6 +422,21 @@ class Bench:
                               "tp2_over_dp2": round(tp2["output_tok_s"] / dp_tok_s, 3)
                               if dp_tok_s and "output_tok_s" in tp2 else None})
 
+    def profile8b(self) -> None:
+        model = "tiny" if self.smoke else "llama-3.1-8b"
+        n = 16 if self.smoke else self.args.num_prompts_profile
+        io = {"input_len": 512 if not self.smoke else 64, "output_len": 128 if not self.smoke else 16}
+        limits = {} if self.smoke else {"max_model_len": 4096}
+        self.args.out.mkdir(parents=True, exist_ok=True)
+        engines = {"tp2": (self.engine(model, 2, **limits), n), "tp1": (self.engine(model, 1, **limits), n // 2)}
+        record: dict[str, Any] = {"workload": f"{model} {self.dtype}: TP2 on {n} x {io['input_len']}/"
+                                  f"{io['output_len']} vs TP1 on {n // 2}, temperature 1.0, rank 0 profiled"}
+        for name, (engine, prompts) in engines.items():
+            trace = str((self.args.out / f"tp_profile8b_{name}.trace.json.gz").resolve())
+            record[name] = self.jobs([{"kind": "engine", "engine": engine,
+                                       "profile": {"num_prompts": prompts, **io, "trace": trace}}], 600)[0]
+        self.write("profile8b", record)
+
     def llama70b(self) -> None:
         from engine.models.loader import resolve_model
 
@@ -372,6 +488,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the same code paths")
     parser.add_argument("--num-prompts", type=int, default=1000, help="tput8b prompts (512 in / 128 out)")
     parser.add_argument("--num-prompts-70b", type=int, default=200, help="llama70b throughput prompts")
+    parser.add_argument("--num-prompts-profile", type=int, default=300, help="profile8b's TP2 prompts (TP1: half)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:

@@ -98,6 +98,7 @@ class Setup:
     deadline: float  # time.monotonic() by which every part must be done
     device: str
     layouts: tuple[str, ...]  # --layouts: the ones to run, of each part's own
+    rate_scale: float = 1.0  # mixed70b: every class's rate times this (pd_adaptive's --rate-scale)
 
     def chosen(self, names: tuple[str, ...]) -> list[str]:
         return [name for name in names if name in self.layouts]
@@ -335,10 +336,11 @@ def part_mixed70b(setup: Setup) -> list[dict[str, Any]]:
     flags = mixed_modes(not setup.smoke)
     bench = pd_adaptive.Bench(ServeSetup(setup.out, serve_logs, model, not setup.smoke),
                               pd_adaptive.SMOKE_SLO if setup.smoke else pd_adaptive.SLO, flags, 0,
-                              1 if setup.smoke else 3, setup.device, secrets.token_hex(8))
+                              1 if setup.smoke else 3, setup.device, secrets.token_hex(8),
+                              rate_scale=setup.rate_scale)
     records: list[dict[str, Any]] = []
-    for _, record in pd_adaptive.run_group(bench, list(flags), pd_adaptive.plan("mixed", setup.smoke, [], 0.0),
-                                           together=False):
+    runs = pd_adaptive.plan("mixed", setup.smoke, [], 0.0, setup.rate_scale)
+    for _, record in pd_adaptive.run_group(bench, list(flags), runs, together=False):
         records.append({**record, "workload": f"tp_pd_x4_mixed_{model[1]}", "layout": record["mode"],
                         "mode_flags": flags[record["mode"]]})
         setup.write("mixed70b", records)
@@ -380,8 +382,12 @@ def main() -> int:
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS),
                         help="check: all three; transfer: tp2_to_tp2 and tp2_to_2x_tp1 (default: all)")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temporary folder)")
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="mixed70b: every rate times this (the two-GPU 8B rates overload the 70B layouts)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, gloo links: the plumbing only")
     args = parser.parse_args()
+    if args.rate_scale <= 0:
+        parser.error(f"--rate-scale must be > 0, got {args.rate_scale:g}")
     import logging
 
     import torch
@@ -397,7 +403,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tp-pd-x4-"))
     setup = Setup(args.out, log_dir, args.smoke, time.monotonic() + budget, device_label(args.smoke),
-                  tuple(args.layouts))
+                  tuple(args.layouts), args.rate_scale)
     log(f"device {setup.device}; parts {' '.join(args.parts)}; budget {budget:.0f} s; worker logs in {log_dir}")
     failures = run_parts(args.parts, lambda part: run_part(part, setup, args))
     log("all parts passed" if not failures else f"failed: {', '.join(failures)}")

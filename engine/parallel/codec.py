@@ -3,6 +3,16 @@
 Every field is written by name and read back into the same typed dataclasses, so a field added to
 `SchedulerOutput`, `ScheduledChunk`, `NewRequestData` or `SamplingParams` without a codec entry fails loudly
 (`encode` checks the field sets) instead of silently going missing on the other ranks.
+
+Block tables travel as deltas between a `StepEncoder` (rank 0) and a `StepDecoder` (each other rank): a chunk's
+table is sent as (how many leading blocks equal the table last sent for that request, the rest). A decode step
+carries every running request's whole table, which grows by one block every block-size tokens, so sent whole it
+was most of the frame (74 KB for 288 rows of ~40 blocks) and its JSON round trip delayed every other rank's step
+by ~1.7 ms on 2 x H200 (the skew rank 0's first all-reduce waited out: bench/results/tp_profile8b_h200.json).
+
+Invariants of the pair: the decoder sees every frame the encoder made, in order (the ranks' stdin pipes), and both
+forget a request when a frame lists it as finished, before its chunks are read (a reused id starts afresh). The
+module functions `encode` / `decode` are the stateless pair (whole tables).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ _SO_FIELDS = {"new_requests", "chunks", "total_num_scheduled_tokens", "blocks_to
               "kv_tier_copies", "finished_request_ids", "num_decode_seqs", "num_prefill_tokens", "prefill_attention_pairs",
               "prefill_token_cap"}
 _CHUNK_FIELDS = ("request_id", "token_ids", "start_position", "block_ids", "sample", "prompt_logprobs",
-                 "spec_token_ids")
+                 "spec_token_ids")  # StepEncoder._chunk writes them in this order, block_ids as (keep, tail)
 _NEW_FIELDS = {"request_id", "prompt_token_ids", "sampling_params", "output_token_ids", "generator_state"}
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "_explicit")
 
@@ -57,34 +67,78 @@ def _params_from_json(raw: dict[str, Any]) -> SamplingParams:
     return params
 
 
+class StepEncoder:
+    """Rank 0's side: remembers the block table last sent for each request (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def encode(self, so: SchedulerOutput) -> bytes:
+        for request_id in so.finished_request_ids:
+            self._tables.pop(request_id, None)
+        doc = {
+            "new": [[n.request_id, n.prompt_token_ids, _params_to_json(n.sampling_params), n.output_token_ids,
+                     n.generator_state.hex()] for n in so.new_requests],
+            "chunks": [self._chunk(c) for c in so.chunks],
+            "total": so.total_num_scheduled_tokens,
+            "swap_out": so.blocks_to_swap_out,
+            "swap_in": so.blocks_to_swap_in,
+            "tier": so.kv_tier_copies,
+            "finished": sorted(so.finished_request_ids),
+            "mix": [so.num_decode_seqs, so.num_prefill_tokens, so.prefill_attention_pairs, so.prefill_token_cap],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def _chunk(self, chunk: ScheduledChunk) -> list[Any]:
+        table = chunk.block_ids
+        known = self._tables.get(chunk.request_id)
+        keep = len(known) if known is not None and table[: len(known)] == known else 0
+        self._tables[chunk.request_id] = list(table)
+        return [chunk.request_id, chunk.token_ids, chunk.start_position, keep, table[keep:], chunk.sample,
+                chunk.prompt_logprobs, chunk.spec_token_ids]
+
+
+class StepDecoder:
+    """Another rank's side: rebuilds each chunk's whole block table from the delta and the table it last had."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def decode(self, data: bytes) -> SchedulerOutput:
+        doc = json.loads(data)
+        finished = set(doc["finished"])
+        for request_id in finished:
+            self._tables.pop(request_id, None)
+        return SchedulerOutput(
+            new_requests=[NewRequestData(rid, list(prompt), _params_from_json(params), list(out),
+                                         bytes.fromhex(state)) for rid, prompt, params, out, state in doc["new"]],
+            chunks=[self._chunk(row) for row in doc["chunks"]],
+            total_num_scheduled_tokens=int(doc["total"]),
+            blocks_to_swap_out=[(int(a), int(b)) for a, b in doc["swap_out"]],
+            blocks_to_swap_in=[(int(a), int(b)) for a, b in doc["swap_in"]],
+            kv_tier_copies=[(bool(d), int(a), int(b)) for d, a, b in doc["tier"]],
+            finished_request_ids=finished,
+            num_decode_seqs=int(doc["mix"][0]),
+            num_prefill_tokens=int(doc["mix"][1]),
+            prefill_attention_pairs=int(doc["mix"][2]),
+            prefill_token_cap=doc["mix"][3],
+        )
+
+    def _chunk(self, row: list[Any]) -> ScheduledChunk:
+        request_id, token_ids, start, keep, tail, sample, prompt_logprobs, spec = row
+        known = self._tables.get(request_id, [])
+        if keep > len(known):
+            raise ValueError(f"step frame out of order: request {request_id!r} keeps {keep} blocks of "
+                             f"{len(known)} known")
+        table = known[:keep] + tail
+        self._tables[request_id] = table
+        return ScheduledChunk(request_id, token_ids, start, list(table), sample, prompt_logprobs, spec)
+
+
 def encode(so: SchedulerOutput) -> bytes:
-    doc = {
-        "new": [[n.request_id, n.prompt_token_ids, _params_to_json(n.sampling_params), n.output_token_ids,
-                 n.generator_state.hex()] for n in so.new_requests],
-        "chunks": [[getattr(c, name) for name in _CHUNK_FIELDS] for c in so.chunks],
-        "total": so.total_num_scheduled_tokens,
-        "swap_out": so.blocks_to_swap_out,
-        "swap_in": so.blocks_to_swap_in,
-        "tier": so.kv_tier_copies,
-        "finished": sorted(so.finished_request_ids),
-        "mix": [so.num_decode_seqs, so.num_prefill_tokens, so.prefill_attention_pairs, so.prefill_token_cap],
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
+    """A self-contained frame (whole block tables): `decode` reads it without any earlier frame."""
+    return StepEncoder().encode(so)
 
 
 def decode(data: bytes) -> SchedulerOutput:
-    doc = json.loads(data)
-    return SchedulerOutput(
-        new_requests=[NewRequestData(rid, list(prompt), _params_from_json(params), list(out), bytes.fromhex(state))
-                      for rid, prompt, params, out, state in doc["new"]],
-        chunks=[ScheduledChunk(*row) for row in doc["chunks"]],
-        total_num_scheduled_tokens=int(doc["total"]),
-        blocks_to_swap_out=[(int(a), int(b)) for a, b in doc["swap_out"]],
-        blocks_to_swap_in=[(int(a), int(b)) for a, b in doc["swap_in"]],
-        kv_tier_copies=[(bool(d), int(a), int(b)) for d, a, b in doc["tier"]],
-        finished_request_ids=set(doc["finished"]),
-        num_decode_seqs=int(doc["mix"][0]),
-        num_prefill_tokens=int(doc["mix"][1]),
-        prefill_attention_pairs=int(doc["mix"][2]),
-        prefill_token_cap=doc["mix"][3],
-    )
+    return StepDecoder().decode(data)

@@ -240,6 +240,7 @@ class TPDriverRunner(ModelRunner):
         self._timeout_s = timeout_s
         self._step_started: float | None = None  # monotonic start of the step in flight (the watchdog's clock)
         self._writing: tuple[int, float] | None = None  # (rank, monotonic start) of a frame being written
+        self._encoder = codec.StepEncoder()  # block tables as deltas; every rank's StepDecoder reads every frame
         self._steps = 0  # steps collected (each rank numbers its steps the same way in its hang reports)
         self._hang = HangWatch("rank 0", 0.0)  # replaced once the group exists
         keeper_done = threading.Event()
@@ -288,7 +289,7 @@ class TPDriverRunner(ModelRunner):
 
     def submit(self, so: SchedulerOutput) -> None:
         """Hand the step to the other ranks (stage 0 starts on it at once); `collect` runs this rank's part."""
-        self._send(MSG_STEP + codec.encode(so))
+        self._send(MSG_STEP + self._encoder.encode(so))
 
     def collect(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """This rank's part of a submitted step, in submission order (engine/parallel/batch_queue.py)."""

@@ -121,6 +121,7 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
         with watch.task("the memory profile and the KV block agreement", world.calls_since()):
             world.min_int(runner.determine_num_blocks())
         frames = FrameReader(stdin)  # type: ignore[arg-type]
+        steps_in = codec.StepDecoder()  # rank 0's StepEncoder: every step frame, in order
         steps = 0
         while True:
             frame = frames.get()
@@ -132,7 +133,7 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
                 with watch.task("the KV cache allocation and the warm-up", world.calls_since()):
                     runner.initialize_kv_cache(int(num_blocks), int(num_swap))
             elif kind == MSG_STEP:
-                so = codec.decode(body)
+                so = steps_in.decode(body)
                 with watch.task(lambda n=steps, so=so: describe_step(n, so), world.calls_since()):
                     runner.execute_model(without_grammars(so))
                 steps += 1

@@ -80,6 +80,35 @@ def test_sharded_loading_reassembles_the_full_checkpoint() -> None:
         assert torch.equal(rebuilt, tensor), key
 
 
+def test_step_codec_sends_block_tables_as_deltas_and_rebuilds_them() -> None:
+    """A StepEncoder / StepDecoder pair over a run of steps: every chunk's whole table comes back, a growing table
+    costs only its new blocks, a changed one (preempted, recomputed) and a reused id after a finish come back
+    whole, and a frame read out of order is refused."""
+    encoder, decoder = codec.StepEncoder(), codec.StepDecoder()
+
+    def step(tables: dict[str, list[int]], finished: set[str] = frozenset()) -> tuple[SchedulerOutput, bytes]:
+        chunks = [ScheduledChunk(rid, [9], 40, table, True, False) for rid, table in tables.items()]
+        so = SchedulerOutput([], chunks, len(chunks), finished_request_ids=set(finished), num_decode_seqs=len(chunks))
+        return so, encoder.encode(so)
+
+    growing = list(range(100, 140))
+    first, frame = step({"a": growing, "b": [7, 8]})
+    assert decoder.decode(frame).chunks == first.chunks
+    growing.append(141)  # the scheduler's live list grows in place: the encoder kept a copy
+    second, frame = step({"a": growing, "b": [7, 8]})
+    assert decoder.decode(frame).chunks == second.chunks
+    assert len(codec.encode(second)) - len(frame) >= 40 * 3  # the 40 known blocks of a (3-digit ids) not sent
+    third, frame = step({"a": [5, 6], "b": [7, 8, 9]})  # a's table replaced (recompute): sent whole
+    assert decoder.decode(frame).chunks == third.chunks
+    fourth, frame = step({"b": [1]}, finished={"b"})  # b finished, and a new request reuses its id
+    back = decoder.decode(frame)
+    assert back.chunks == fourth.chunks and back.finished_request_ids == {"b"}
+    stale = codec.StepDecoder()  # a decoder that missed the frames before
+    _, frame = step({"a": [5, 6, 10]})
+    with pytest.raises(ValueError, match="out of order"):
+        stale.decode(frame)
+
+
 def test_step_codec_round_trips_without_pickle() -> None:
     params = SamplingParams(temperature=0.7, top_k=5, seed=3, logit_bias={7: 2.5}, stop=["x"], logprobs=2,
                             max_tokens=9)
