@@ -5,7 +5,7 @@ Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as
               all-reduce captured: TP2's default peer one-shot, and NCCL with --disable-custom-all-reduce) and eager
   allreduce   all-reduce µs per call at 8 KB-4 MB, eager (host timed, one call at a time) and inside a CUDA graph
               (100 calls captured, replayed): NCCL, and the peer-memory one-shot (engine/parallel/peer_all_reduce.py)
-              at 8 / 16 / 32 programs; every size checked on random inputs, and a graph of mixed sizes replayed
+              at 32 / 64 / 128 programs; every size checked on random inputs, and a graph of mixed sizes replayed
               50 times on fresh inputs. torch symmetric memory's one-shot (symm_mem_one_shot) was retired: it runs
               at `git checkout be1a1ae`
   decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs; the default peer one-shot, and
@@ -376,11 +376,11 @@ class Bench:
         sizes = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
         port = free_port()
         jobs = [{"kind": "allreduce", "rank": r, "size": 2, "port": port, "cuda": self.cuda, "sizes": sizes,
-                 "iters": 20 if self.smoke else 200, "peer_programs": [8, 16, 32]} for r in range(2)]
+                 "iters": 20 if self.smoke else 200, "peer_programs": [32, 64, 128]} for r in range(2)]
         results = self.jobs(jobs, 300)
         record: dict[str, Any] = {
             "workload": "all-reduce, 2 ranks, bf16, random inputs: NCCL and the peer-memory one-shot "
-                        "(programs 8 / 16 / 32)" if self.cuda else "gloo all-reduce, 2 ranks, fp32 (smoke)",
+                        "(programs 32 / 64 / 128)" if self.cuda else "gloo all-reduce, 2 ranks, fp32 (smoke)",
             "backend": "nccl" if self.cuda else "gloo", "rank0": results[0], "rank1": results[1]}
         if self.cuda:
             from engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES, DEFAULT_PROGRAMS

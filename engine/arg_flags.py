@@ -104,7 +104,7 @@ def add_engine_args(parser: argparse.ArgumentParser, d: Any, *, default_log_stat
                    help="MoE models: deal whole experts out across the --tensor-parallel-size ranks (attention "
                         "stays tensor-parallel; each rank's expert outputs are summed by one all-reduce)")
     g.add_argument("--enable-custom-all-reduce", action="store_true",
-                   help="tensor parallelism on GPUs: all-reduces up to 512 KiB go one-shot over peer GPU memory "
+                   help="tensor parallelism on GPUs: all-reduces up to 4 MiB go one-shot over peer GPU memory "
                         "at any --tensor-parallel-size (the default at 2, where it was measured faster end to end; "
                         "NCCL at other sizes otherwise)")
     g.add_argument("--disable-custom-all-reduce", action="store_true",

@@ -77,7 +77,7 @@ class DeviceConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages of contiguous decoder layers (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE: whole experts dealt out across the tensor-parallel ranks
-    # GPUs: tensor-parallel all-reduces up to 512 KiB go one-shot over peer memory (engine/parallel/peer_all_reduce.py)
+    # GPUs: tensor-parallel all-reduces up to 4 MiB go one-shot over peer memory (engine/parallel/peer_all_reduce.py)
     # instead of NCCL. EngineArgs turns it on for TP2 on CUDA (measured faster end to end there) unless
     # --disable-custom-all-reduce; other TP sizes only with --enable-custom-all-reduce (bench/README.md)
     custom_all_reduce: bool = False

@@ -24,10 +24,14 @@ from kernels.peer_all_reduce import peer_all_reduce, signal_words
 
 logger = logging.getLogger(__name__)
 
-# One-shot reads every peer's whole message, so it wins while the barrier, not the bytes, is the cost: vLLM and
-# TensorRT-LLM switch at 256 KB-1 MB on NVLink pairs. bench/tp_gpu.py --parts allreduce measures the crossover.
-DEFAULT_MAX_BYTES = 512 * 1024
-DEFAULT_PROGRAMS = 32
+# One-shot reads every peer's whole message; each program streams its slice, so the program count sets the
+# bandwidth. On 2 x H200 in CUDA graphs (bench/results/tp_peer_allreduce_h200.json, 2026-11-27) 128 programs took
+# 5.3 us at 8-64 KB (32 programs: 5.1) and 14.7 / 24.8 us at 2 / 4 MB against NCCL's 38.9 / 44.6 (32 programs: 43
+# / 82), so one-shot wins up to 4 MB there: a decode batch of 256 rows of Llama-8B is 2 MB. Measured at 2 ranks
+# only (more ranks read more peers' bytes per call). 128 programs stay co-resident on any H100/H200 (132 SMs),
+# which the per-program barrier needs: a program spins until the same program on each peer has arrived.
+DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+DEFAULT_PROGRAMS = 128
 SIGNAL_BYTES = 64 * 1024  # the signal area, rounded up; the two buffer halves follow it
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
