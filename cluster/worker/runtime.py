@@ -49,6 +49,7 @@ from engine.metrics.prometheus import EngineMetrics
 from engine.metrics.stat_logger import StatLogger
 from engine.metrics.stats import EngineStats, FinishedRequestTiming
 from engine.parallel.executor import rank_device
+from engine.process.gc_heap import freeze_startup_heap
 from protos.kvflow.v1 import kvflow_pb2 as pb
 
 if TYPE_CHECKING:
@@ -228,6 +229,7 @@ async def serve_worker(args: argparse.Namespace, role_name: str,
         # 5 ms default a busy asyncio/gRPC thread can hold it that long each time. 0.5 ms measured +2-4 % req/s
         # served on 2 cores (bench/CPU_PROFILE.md). Process-wide, and this process is the worker alone.
         sys.setswitchinterval(CPU_WORKER_GIL_SWITCH_S)
+    freeze_startup_heap(f"{role_name} worker")  # process-wide too: this process serves this engine alone
     model_name = engine_args.model
     metrics = EngineMetrics(model_name)
     events = KVEventHub(worker_id)

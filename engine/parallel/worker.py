@@ -44,6 +44,7 @@ from engine.parallel.executor import (
 from engine.parallel.group import TPGroup
 from engine.parallel.hang_report import HangWatch, hang_report_s
 from engine.parallel.pipeline import ParallelWorld, describe_step
+from engine.process.gc_heap import freeze_startup_heap
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -132,6 +133,7 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
                 num_blocks, num_swap = json.loads(body)
                 with watch.task("the KV cache allocation and the warm-up", world.calls_since()):
                     runner.initialize_kv_cache(int(num_blocks), int(num_swap))
+                freeze_startup_heap(f"rank {rank}")  # this process is the rank alone
             elif kind == MSG_STEP:
                 so = steps_in.decode(body)
                 with watch.task(lambda n=steps, so=so: describe_step(n, so), world.calls_since()):

@@ -153,6 +153,14 @@ def test_tensor_parallel_pd_greedy_equals_unified_tp1(tiny_workers, tiny_referen
     assert _gloo_bytes(decode) - before == blocks * TINY_BLOCK_BYTES
 
 
+def test_workers_and_their_ranks_freeze_the_startup_heap(tiny_workers) -> None:  # noqa: ANN001
+    """engine/process/gc_heap.py: the worker's server process once its engine is built, and each other
+    tensor-parallel rank after its warm-up."""
+    log = tiny_workers["decode-tp2"].log.read_text()
+    assert "decode worker: " in log and "start-up objects frozen" in log, log[-3000:]
+    assert "rank 1: " in log and log.count("start-up objects frozen") == 2, log[-3000:]
+
+
 def test_tensor_parallel_gloo_links_rendezvous_over_the_authenticated_rpc_store(tiny_reference,  # noqa: ANN001
                                                                                 tmp_path: Path) -> None:
     """TP2 -> TP2 between workers holding a cluster token (the prefill worker's from --cluster-token alone, so its
