@@ -18,6 +18,7 @@ from types import FrameType
 import uvicorn
 
 from engine.process.cpu_memory import return_large_blocks_to_os
+from engine.process.gc_heap import freeze_startup_heap
 from router.config import RouterConfig
 from router.core import Router
 from router.discovery import make_discovery
@@ -45,9 +46,11 @@ class _DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._on_signal)
 
 
-async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None, router: Router | None = None
-                       ) -> None:
-    """Serve until stopped: a signal, or `router.lifecycle.request_stop()` (then drain first)."""
+async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None, router: Router | None = None,
+                       freeze_heap: bool = False) -> None:
+    """Serve until stopped: a signal, or `router.lifecycle.request_stop()` (then drain first). `freeze_heap`: this
+    process serves the router alone (`kvflow router`, `kvflow serve`), so its start-up heap, tokenizer included,
+    may leave the garbage collector's full collections (engine/process/gc_heap.py); never in a caller's process."""
     return_large_blocks_to_os()  # huge request bodies must not stay in the router's heap
     router = router if router is not None else Router(config)
     discovery = make_discovery(config, router.pool.set_addresses)
@@ -60,7 +63,7 @@ async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None,
                                         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)),
                          router.lifecycle.request_stop)
     stats = None if config.disable_log_stats else asyncio.create_task(_log_stats(router))
-    warmup = asyncio.create_task(_load_tokenizer_early(router))
+    warmup = asyncio.create_task(_load_tokenizer_early(router, freeze_heap))
     planner = asyncio.create_task(router.pools.run())
     logger.info("router: OpenAI API on http://%s:%d/v1, routing=%s, disagg-policy=%s, index=%s", config.host,
                 config.port, config.routing, config.disagg_policy, "memory" if config.index == "memory" else "redis")
@@ -91,14 +94,17 @@ async def serve_router(config: RouterConfig, ready: asyncio.Event | None = None,
         logger.info("router stopped")
 
 
-async def _load_tokenizer_early(router: Router) -> None:
-    """Load the tokenizer as soon as a worker names the model, not on the first request."""
+async def _load_tokenizer_early(router: Router, freeze_heap: bool) -> None:
+    """Load the tokenizer as soon as a worker names the model, not on the first request; then, where asked, freeze
+    the start-up heap (the tokenizers are its last large part)."""
     while router.pool.model_info is None:
         await asyncio.sleep(0.1)
     try:
         await router.ensure_tokenizers()
     except Exception as exc:  # reported again, as a 4xx/5xx, on the requests that need it
         logger.warning("tokenizer not loaded: %s", exc)
+    if freeze_heap:
+        freeze_startup_heap("router")
 
 
 async def _log_stats(router: Router) -> None:

@@ -194,5 +194,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def run(args: argparse.Namespace) -> int:
     from router.server import serve_router
 
-    asyncio.run(serve_router(config_from_args(args)))
+    asyncio.run(serve_router(config_from_args(args), freeze_heap=True))  # this process is the router alone
     return 0

@@ -252,7 +252,7 @@ async def _serve(config: RouterConfig, cluster: WorkerCluster) -> None:
 
     router = Router(config)
     ready = asyncio.Event()
-    task = asyncio.create_task(serve_router(config, ready, router))
+    task = asyncio.create_task(serve_router(config, ready, router, freeze_heap=True))  # serve's own process
     announce = asyncio.create_task(_announce(config, ready))
     supervisor = asyncio.create_task(cluster.supervise(
         on_restart=lambda worker: router.metrics.worker_restarts.labels(worker.role).inc(),

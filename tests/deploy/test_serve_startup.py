@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,10 +78,15 @@ def test_serve_prints_each_workers_memory_and_cleans_up_its_logs(tmp_path: Path)
                                     "--grpc-port", "0"], stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(process, f"http://127.0.0.1:{port}", log, timeout_s=240)
+        # serve's own process freezes its start-up heap once the router has its tokenizer (engine/process/gc_heap.py)
+        deadline = time.monotonic() + 60
+        while not re.search(r"router: \d+ start-up objects frozen", log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0, log.read_text()[-3000:]
     text = log.read_text()
+    assert re.search(r"router: \d+ start-up objects frozen", text), text[-3000:]
     assert re.search(r"memory budget of each CPU worker process: [\d.]+ GiB \(weights .* KV cache .* tokens "
                      r"\+ runtime", text), text[-3000:]
     assert "memory budget of the 2 CPU worker process(es)" in text
