@@ -7,8 +7,9 @@ Every field is written by name and read back into the same typed dataclasses, so
 Block tables travel as deltas between a `StepEncoder` (rank 0) and a `StepDecoder` (each other rank): a chunk's
 table is sent as (how many leading blocks equal the table last sent for that request, the rest). A decode step
 carries every running request's whole table, which grows by one block every block-size tokens, so sent whole it
-was most of the frame (74 KB for 288 rows of ~40 blocks) and its JSON round trip delayed every other rank's step
-by ~1.7 ms on 2 x H200 (the skew rank 0's first all-reduce waited out: bench/results/tp_profile8b_h200.json).
+was most of the frame: 74 KB for 288 rows of ~40 blocks, 15 KB as deltas, and its encode + decode 2.4 + 2.5 ms on
+the 2-core CI box against 0.4 + 0.8 ms. On 2 x H200, TP2's offline throughput rose from 0.50x to 0.58x of two
+replicas with it (bench/results/tp_tput8b_h200.json).
 
 Invariants of the pair: the decoder sees every frame the encoder made, in order (the ranks' stdin pipes), and both
 forget a request when a frame lists it as finished, before its chunks are read (a reused id starts afresh). The
