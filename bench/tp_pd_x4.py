@@ -27,8 +27,8 @@ Records carry `workload`, `device` ("4 x <gpu name>"), `layout`; transfer record
 pd_adaptive's fields (`slo_attainment`, `ttft_p99_s`, `itl_p99_s`, per class) and `mode_flags`. Every cluster is started
 with a ready timeout and stopped on the way out; each part runs under a wall-clock limit (SIGALRM raises in the
 waiting call), within `--budget-s` for the whole call. Measured on 4 x H200 (2026-11-27): check ~75 s (beside
-moe_pp_x4's check), transfer 116 s (two 8B clusters, ~60 s each with their start); mixed70b not run yet: alone,
-`--parts mixed70b` (an estimate: ~8-9 min; H200s leave the 70B TP2 workers more KV room than H100s' ~4 GiB per GPU).
+moe_pp_x4's check), transfer 116 s (two 8B clusters, ~60 s each with their start); mixed70b alone 295 s at the
+two-GPU rates (both layouts overloaded at 70B) and 223 s at `--rate-scale 0.3`, the load the 70B layouts carry.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \\
         python -m bench.tp_pd_x4 --parts check transfer --out $OUT  # --log-dir $OUT/logs: worker logs back too
