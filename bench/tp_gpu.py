@@ -21,6 +21,10 @@ Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as
               GPUs' measured copy bandwidth over the bytes a decode step reads), and a short N x 512/128
               throughput with MFU (2 x params FLOPs per token over both GPUs' dense bf16 peak)
 
+`--ranks 4` (or 8) runs check and allreduce at that TP size instead, into tp_check_tp4.json / tp_allreduce_tp4.json:
+the one-shot is TP2's default only, so the check there asks for it by name (graphs_peer, eager_peer) beside the
+default NCCL (graphs).
+
 Every engine runs in its own subprocess (bench/harness/jobs.py), so each configuration starts on clean GPUs.
 Batch-1 decode tok/s is the slope between a short and a long generation of the same prompt (prefill and start-up
 cancel). `--smoke` runs the same code paths on CPU at tiny shapes (gloo instead of NCCL, no graphs).
@@ -328,8 +332,9 @@ class Bench:
         self.args = args
         self.smoke = args.smoke
         self.cuda = torch.cuda.is_available() and not args.smoke
-        if not self.smoke and torch.cuda.device_count() < 2:
-            raise SystemExit("needs two GPUs (or --smoke on CPU)")
+        self.ranks = args.ranks  # check / allreduce: the TP size (the one-shot's default holds at 2 only)
+        if not self.smoke and torch.cuda.device_count() < max(2, self.ranks):
+            raise SystemExit(f"needs {max(2, self.ranks)} GPUs (or --smoke on CPU)")
         self.device = torch.cuda.get_device_name(0) if self.cuda else "cpu"
         self.dtype = "bf16" if self.cuda else "fp32"
 
@@ -354,40 +359,46 @@ class Bench:
         ids = {"prompts": prompts, "max_tokens": 24}
         fp32 = {"dtype": "float32", "gpu_memory_utilization": 0.3, "cudagraph_capture_sizes": [1, 2, 4]} \
             if self.cuda else {}
-        modes = ["graphs", "eager", "graphs_nccl"] if self.cuda else ["eager"]
+        tp = self.ranks
+        # TP2's default all-reduce is the peer one-shot (NCCL asked for by name); other sizes default to NCCL
+        # and ask for the one-shot by name
+        modes = (["graphs", "eager", "graphs_nccl"] if tp == 2 else ["graphs_peer", "eager_peer", "graphs"]) \
+            if self.cuda else ["eager"]
         jobs = [{"kind": "engine", "engine": self.engine("tiny", 1, enforce_eager=True, **fp32), "ids": ids}]
-        jobs += [{"kind": "engine", "engine": self.engine("tiny", 2, enforce_eager=mode == "eager",
-                                                          disable_custom_all_reduce=mode.endswith("nccl"), **fp32),
+        jobs += [{"kind": "engine", "engine": self.engine("tiny", tp, enforce_eager=mode.startswith("eager"),
+                                                          disable_custom_all_reduce=mode.endswith("nccl"),
+                                                          enable_custom_all_reduce=mode.endswith("peer"), **fp32),
                   "ids": ids} for mode in modes]
         results = [r for job in jobs for r in self.jobs([job], 180)]
         base = results[0].get("ids")
-        record: dict[str, Any] = {"workload": "tiny fp32 greedy ids, TP2 vs TP1",
+        record: dict[str, Any] = {"workload": f"tiny fp32 greedy ids, TP{tp} vs TP1",
                                   "tp1_graphs": results[0].get("cuda_graphs")}
         for mode, res in zip(modes, results[1:], strict=True):
-            record[f"tp2_{mode}"] = "PASS" if base is not None and res.get("ids") == base else \
+            record[f"tp{tp}_{mode}"] = "PASS" if base is not None and res.get("ids") == base else \
                 f"FAIL {res.get('error', '')}".strip()
-            record[f"tp2_{mode}_cuda_graphs"] = res.get("cuda_graphs")
-            record[f"tp2_{mode}_all_reduce"] = res.get("all_reduce")
-        self.write("check", record)
+            record[f"tp{tp}_{mode}_cuda_graphs"] = res.get("cuda_graphs")
+            record[f"tp{tp}_{mode}_all_reduce"] = res.get("all_reduce")
+        self.write("check" if tp == 2 else f"check_tp{tp}", record)
 
     def allreduce(self) -> None:
         from engine.parallel.executor import free_port
 
         sizes = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
         port = free_port()
-        jobs = [{"kind": "allreduce", "rank": r, "size": 2, "port": port, "cuda": self.cuda, "sizes": sizes,
-                 "iters": 20 if self.smoke else 200, "peer_programs": [32, 64, 128]} for r in range(2)]
+        ranks = self.ranks
+        jobs = [{"kind": "allreduce", "rank": r, "size": ranks, "port": port, "cuda": self.cuda, "sizes": sizes,
+                 "iters": 20 if self.smoke else 200, "peer_programs": [32, 64, 128]} for r in range(ranks)]
         results = self.jobs(jobs, 300)
         record: dict[str, Any] = {
-            "workload": "all-reduce, 2 ranks, bf16, random inputs: NCCL and the peer-memory one-shot "
-                        "(programs 32 / 64 / 128)" if self.cuda else "gloo all-reduce, 2 ranks, fp32 (smoke)",
-            "backend": "nccl" if self.cuda else "gloo", "rank0": results[0], "rank1": results[1]}
+            "workload": f"all-reduce, {ranks} ranks, bf16, random inputs: NCCL and the peer-memory one-shot "
+                        "(programs 32 / 64 / 128)" if self.cuda else f"gloo all-reduce, {ranks} ranks, fp32 (smoke)",
+            "backend": "nccl" if self.cuda else "gloo", **{f"rank{r}": res for r, res in enumerate(results)}}
         if self.cuda:
             from engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES, DEFAULT_PROGRAMS
 
             record["engine_uses"] = f"at TP2 the peer one-shot (programs {DEFAULT_PROGRAMS}) up to " \
                                     f"{DEFAULT_MAX_BYTES} bytes, NCCL above; NCCL with --disable-custom-all-reduce"
-        self.write("allreduce", record)
+        self.write("allreduce" if ranks == 2 else f"allreduce_tp{ranks}", record)
 
     def decode8b(self) -> None:
         model = "tiny" if self.smoke else "llama-3.1-8b"
@@ -489,6 +500,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=1000, help="tput8b prompts (512 in / 128 out)")
     parser.add_argument("--num-prompts-70b", type=int, default=200, help="llama70b throughput prompts")
     parser.add_argument("--num-prompts-profile", type=int, default=300, help="profile8b's TP2 prompts (TP1: half)")
+    parser.add_argument("--ranks", type=int, default=2, choices=(2, 4, 8),
+                        help="check / allreduce: the TP size (files tp_check_tp<N>.json, tp_allreduce_tp<N>.json "
+                             "when not 2); the other parts are two-GPU measurements")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
