@@ -106,14 +106,20 @@ def batch1_decode(llm: Any, short: int, long: int, prompt_len: int, repeats: int
             "decode_ms_per_token": round(1000 * best / (long - short), 3)}
 
 
-def throughput(llm: Any, num_prompts: int, input_len: int, output_len: int) -> dict[str, Any]:
+def warmed_prompts(llm: Any, num_prompts: int, input_len: int, output_len: int) -> tuple[list[Any], Any]:
+    """The throughput load (random prompts, seed 0; sampled at temperature 1.0 to `output_len`) after a short
+    warm-up generate of its first prompts: (prompts, sampling params)."""
     from kvflow import SamplingParams
     from kvflow.benchmarks.throughput import random_prompts
 
     prompts = random_prompts(num_prompts, input_len, llm.llm_engine.config.model.arch.vocab_size, seed=0)
     llm.generate(prompts[: min(8, num_prompts)], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
-    outs, elapsed = timed_generate(llm, prompts, SamplingParams(temperature=1.0, max_tokens=output_len,
-                                                               ignore_eos=True))
+    return prompts, SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+
+
+def throughput(llm: Any, num_prompts: int, input_len: int, output_len: int) -> dict[str, Any]:
+    prompts, params = warmed_prompts(llm, num_prompts, input_len, output_len)
+    outs, elapsed = timed_generate(llm, prompts, params)
     num_out = output_tokens(outs)
     return {"tput_elapsed_s": round(elapsed, 2), "output_tok_s": round(num_out / elapsed, 1),
             "total_tok_s": round((num_out + num_prompts * input_len) / elapsed, 1), "num_prompts": num_prompts,
@@ -126,14 +132,10 @@ def profiled_throughput(llm: Any, num_prompts: int, input_len: int, output_len: 
     import gzip
     import shutil
 
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kvflow import SamplingParams
-    from kvflow.benchmarks.throughput import random_prompts
-
-    prompts = random_prompts(num_prompts, input_len, llm.llm_engine.config.model.arch.vocab_size, seed=0)
-    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[: min(8, num_prompts)], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    prompts, params = warmed_prompts(llm, num_prompts, input_len, output_len)
     runner = llm.llm_engine.runner
     inner = runner.execute_model
     steps: list[tuple[int, int, int, float]] = []
@@ -146,13 +148,13 @@ def profiled_throughput(llm: Any, num_prompts: int, input_len: int, output_len: 
             steps.append((so.total_num_scheduled_tokens, so.num_decode_seqs, so.num_prefill_tokens,
                           time.perf_counter() - started))
 
-    runner.execute_model = timed_step
-    import torch
-
     cuda = torch.cuda.is_available()  # --smoke on CPU: host ops only, so no kernels to summarize
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        outs, elapsed = timed_generate(llm, prompts, params)
-    runner.execute_model = inner
+    runner.execute_model = timed_step
+    try:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            outs, elapsed = timed_generate(llm, prompts, params)
+    finally:
+        runner.execute_model = inner
     raw = trace.removesuffix(".gz")
     prof.export_chrome_trace(raw)
     with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:

@@ -94,7 +94,8 @@ class StepEncoder:
         table = chunk.block_ids
         known = self._tables.get(chunk.request_id)
         keep = len(known) if known is not None and table[: len(known)] == known else 0
-        self._tables[chunk.request_id] = list(table)
+        if keep != len(table) or known is None:  # kept as a copy: the scheduler's list grows in place
+            self._tables[chunk.request_id] = list(table)
         return [chunk.request_id, chunk.token_ids, chunk.start_position, keep, table[keep:], chunk.sample,
                 chunk.prompt_logprobs, chunk.spec_token_ids]
 
@@ -131,9 +132,10 @@ class StepDecoder:
         if keep > len(known):
             raise ValueError(f"step frame out of order: request {request_id!r} keeps {keep} blocks of "
                              f"{len(known)} known")
-        table = known[:keep] + tail
-        self._tables[request_id] = table
-        return ScheduledChunk(request_id, token_ids, start, list(table), sample, prompt_logprobs, spec)
+        if keep != len(known) or tail:  # most decode steps change no table: nothing to rebuild
+            known = known[:keep] + tail
+            self._tables[request_id] = known
+        return ScheduledChunk(request_id, token_ids, start, list(known), sample, prompt_logprobs, spec)
 
 
 def encode(so: SchedulerOutput) -> bytes:
