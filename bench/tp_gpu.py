@@ -22,8 +22,8 @@ Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as
               throughput with MFU (2 x params FLOPs per token over both GPUs' dense bf16 peak)
 
 `--ranks 4` (or 8) runs check and allreduce at that TP size instead, into tp_check_tp4.json / tp_allreduce_tp4.json:
-the one-shot is TP2's default only, so the check there asks for it by name (graphs_peer, eager_peer) beside the
-default NCCL (graphs).
+at TP4 the one-shot is the default, as at TP2 (graphs, eager, and graphs_nccl asking for NCCL); at TP8 it is opt-in,
+so the check asks for it by name (graphs_peer, eager_peer) beside the default NCCL (graphs).
 
 Every engine runs in its own subprocess (bench/harness/jobs.py), so each configuration starts on clean GPUs.
 Batch-1 decode tok/s is the slope between a short and a long generation of the same prompt (prefill and start-up
@@ -334,7 +334,7 @@ class Bench:
         self.args = args
         self.smoke = args.smoke
         self.cuda = torch.cuda.is_available() and not args.smoke
-        self.ranks = args.ranks  # check / allreduce: the TP size (the one-shot's default holds at 2 only)
+        self.ranks = args.ranks  # check / allreduce: the TP size (the one-shot is the default at 2 and 4)
         if not self.smoke and torch.cuda.device_count() < max(2, self.ranks):
             raise SystemExit(f"needs {max(2, self.ranks)} GPUs (or --smoke on CPU)")
         self.device = torch.cuda.get_device_name(0) if self.cuda else "cpu"
@@ -362,9 +362,9 @@ class Bench:
         fp32 = {"dtype": "float32", "gpu_memory_utilization": 0.3, "cudagraph_capture_sizes": [1, 2, 4]} \
             if self.cuda else {}
         tp = self.ranks
-        # TP2's default all-reduce is the peer one-shot (NCCL asked for by name); other sizes default to NCCL
-        # and ask for the one-shot by name
-        modes = (["graphs", "eager", "graphs_nccl"] if tp == 2 else ["graphs_peer", "eager_peer", "graphs"]) \
+        # TP2's and TP4's default all-reduce is the peer one-shot (NCCL asked for by name); other sizes default to
+        # NCCL and ask for the one-shot by name
+        modes = (["graphs", "eager", "graphs_nccl"] if tp in (2, 4) else ["graphs_peer", "eager_peer", "graphs"]) \
             if self.cuda else ["eager"]
         jobs = [{"kind": "engine", "engine": self.engine("tiny", 1, enforce_eager=True, **fp32), "ids": ids}]
         jobs += [{"kind": "engine", "engine": self.engine("tiny", tp, enforce_eager=mode.startswith("eager"),
@@ -396,10 +396,12 @@ class Bench:
                         "(programs 32 / 64 / 128)" if self.cuda else f"gloo all-reduce, {ranks} ranks, fp32 (smoke)",
             "backend": "nccl" if self.cuda else "gloo", **{f"rank{r}": res for r, res in enumerate(results)}}
         if self.cuda:
-            from engine.parallel.peer_all_reduce import DEFAULT_MAX_BYTES, DEFAULT_PROGRAMS
+            from engine.parallel.peer_all_reduce import DEFAULT_PROGRAMS, default_max_bytes
 
-            record["engine_uses"] = f"at TP2 the peer one-shot (programs {DEFAULT_PROGRAMS}) up to " \
-                                    f"{DEFAULT_MAX_BYTES} bytes, NCCL above; NCCL with --disable-custom-all-reduce"
+            record["engine_uses"] = f"at TP{ranks} the peer one-shot (programs {DEFAULT_PROGRAMS}) up to " \
+                                    f"{default_max_bytes(ranks)} bytes, NCCL above" + \
+                                    ("" if ranks in (2, 4) else " when asked for") + \
+                                    "; NCCL with --disable-custom-all-reduce"
         self.write("allreduce" if ranks == 2 else f"allreduce_tp{ranks}", record)
 
     def decode8b(self) -> None:

@@ -156,7 +156,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1  # contiguous layer ranges per stage (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE models: whole experts dealt out across the TP ranks
     enable_custom_all_reduce: bool = False  # small all-reduces one-shot over peer memory at any TP size on GPUs
-    disable_custom_all_reduce: bool = False  # vLLM's flag: NCCL for every all-reduce (TP2's default is the one-shot)
+    disable_custom_all_reduce: bool = False  # vLLM's flag: NCCL for every all-reduce (TP2/TP4 default: one-shot)
     cudagraph_capture_sizes: list[int] | None = None
     max_seq_len_to_capture: int = 8192
     disable_log_stats: bool = True
@@ -445,11 +445,12 @@ class EngineArgs:
 
     def _custom_all_reduce(self, device: str) -> bool:
         """Whether the TP group's small all-reduces go one-shot over peer memory: asked for, or by default at TP2
-        on CUDA, where it was measured faster end to end (bench/results/tp_peer_decode8b_h200.json); at other sizes
-        NCCL until measured there. Set-up falls back to NCCL where peer memory is missing (Info.all_reduce)."""
+        and TP4 on CUDA. TP2 measured it faster end to end (bench/results/tp_peer_decode8b_h200.json); TP4 measured
+        it 2.4x faster at decode sizes and token-exact (tp_allreduce_tp4.json, tp_check_tp4.json). Other sizes keep
+        NCCL until measured. Set-up falls back to NCCL where peer memory is missing (Info.all_reduce)."""
         if self.disable_custom_all_reduce:
             return False
-        return self.enable_custom_all_reduce or (device.startswith("cuda") and self.tensor_parallel_size == 2)
+        return self.enable_custom_all_reduce or (device.startswith("cuda") and self.tensor_parallel_size in (2, 4))
 
     def _validate_custom_all_reduce(self, device: str) -> None:
         """The peer-memory all-reduce is GPU memory shared between processes: refused where it could not run."""

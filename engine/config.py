@@ -77,9 +77,9 @@ class DeviceConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages of contiguous decoder layers (engine/parallel/stages.py)
     enable_expert_parallel: bool = False  # MoE: whole experts dealt out across the tensor-parallel ranks
-    # GPUs: tensor-parallel all-reduces up to 4 MiB go one-shot over peer memory (engine/parallel/peer_all_reduce.py)
-    # instead of NCCL. EngineArgs turns it on for TP2 on CUDA (measured faster end to end there) unless
-    # --disable-custom-all-reduce; other TP sizes only with --enable-custom-all-reduce (bench/README.md)
+    # GPUs: small tensor-parallel all-reduces (up to 4 MiB at TP2, 2 MiB at TP4) go one-shot over peer memory
+    # (engine/parallel/peer_all_reduce.py) instead of NCCL. EngineArgs turns it on for TP2 and TP4 on CUDA (measured
+    # faster there) unless --disable-custom-all-reduce; other TP sizes only with --enable-custom-all-reduce
     custom_all_reduce: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_seq_len_to_capture: int = 8192

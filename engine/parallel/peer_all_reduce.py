@@ -25,15 +25,23 @@ from kernels.peer_all_reduce import peer_all_reduce, signal_words
 logger = logging.getLogger(__name__)
 
 # One-shot reads every peer's whole message; each program streams its slice, so the program count sets the
-# bandwidth. On 2 x H200 in CUDA graphs (bench/results/tp_peer_allreduce_h200.json, 2026-11-27) 128 programs took
-# 5.3 us at 8-64 KB (32 programs: 5.1) and 14.7 / 24.8 us at 2 / 4 MB against NCCL's 38.9 / 44.6 (32 programs: 43
-# / 82), so one-shot wins up to 4 MB there: a decode batch of 256 rows of Llama-8B is 2 MB. Measured at 2 ranks
-# only (more ranks read more peers' bytes per call). 128 programs stay co-resident on any H100/H200 (132 SMs),
-# which the per-program barrier needs: a program spins until the same program on each peer has arrived.
-DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+# bandwidth, and each call reads (ranks - 1) x the message from peers, so the size where NCCL catches up falls with
+# the rank count. In CUDA graphs, 128 programs (bench/results/tp_peer_allreduce_h200.json, tp_allreduce_tp4.json):
+# - 2 x H200: 5.3 us at 8-64 KB, 14.7 / 24.8 us at 2 / 4 MB against NCCL's 38.9 / 44.6: one-shot up to 4 MB;
+# - 4 x H200: 9-10 us at 8-64 KB against NCCL's 21-22, 33.6 vs 42.7 us at 2 MB, 58.8 vs 52.7 at 4 MB: up to 2 MB.
+# A decode batch of 256 rows of Llama-8B is 2 MB. Beyond 4 ranks nothing is measured: 1 MB, a guess (opt-in only).
+# 128 programs stay co-resident on any H100/H200 (132 SMs), which the per-program barrier needs: a program spins
+# until the same program on each peer has arrived.
+MAX_BYTES_BY_RANKS = {2: 4 * 1024 * 1024, 4: 2 * 1024 * 1024}
+UNMEASURED_MAX_BYTES = 1024 * 1024
 DEFAULT_PROGRAMS = 128
 SIGNAL_BYTES = 64 * 1024  # the signal area, rounded up; the two buffer halves follow it
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def default_max_bytes(ranks: int) -> int:
+    """The largest message one-shot beats NCCL on at `ranks` ranks, as measured (MAX_BYTES_BY_RANKS)."""
+    return MAX_BYTES_BY_RANKS.get(ranks, UNMEASURED_MAX_BYTES)
 
 
 class PeerAllReduce:
@@ -54,10 +62,12 @@ class PeerAllReduce:
 
     @classmethod
     def setup(cls, store: Any, rank: int, size: int, device: torch.device, timeout_s: float,
-              max_bytes: int = DEFAULT_MAX_BYTES, programs: int = DEFAULT_PROGRAMS
+              max_bytes: int | None = None, programs: int = DEFAULT_PROGRAMS
               ) -> tuple[PeerAllReduce | None, str]:
         """Collective over `store` (every rank of the group calls it with the same arguments): the rank's
-        PeerAllReduce, or None and why not (the same outcome on every rank)."""
+        PeerAllReduce, or None and why not (the same outcome on every rank). `max_bytes`: the largest message sent
+        one-shot, by default `default_max_bytes(size)`."""
+        max_bytes = default_max_bytes(size) if max_bytes is None else max_bytes
         if 4 * signal_words(programs, size) > SIGNAL_BYTES:
             raise ValueError(f"{programs} programs x {size} ranks do not fit the {SIGNAL_BYTES}-byte signal area")
         driver: CudaDriver | None = None
