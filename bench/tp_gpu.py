@@ -77,6 +77,13 @@ def engine_job(job: dict[str, Any]) -> dict[str, Any]:
             params = SamplingParams(temperature=0.0, max_tokens=job["ids"]["max_tokens"], ignore_eos=True)
             outs = llm.generate([{"prompt_token_ids": p} for p in job["ids"]["prompts"]], params)
             out["ids"] = [o.outputs[0].token_ids for o in outs]
+            # seeded sampling (temperature 1, top-p 0.9): decode-ahead replays queued for sampled batches too
+            sampled = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=job["ids"]["max_tokens"],
+                                      ignore_eos=True) for i in range(len(job["ids"]["prompts"]))]
+            outs = llm.generate([{"prompt_token_ids": p} for p in job["ids"]["prompts"]], sampled)
+            out["sampled_ids"] = [o.outputs[0].token_ids for o in outs]
+            ahead = llm.llm_engine.runner.decode_ahead
+            out["decode_ahead"] = {"hits": ahead.hits, "partial_hits": ahead.partial_hits, "misses": ahead.misses}
         if "decode" in job:
             out.update(batch1_decode(llm, **job["decode"]))
         if "tput" in job:
@@ -371,13 +378,24 @@ class Bench:
                                                           disable_custom_all_reduce=mode.endswith("nccl"),
                                                           enable_custom_all_reduce=mode.endswith("peer"), **fp32),
                   "ids": ids} for mode in modes]
+        if self.cuda:  # TP1 in graphs: decode-ahead without tensor parallelism
+            jobs.append({"kind": "engine", "engine": self.engine("tiny", 1, **fp32), "ids": ids})
         results = [r for job in jobs for r in self.jobs([job], 180)]
         base = results[0].get("ids")
-        record: dict[str, Any] = {"workload": f"tiny fp32 greedy ids, TP{tp} vs TP1",
+        record: dict[str, Any] = {"workload": f"tiny fp32 greedy and seeded-sampled ids, TP{tp} vs TP1 eager",
                                   "tp1_graphs": results[0].get("cuda_graphs")}
-        for mode, res in zip(modes, results[1:], strict=True):
+        base_sampled = results[0].get("sampled_ids")
+        for mode, res in zip(modes, results[1 : 1 + len(modes)], strict=True):
             record[f"tp{tp}_{mode}"] = "PASS" if base is not None and res.get("ids") == base else \
                 f"FAIL {res.get('error', '')}".strip()
+            record[f"tp{tp}_{mode}_sampled"] = "PASS" if base_sampled is not None and \
+                res.get("sampled_ids") == base_sampled else "FAIL"
+            record[f"tp{tp}_{mode}_decode_ahead"] = res.get("decode_ahead")
+        if self.cuda:
+            tp1 = results[-1]
+            record["tp1_graphs_vs_eager"] = "PASS" if tp1.get("ids") == base else f"FAIL {tp1.get('error', '')}"
+            record["tp1_graphs_vs_eager_sampled"] = "PASS" if tp1.get("sampled_ids") == base_sampled else "FAIL"
+            record["tp1_graphs_decode_ahead"] = tp1.get("decode_ahead")
             record[f"tp{tp}_{mode}_cuda_graphs"] = res.get("cuda_graphs")
             record[f"tp{tp}_{mode}_all_reduce"] = res.get("all_reduce")
         self.write("check" if tp == 2 else f"check_tp{tp}", record)

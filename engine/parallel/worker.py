@@ -17,7 +17,6 @@ TP2 x PP2 hang on GPUs; gloo timed out).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -29,7 +28,6 @@ from typing import IO, Protocol
 
 import torch
 
-from engine.outputs import SchedulerOutput
 from engine.parallel import codec
 from engine.parallel.executor import (
     MSG_EXTENSION,
@@ -47,7 +45,6 @@ from engine.parallel.pipeline import ParallelWorld, describe_step
 from engine.process.gc_heap import freeze_startup_heap
 from engine.process.lifeline import die_with_parent_if_asked
 from engine.runner.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.tp_worker")
 
@@ -117,7 +114,7 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
     watch = HangWatch(world.where, hang_report_s(),
                       lambda: f"{frames.pending if frames is not None else 0} frames from rank 0 wait behind it")
     try:
-        runner = ModelRunner(config, world.tp, world.link)
+        runner = ModelRunner(config, world.tp, world.link, leader=False)  # rank 0 samples for the engine
         extension = extension_factory(runner, world.group) if extension_factory is not None else None
         with watch.task("the memory profile and the KV block agreement", world.calls_since()):
             world.min_int(runner.determine_num_blocks())
@@ -137,7 +134,7 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
             elif kind == MSG_STEP:
                 so = steps_in.decode(body)
                 with watch.task(lambda n=steps, so=so: describe_step(n, so), world.calls_since()):
-                    runner.execute_model(without_grammars(so))
+                    runner.execute_model(so)
                 steps += 1
             elif kind == MSG_EXTENSION and extension is not None:
                 with watch.task("an extension frame", world.calls_since()):
@@ -153,23 +150,6 @@ def run(stdin: object, extension_factory: ExtensionFactory | None = None) -> int
             runner.release_graphs()
         world.close(failed=failed)
     return 0
-
-
-def without_grammars(so: SchedulerOutput) -> SchedulerOutput:
-    """The step with its new requests' grammars dropped: this rank's samples are never used (rank 0 samples for
-    the engine, with its StructuredOutputManager), so it needs no grammar matcher, and has no tokenizer for one."""
-    if not any(new.sampling_params.structured_outputs is not None for new in so.new_requests):
-        return so
-    return dataclasses.replace(so, new_requests=[
-        new if new.sampling_params.structured_outputs is None
-        else dataclasses.replace(new, sampling_params=_without_grammar(new.sampling_params))
-        for new in so.new_requests])
-
-
-def _without_grammar(params: SamplingParams) -> SamplingParams:
-    params = copy.copy(params)  # as sent: already validated on rank 0 (no __init__ again)
-    params.structured_outputs = None
-    return params
 
 
 def main(extension_factory: ExtensionFactory | None = None) -> None:

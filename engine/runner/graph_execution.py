@@ -33,8 +33,7 @@ VerifyRows = Callable[[torch.Tensor, DecodeRows], ModelRunnerOutput]
 def decode_graph_step(chunks: list[ScheduledChunk], block_size: int, graphs: DecodeGraphs, ahead: DecodeAhead,
                       requests: Mapping[str, RunnerRequestState], sample: SampleRows) -> ModelRunnerOutput | None:
     """A decode-only step within the captured bounds: the matching decode-ahead replay, or one replay now;
-    then, for an all-greedy batch, queue the next step's replay before waiting for this step's ids. None:
-    not such a step."""
+    then queue the next step's replay before waiting for this step's ids. None: not such a step."""
     for chunk in chunks:
         if len(chunk.token_ids) != 1 or not chunk.sample or chunk.prompt_logprobs:
             return None
@@ -50,16 +49,15 @@ def decode_graph_step(chunks: list[ScheduledChunk], block_size: int, graphs: Dec
                             [p + 1 for p in positions], [chunk.block_ids for chunk in chunks])
     ids = [chunk.request_id for chunk in chunks]
     states = [requests[rid] for rid in ids]
-    greedy = all(state.greedy_argmax for state in states)
     logprobs: dict[str, PositionLogprobs] = {}
-    if greedy and all(state.matcher is None for state in states):
+    if all(state.plain_greedy for state in states):
         tokens = result.tokens  # the sampler would take the same argmax of the same logits
     else:  # grammar masks (filled on the host while the GPU runs), or sampling
         tokens, logprobs = sample(result.logits, ids, states)
     graphs.tokens_to_host(tokens)
-    if greedy:  # the next step's inputs are known on the device: queue its replay now. A constrained row's
-        # next mask needs this step's token on the host, which the next step's sampling has by then.
-        ahead.queue(chunks, positions, states, tokens, graphs)
+    # The next step's inputs are on the device now: queue its replay (logits only). Its sampling, and a
+    # constrained row's next mask, need this step's tokens on the host, which they have by the next step.
+    ahead.queue(chunks, positions, states, tokens, graphs)
     token_list = graphs.host_tokens(n)  # waits for this step only, not for the replay queued ahead
     ahead.fed(token_list)
     for state, token in zip(states, token_list, strict=True):

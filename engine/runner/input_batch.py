@@ -37,11 +37,13 @@ class RunnerRequestState:
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device,
-                 structured_output: StructuredOutputManager | None) -> RunnerRequestState:
+                 structured_output: StructuredOutputManager | None, leader: bool = True) -> RunnerRequestState:
         """A request's state when first scheduled (or resumed): its seeded generator, restored to the state the
-        request carries, and its grammar matcher, advanced past the tokens it already has."""
+        request carries, and its grammar matcher, advanced past the tokens it already has. A tensor-parallel rank
+        other than rank 0 (`leader` False) builds no matcher: its samples are never used."""
+        matcher = _matcher(new, structured_output) if leader else None
         return cls(new.sampling_params, new.prompt_token_ids, list(new.output_token_ids),
-                   _generator(new, device), _matcher(new, structured_output))
+                   _generator(new, device), matcher)
 
     def record(self, token: int) -> None:
         self.output_token_ids.append(token)
@@ -57,9 +59,15 @@ class RunnerRequestState:
                 and params.logprobs is None)
 
     @property
+    def constrained(self) -> bool:
+        """It has a grammar (on every rank, though only rank 0 holds its matcher)."""
+        return self.params.structured_outputs is not None
+
+    @property
     def plain_greedy(self) -> bool:
-        """Its next token is the raw logits' argmax (what a decode graph computes itself)."""
-        return self.greedy_argmax and self.matcher is None
+        """Its next token is the raw logits' argmax (what a decode graph computes itself). Decided from the
+        params alone, so every tensor-parallel rank takes the same path, the ones without matchers included."""
+        return self.greedy_argmax and not self.constrained
 
 
 def _generator(new: NewRequestData, device: torch.device) -> torch.Generator | None:

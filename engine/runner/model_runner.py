@@ -177,7 +177,8 @@ class ModelRunner:
     parallelism, engine/parallel/pipeline.py) it holds its stage's layers and their KV only; a stage before the
     last passes its activations on and samples nothing."""
 
-    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None, link: StageLink | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp_group: TPGroup | None = None, link: StageLink | None = None,
+                 leader: bool = True) -> None:
         self.config = config
         self.tp_group = tp_group
         self.link = link
@@ -216,7 +217,9 @@ class ModelRunner:
         # (pipeline stages run eager: a graph would have to capture the receive and send as well)
         self.graphs: DecodeGraphs | None = None
         self._step_done = torch.cuda.Event() if self.on_cuda else None
-        self.decode_ahead = DecodeAhead(self.block_size, config.model.max_model_len)
+        self.leader = leader  # rank 0 (the engine's process): its samples are the engine's; it holds the grammars
+        tensor_parallel = tp_group is not None and tp_group.size > 1
+        self.decode_ahead = DecodeAhead(self.block_size, config.model.max_model_len, tensor_parallel)
 
     @property
     def kv_scales(self) -> tuple[float, ...]:
@@ -346,7 +349,8 @@ class ModelRunner:
         for request_id in so.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in so.new_requests:
-            self.requests[new.request_id] = RunnerRequestState.from_new(new, self.device, self.structured_output)
+            self.requests[new.request_id] = RunnerRequestState.from_new(new, self.device, self.structured_output,
+                                                                        self.leader)
 
     def _execute_graphs(self, chunks: list[ScheduledChunk], graphs: DecodeGraphs) -> ModelRunnerOutput | None:
         """The step replayed from the decode graphs (engine/runner/graph_execution.py); None: run it eagerly."""

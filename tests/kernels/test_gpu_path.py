@@ -282,7 +282,8 @@ def test_compute_logits_into_a_shared_buffer() -> None:
 def test_decode_graph_path_and_decode_ahead_keep_outputs() -> None:
     """The runner's graph path with decode-ahead gives the same tokens as the plain CPU path: greedy requests
     (ahead replays used, finishing by length and by stop token, block boundaries with block size 4), a request
-    joining mid-run (the ahead replay is dropped), a sampled one with penalties and logprobs (no ahead)."""
+    joining mid-run (the ahead replay is dropped), sampled ones (seeded with penalties and logprobs, unseeded),
+    ahead replays used for them too, and a stop-token finish beside running rows (the replay's other rows used)."""
     def engine(fake: bool) -> LLMEngine:
         eng = LLMEngine(EngineArgs(model="tiny", load_format="dummy", device="cpu", kv_cache_memory_bytes=1 << 22,
                                    max_model_len=256, block_size=4, seed=0).create_engine_config())
@@ -303,12 +304,18 @@ def test_decode_graph_path_and_decode_ahead_keep_outputs() -> None:
     ]
     for prompts_i, params_i in cases:
         assert _run_engine(fake, prompts_i, params_i) == _run_engine(base, prompts_i, params_i)
+    ahead = fake.runner.decode_ahead
+    assert ahead.partial_hits >= 1  # case 2: r0 stopped beside r1, whose row of the queued replay was used
+    hits = ahead.hits
+    sampled = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True) for m in (20, 14, 25)]
+    assert _run_engine(fake, prompts[:3], sampled) == _run_engine(base, prompts[:3], sampled)
+    assert ahead.hits >= hits + 10  # sampled batches queue ahead as greedy ones do
     # One request alone, then a second joins while the first decodes: the ahead replay is dropped, not used.
     solo = [_run_engine(eng, prompts[2:3], greedy[2:3]) for eng in (base, fake)]
     assert solo[0] == solo[1]
     runner = fake.runner
     misses = runner.decode_ahead.misses
-    assert runner.decode_ahead.hits > 20 and misses >= 1  # the stop-token finish could not be predicted
+    assert runner.decode_ahead.hits > 20 and misses == 0  # the stop-token finish left r1's row to be used
     for eng in (base, fake):
         eng.add_request("a", prompts[0], greedy[2])
         for _ in range(6):
@@ -317,3 +324,34 @@ def test_decode_graph_path_and_decode_ahead_keep_outputs() -> None:
     outs = [_run_engine(eng, [], []) for eng in (base, fake)]
     assert set(outs[0]) == {"a", "b"} and outs[0] == outs[1]
     assert runner.decode_ahead.misses > misses
+
+
+@plain
+def test_tensor_parallel_ranks_queue_no_replay_for_a_constrained_row() -> None:
+    """Only rank 0 holds a grammar's matcher, so another rank's ids for that row may differ from rank 0's; every
+    rank knows the row is constrained and none queues a replay (their collectives keep pairing). A single rank
+    queues it."""
+    from engine.outputs import NewRequestData, ScheduledChunk
+    from engine.runner.decode_ahead import DecodeAhead
+    from engine.runner.input_batch import RunnerRequestState
+    from engine.structured.grammar import StructuredOutputsParams
+
+    guided = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
+    new = NewRequestData("r", [1, 2, 3], guided)
+    follower = RunnerRequestState.from_new(new, torch.device("cpu"), None, leader=False)
+    assert follower.matcher is None and follower.constrained and not follower.plain_greedy
+    with pytest.raises(RuntimeError, match="StructuredOutputManager"):  # rank 0 must hold the matcher
+        RunnerRequestState.from_new(new, torch.device("cpu"), None)
+
+    class Graphs:
+        def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
+            return True
+
+        def run_ahead(self, *args: object) -> DecodeResult:
+            return DecodeResult(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int64))
+
+    chunk = ScheduledChunk("r", [7], 3, [0, 1], sample=True, prompt_logprobs=False)
+    for tensor_parallel, queued in ((True, False), (False, True)):
+        ahead = DecodeAhead(block_size=4, max_model_len=64, tensor_parallel=tensor_parallel)
+        ahead.queue([chunk], [3], [follower], torch.tensor([5]), Graphs())  # type: ignore[arg-type]
+        assert (ahead.pending is not None) == queued
