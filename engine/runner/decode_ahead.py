@@ -11,7 +11,10 @@ Invariants:
   whose request finished, by a stop token or string, are left out; each row's logits depend on its own context
   only). Otherwise it is dropped.
 - A dropped replay, or a left-out row, only wrote K/V at a slot its request owned when it was queued, one past its
-  context, which the real next write of that slot replaces (stream order).
+  context, which the real next write of that slot replaces (stream order). A KV import writes on its transfer
+  stream instead, unordered with the replay. A freed block joins the tail of the free queue
+  (engine/core/block_pool.py) and is handed out again only after every other free block, so an import reaches a
+  slot a replay in flight writes only if the free queue runs dry within one step (not guarded further).
 - Nothing is queued for a row that may finish at the next step (max_tokens, max_model_len) or whose next KV slot
   is not in a block it already holds (the scheduler allocates first: nothing to guess).
 - Under tensor parallelism every rank queues and takes the same replays, or the ranks' collectives would no longer
