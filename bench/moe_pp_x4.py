@@ -1,35 +1,34 @@
-"""Expert and pipeline parallelism on four GPUs, checked and timed in one call.
+"""Expert and pipeline parallelism on four GPUs (MoE on one or two: `--world 1|2`), checked and timed in one call.
 
-Parts (`--parts`, run in this order; each writes its JSON to --out as soon as it finishes, and the timed parts
-rewrite theirs after every configuration, so a call cut short keeps what it measured):
-  check  token-exact, tiny fp32 models, greedy ids (24 tokens, 3 prompts) on the GPUs: tiny-qwen3-moe and
-         tiny-mixtral at EP4 (`--enable-expert-parallel -tp 4`) and TP4 equal TP1's; a 4-layer tiny Llama at PP2,
-         TP2 x PP2 and PP4 equals TP1's (the baselines run eager, the parallel layouts as served: CUDA graphs
-         where the layout has them). And the fused MoE Triton kernel against the unfused per-expert loop, called
-         directly (the engine has no switch: a CUDA model always runs fused): bf16, 1 / 7 / 64 / 512 tokens, top-8
-         of 128 experts at hidden 256, plus one Qwen3-30B-A3B-shaped layer; each rank's partial sum on the
-         expert-parallel drop path (other ranks' experts skipped), and the ranks' partials summed against the
-         whole layer. Max abs error against an fp32 reference; PASS within max(2 x the loop's error, 3 % of the
-         output's max). -> moe_x4_check.json
-  moe    Qwen3-30B-A3B shapes (dummy weights, bf16): EP4 vs TP4, batch-1 decode tok/s and N x 512/128 offline
-         throughput (default N 512), and EP's ratio to TP. -> moe_x4_qwen3_30b_a3b.json
-  pp     Llama-3.1-70B shapes (dummy, bf16): TP2 x PP2 vs TP4, the same two numbers (default N 200).
-         -> pp_x4_llama70b.json
+Parts (`--parts`, in this order; each writes its JSON to --out when it finishes, the timed ones after every
+configuration too, so a call cut short keeps what it measured):
+  check  token-exact, tiny fp32 models, greedy ids (24 tokens, 3 prompts): tiny-qwen3-moe and tiny-mixtral at EP4
+         (`--enable-expert-parallel -tp 4`) and TP4, a 4-layer tiny Llama at PP2, TP2 x PP2 and PP4, each equal
+         to TP1's (baselines eager, layouts as served). The fused MoE Triton kernel against the per-expert loop,
+         called directly: bf16, 1 / 7 / 64 / 512 tokens, top-8 of 128 experts at hidden 256, one Qwen3-30B-A3B
+         layer, and each rank's partial sum on the expert-parallel drop path summed against the whole layer; PASS
+         within max(2 x the loop's error, 3 % of the output's max) of an fp32 reference. -> moe_x4_check.json
+  moe    Qwen3-30B-A3B shapes (dummy, bf16): EP4 vs TP4, batch-1 decode tok/s and N x 512/128 offline throughput
+         (default N 512). -> moe_x4_qwen3_30b_a3b.json
+  pp     Llama-3.1-70B shapes: TP2 x PP2 vs TP4, the same numbers (default N 200). -> pp_x4_llama70b.json
+`--world 2` (the MoE issue's two-GPU runs): check at EP2 / TP2 / PP2; moe: EP2 vs TP2 for Qwen3-30B-A3B and
+Mixtral-8x7B (moe_x2_qwen3_30b_a3b.json, moe_x2_mixtral_8x7b.json); pp: Llama-3.1-8B PP2 vs TP2 vs two TP1
+replicas (dp2, the prompts split) at 1000 x 512/128 (pp_x2_llama8b.json). `--world 1`: check = the kernel job;
+moe: Qwen3-30B-A3B beside Llama-3.1-8B on the same GPU (moe_x1_qwen3_30b_a3b.json). On GPUs the kernel job times
+the fused kernel and the loop (`fused_ms`, `loop_ms`), and each timed row has its MFU (2 x active parameters per
+token over its GPUs' dense bf16 peak) and batch-1 decode's share of the roofline (its GPUs' measured copy
+bandwidth over the active parameters' and the KV's bytes).
 
-Every engine runs in its own subprocess(es) (bench/harness/jobs.py), each job bounded by a timeout and all of
-them by --budget-s (default 585 s: a device call's 10 minutes); the check's jobs run side by side (tiny models
-with a fixed KV budget share the GPUs). A layout whose tiny check hung is skipped by the timed parts. Batch-1
-decode tok/s is the slope between a short and a long generation of one prompt (bench/tp_gpu.py's
-`batch1_decode`); MFU counts 2 x the active parameters per token over the four GPUs' dense bf16 peak.
-`--smoke` runs the same code paths on CPU (gloo, no CUDA graphs, the kernel under Triton's interpreter) at world
-size 2 and tiny shapes, writing moe_x4_smoke.json (check and moe) and pp_x4_smoke.json (pp).
+Every engine runs in its own subprocess(es) (bench/harness/jobs.py), bounded by a timeout each and by --budget-s
+(default 585 s) together; the check's jobs run side by side. A layout whose tiny check hung is skipped by the
+timed parts. Batch-1 decode tok/s: bench/tp_gpu.py's `batch1_decode`. `--smoke`: the same code paths on CPU
+(gloo, no graphs, the kernel under Triton's interpreter), world 2 (or --world), files named *_smoke.json.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \\
         python -m bench.moe_pp_x4 --parts check moe pp --out $OUT
 
-Measured on 4 x H200 (2026-11-27): check 86 s (beside tp_pd_x4's check), moe ~90 s per layout (EP4 loaded in 65 s), pp: TP4 59 s (70B loaded in 35 s); TP2 x PP2 hung before the pipe fix (engine/parallel/worker.py FrameReader).
-`python -m bench.moe_pp_x4 --smoke --out /tmp/x` takes 60-90 s on a 2-core CPU.
-A layout at a time: `cp bench/results/moe_x4_qwen3_30b_a3b.json $OUT/; python -m bench.moe_pp_x4 --parts moe
+On 4 x H200 (2026-11-27): check 86 s, moe ~90 s per layout, pp TP4 59 s. Smoke: 60-110 s on a 2-core CPU. A
+layout at a time: `cp bench/results/moe_x4_qwen3_30b_a3b.json $OUT/; python -m bench.moe_pp_x4 --parts moe
 --layouts tp4 --out $OUT` reruns TP4 and keeps the file's EP4 record (the device's $OUT starts empty).
 """
 
@@ -52,7 +51,7 @@ from bench.harness.runs import first_divergence
 from bench.tp_gpu import GRAPH_SIZES, H200_BF16_DENSE_TFLOPS, engine_job
 
 PARTS = ("check", "moe", "pp")
-FILES = {"check": "moe_x4_check.json", "moe": "moe_x4_qwen3_30b_a3b.json", "pp": "pp_x4_llama70b.json"}
+SHORT_NAMES = {"llama-3.1-70b": "llama70b", "llama-3.1-8b": "llama8b"}  # the pp files' model names
 MODULE = "bench.moe_pp_x4"
 CHECK_PROMPTS = [[1, 5, 9, 33, 7, 100], list(range(3, 60)), [(13 * i + 7) % 500 + 3 for i in range(100)]]
 CHECK_TOKENS = 24
@@ -66,9 +65,12 @@ class Layout:
     tp: int
     pp: int = 1
     ep: bool = False
+    dp: int = 1  # replicas of tp x pp ranks each, one GPU set apiece, the prompts split between them
 
     @property
     def name(self) -> str:
+        if self.dp > 1:
+            return f"dp{self.dp}"
         if self.ep:
             return f"ep{self.tp}"
         if self.pp == 1:
@@ -96,9 +98,12 @@ class Plan:
     """The layouts and sizes of a run: the GPU host's four-way layouts, or the smoke's two-way ones on CPU."""
 
     world: int  # ranks of the MoE layouts and of the pipeline part's TP baseline
-    moe_layouts: tuple[Layout, ...]  # checked against TP1, and timed (EP first, then TP)
+    moe_layouts: tuple[Layout, ...]  # checked against TP1 (beyond one GPU), and timed (EP first, then TP)
+    moe_models: tuple[str, ...]  # timed, a file each
+    moe_reference: str | None  # one GPU: a dense model timed beside the MoE one
     pp_check: tuple[Layout, ...]  # checked against TP1
-    pp_timed: tuple[Layout, Layout]  # (pipeline layout, its TP baseline)
+    pp_timed: tuple[Layout, ...]  # the pipeline layout, then its baselines (none on one GPU)
+    pp_model: str
     kernel_cases: tuple[KernelCase, ...]
     ep_case: KernelCase  # the drop path: `world` ranks' partial sums
     side_by_side: int  # check jobs run at once
@@ -107,7 +112,19 @@ class Plan:
     @staticmethod
     def of(world: int, smoke: bool, side_by_side: int | None = None) -> Plan:
         """`side_by_side`: check jobs at once (default: all of them on the GPU host, 3 on a 2-core CPU)."""
-        pp_check = (Layout(1, 2), Layout(2, 2)) + ((Layout(1, world),) if world > 2 else ())
+        # TP2 x PP2 needs four GPUs (the smoke's gloo ranks share the CPU)
+        pp_check = {1: (), 2: (Layout(1, 2),) + ((Layout(2, 2),) if smoke else ())}.get(
+            world, (Layout(1, 2), Layout(2, 2), Layout(1, world)))
+        pp_timed = {1: (), 2: (Layout(1, 2), Layout(2), Layout(1, dp=2))}.get(world, (Layout(world // 2, 2),
+                                                                                       Layout(world)))
+        moe_layouts = (Layout(1),) if world == 1 else (Layout(world, ep=True), Layout(world))
+        if smoke:
+            models: tuple[str, ...] = ("tiny-qwen3-moe",)
+            reference, pp_model = ("tiny-llama" if world == 1 else None), "tiny-llama"
+        else:
+            models = ("qwen3-30b-a3b", "mixtral-8x7b") if world == 2 else ("qwen3-30b-a3b",)
+            reference, pp_model = ("llama-3.1-8b" if world == 1 else None), \
+                ("llama-3.1-8b" if world == 2 else "llama-3.1-70b")
         if smoke:  # Triton's interpreter is slow: tiny shapes
             cases = tuple(KernelCase(t, 16, 4, 64, 32) for t in (1, 7))
             ep_case = KernelCase(7, 16, 4, 64, 32)
@@ -115,8 +132,8 @@ class Plan:
             small = tuple(KernelCase(t, 128, 8, 256, 128) for t in (1, 7, 64, 512))
             cases = (*small, KernelCase(64, 128, 8, 2048, 768))  # and one Qwen3-30B-A3B layer's shapes
             ep_case = KernelCase(512, 128, 8, 256, 128)  # 128 slots per local expert: the 64-row tiles
-        return Plan(world, (Layout(world, ep=True), Layout(world)), pp_check, (Layout(world // 2, 2), Layout(world)),
-                    cases, ep_case, side_by_side=side_by_side or (3 if smoke else 16), smoke=smoke)
+        return Plan(world, moe_layouts, models, reference, pp_check, pp_timed, pp_model, cases, ep_case,
+                    side_by_side=side_by_side or (3 if smoke else 16), smoke=smoke)
 
 
 # ---- one job per subprocess -----------------------------------------------------------------------------------
@@ -133,7 +150,7 @@ def kernel_check(job: dict[str, Any]) -> dict[str, Any]:
 
     device = torch.device("cuda:0" if job["cuda"] else "cpu")
     with torch.inference_mode():
-        rows = [kernel_case(KernelCase(**case), device) for case in job["cases"]]
+        rows = [kernel_case(KernelCase(**case), device, timed=job["cuda"]) for case in job["cases"]]
         return {"rows": rows, "ep_drop": ep_drop_case(KernelCase(**job["ep_case"]), job["world"], device)}
 
 
@@ -193,9 +210,19 @@ def errors(loop: Any, fused: Any, ref: Any) -> dict[str, Any]:
             "tol": round(tol, 6), "status": "PASS" if fused_err <= tol else "FAIL"}
 
 
-def kernel_case(case: KernelCase, device: Any) -> dict[str, Any]:
-    block = moe_block(case, device)
-    return {**asdict(case), "dtype": "bf16", **errors(*unfused_and_fused(block, kernel_inputs(case, device)))}
+def kernel_case(case: KernelCase, device: Any, timed: bool = False) -> dict[str, Any]:
+    """Errors of the fused kernel and the loop; `timed` (GPUs): each one's mean ms per call as well."""
+    from bench.harness.timing import cuda_event_mean_seconds
+
+    block, x = moe_block(case, device), kernel_inputs(case, device)
+    def ms() -> float:
+        return round(cuda_event_mean_seconds(lambda: block(x), 20, warmup=3) * 1e3, 4)
+    loop_ms = ms() if timed else None  # before unfused_and_fused stacks the experts for the kernel
+    row = {**asdict(case), "dtype": "bf16", **errors(*unfused_and_fused(block, x))}
+    if loop_ms is not None:
+        row.update(loop_ms=loop_ms, fused_ms=ms())
+        row["fused_speedup"] = round(loop_ms / row["fused_ms"], 2)
+    return row
 
 
 def ep_drop_case(case: KernelCase, world: int, device: Any) -> dict[str, Any]:
@@ -253,7 +280,7 @@ class Bench:
         self.dtype = "bf16" if self.cuda else "fp32"
         self.commit = git_commit()
         self.started = time.monotonic()
-        self.smoke_files: dict[str, dict[str, Any]] = {}  # the smoke's file name -> its parts' records so far
+        self.copy_gbps: list[float] | None = None  # each GPU's, measured once for the rooflines
         # layouts whose tiny check job timed out (a hang in NCCL p2p or a collective): the timed parts skip them
         # rather than spend their timeout on the same hang
         self.hung: set[str] = set()
@@ -285,24 +312,24 @@ class Bench:
         return {"part": part, "device": self.device, "commit": self.commit, "smoke": self.smoke,
                 "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:]}
 
-    def kept_records(self, part: str, rerun: set[str]) -> list[dict[str, Any]]:
-        """The part's file's records of layouts not run now (a layout per device call; records are dated by their
+    def file(self, part: str, model: str | None = None) -> str:
+        """A part's results file: moe_x<world>_check.json, moe_x<world>_<model>.json, pp_x<world>_<model>.json."""
+        name = "check" if part == "check" else SHORT_NAMES.get(model or "", (model or "").replace("-", "_"))
+        stem = f"{'pp' if part == 'pp' else 'moe'}_x{self.plan.world}_{name}"
+        return f"{stem}_smoke.json" if self.smoke else f"{stem}.json"
+
+    def kept_records(self, name: str, rerun: set[str]) -> list[dict[str, Any]]:
+        """File `name`'s records of layouts not run now (a layout per device call; records are dated by their
         file's `date` and `argv`, kept in `earlier_runs`)."""
-        path = self.args.out / FILES[part]
+        path = self.args.out / name
         if self.smoke or not self.args.layouts or not path.exists():
             return []
         earlier = json.loads(path.read_text())
         return [{**r, "earlier_run": {k: earlier.get(k) for k in ("date", "argv", "commit")}}
                 for r in earlier.get("records", []) if r.get("layout") not in rerun]
 
-    def write(self, part: str, record: dict[str, Any]) -> None:
-        """A part's file; the smoke's two files hold their parts by name (check and moe, pp)."""
-        if not self.smoke:
-            write_json(self.args.out / FILES[part], record)
-            return
-        name = "pp_x4_smoke.json" if part == "pp" else "moe_x4_smoke.json"
-        self.smoke_files.setdefault(name, {})[part] = record
-        write_json(self.args.out / name, self.smoke_files[name])
+    def write(self, name: str, record: dict[str, Any]) -> None:
+        write_json(self.args.out / name, record)
 
     # -- check
     def check(self) -> None:
@@ -327,7 +354,7 @@ class Bench:
                      if "timed out" in str(res.get("error", ""))}
         statuses = [c["status"] for c in record["ids"]] + [record["fused_moe_kernel"]["status"]]
         record["status"] = "PASS" if all(s == "PASS" for s in statuses) else "FAIL"
-        self.write("check", record)
+        self.write(self.file("check"), record)
         log(f"check: {record['status']} ({statuses.count('PASS')}/{len(statuses)} PASS)")
 
     def check_cases(self, dense_model: str) -> list[tuple[str, Layout, dict[str, Any]]]:
@@ -337,10 +364,11 @@ class Bench:
                 "cudagraph_capture_sizes": [1, 2, 4]} if self.cuda else {}
         ids = {"prompts": CHECK_PROMPTS, "max_tokens": CHECK_TOKENS}
         cases = []
-        for label, model, layouts in (("tiny-qwen3-moe", "tiny-qwen3-moe", self.plan.moe_layouts),
-                                      ("tiny-mixtral", "tiny-mixtral", self.plan.moe_layouts),
+        moe_check = () if self.plan.world == 1 else self.plan.moe_layouts  # one GPU: the kernel job alone
+        for label, model, layouts in (("tiny-qwen3-moe", "tiny-qwen3-moe", moe_check),
+                                      ("tiny-mixtral", "tiny-mixtral", moe_check),
                                       ("tiny-llama-4l", dense_model, self.plan.pp_check)):
-            for layout in (Layout(1), *layouts):
+            for layout in (Layout(1), *layouts) if layouts else ():
                 engine = self.engine(model, layout, enforce_eager=layout == Layout(1), **fp32)
                 cases.append((label, layout, {"kind": "engine", "engine": engine, "ids": ids}))
         return cases
@@ -378,57 +406,109 @@ class Bench:
 
     # -- timed parts
     def moe(self) -> None:
-        timing = Timing("tiny-qwen3-moe" if self.smoke else "qwen3-30b-a3b", 16 if self.smoke else
-                        self.args.num_prompts_moe, 64 if self.smoke else 512, 16 if self.smoke else 128, 16,
-                        80 if self.smoke else 144, self.args.job_timeout)
-        self.timed("moe", timing, self.plan.moe_layouts)
+        reference = self.plan.moe_reference
+        for model in self.plan.moe_models:
+            runs = [(model, layout) for layout in self.plan.moe_layouts] + ([(reference, Layout(1))] if reference
+                                                                              else [])
+            self.timed("moe", self.timing(model, self.args.num_prompts_moe, 144), runs, self.file("moe", model))
 
     def pp(self) -> None:
-        timing = Timing("tiny-llama" if self.smoke else "llama-3.1-70b", 16 if self.smoke else
-                        self.args.num_prompts_pp, 64 if self.smoke else 512, 16 if self.smoke else 128, 8,
-                        40 if self.smoke else 136, self.args.job_timeout)
-        self.timed("pp", timing, self.plan.pp_timed)
+        if not self.plan.pp_timed:
+            log("pp: one GPU has no pipeline layout to time")
+            return
+        model = self.plan.pp_model
+        prompts = self.args.num_prompts_pp or (1000 if self.plan.world == 2 else 200)
+        self.timed("pp", self.timing(model, prompts, 136), [(model, layout) for layout in self.plan.pp_timed],
+                   self.file("pp", model))
 
-    def timed(self, part: str, timing: Timing, layouts: tuple[Layout, ...]) -> None:
-        """Each layout's batch-1 decode and throughput, one engine after the other; the file is rewritten after each
-        (a call cut short keeps the first), the comparison added once both are in."""
+    def timing(self, model: str, num_prompts: int, decode_long: int) -> Timing:
+        if self.smoke:
+            return Timing(model, 16, 64, 16, 8, 40, self.args.job_timeout)
+        return Timing(model, num_prompts, 512, 128, 16, decode_long, self.args.job_timeout)
+
+    def timed(self, part: str, timing: Timing, runs: list[tuple[str, Layout]], name: str) -> None:
+        """Each (model, layout)'s batch-1 decode and throughput, one engine (or replica set) after the other; the
+        file is rewritten after each (a call cut short keeps the first), the comparison added once all are in."""
         from engine.models.loader import resolve_model
 
-        arch = resolve_model(timing.model, "dummy").arch
         workload = (f"{timing.model} {self.dtype} dummy: batch-1 decode ({timing.decode_long - timing.decode_short} "
                     f"tokens after a 32-token prompt), {timing.num_prompts} x {timing.input_len}/{timing.output_len} "
                     "offline throughput")
         if self.args.layouts:  # a rerun of some layouts keeps the file's records of the others
-            layouts = tuple(layout for layout in layouts if layout.name in self.args.layouts)
+            runs = [(model, layout) for model, layout in runs if layout.name in self.args.layouts]
+        arch = resolve_model(timing.model, "dummy").arch
         record: dict[str, Any] = {**self.context(part), "workload": workload, "model": timing.model,
                                   "params": arch.num_params, "active_params": active_params(arch),
-                                  "records": self.kept_records(part, {layout.name for layout in layouts})}
-        decode = {"short": timing.decode_short, "long": timing.decode_long, "prompt_len": 32, "repeats": 2}
-        tput = {"num_prompts": timing.num_prompts, "input_len": timing.input_len, "output_len": timing.output_len}
-        for layout in layouts:
-            log(f"{part}: {timing.model} {layout.name} (timeout {timing.timeout_s:.0f} s)")
+                                  "records": self.kept_records(name, {layout.name for _, layout in runs})}
+        for model, layout in runs:
+            log(f"{part}: {model} {layout.name} (timeout {timing.timeout_s:.0f} s)")
             t0 = time.perf_counter()
             res = {"error": "skipped: its tiny check timed out"} if layout.name in self.hung else \
-                self.jobs([{"kind": "engine", "engine": self.engine(timing.model, layout), "decode": decode,
-                            "tput": tput}], timing.timeout_s)[0]
+                self.run_layout(model, layout, timing)
             log(f"{part}: {layout.name} done in {time.perf_counter() - t0:.0f} s: "
                 f"{ {k: res.get(k) for k in ('load_s', 'decode_tok_s', 'output_tok_s', 'error')} }")
-            row = {"workload": workload, "device": self.device, "layout": layout.name, **layout.engine_args(), **res}
-            if self.cuda and "total_tok_s" in res:
-                row["mfu"] = round(2 * active_params(arch) * res["total_tok_s"] /
-                                   (self.plan.world * H200_BF16_DENSE_TFLOPS * 1e12), 4)
-                row["mfu_peak_assumed_tflops_per_gpu"] = H200_BF16_DENSE_TFLOPS
+            row = {"workload": workload, "device": self.device, "model": model, "layout": layout.name,
+                   **layout.engine_args(), **res,
+                   **self.ceilings(resolve_model(model, "dummy").arch, layout, res, 32 + timing.decode_long // 2)}
             record["records"].append(row)
-            self.write(part, record)
-        record["comparison"] = compare(record["records"])
-        self.write(part, record)
-        log(f"{part}: {record['comparison']}")
+            self.write(name, record)
+        rows = record["records"]
+        if len(rows) >= 2:
+            record["comparison"] = compare(rows[:2])
+            record["comparisons"] = [compare([rows[0], other]) for other in rows[1:]]
+        self.write(name, record)
+        log(f"{part}: {record.get('comparisons')}")
+
+    def run_layout(self, model: str, layout: Layout, timing: Timing) -> dict[str, Any]:
+        """One engine's decode and throughput; replicas (dp) split the prompts and run side by side, one GPU
+        apiece, replica 0 timing the batch-1 decode too."""
+        decode = {"short": timing.decode_short, "long": timing.decode_long, "prompt_len": 32, "repeats": 2}
+        io = {"input_len": timing.input_len, "output_len": timing.output_len}
+        shares = [timing.num_prompts // layout.dp + (i < timing.num_prompts % layout.dp) for i in range(layout.dp)]
+        jobs = [{"kind": "engine", "tput": {"num_prompts": share, **io},
+                 "engine": self.engine(model, layout, **({"device": f"cuda:{i}"} if self.cuda else {}))
+                 if layout.dp > 1 else self.engine(model, layout), **({"decode": decode} if i == 0 else {})}
+                for i, share in enumerate(shares)]
+        results = self.jobs(jobs, timing.timeout_s)
+        if layout.dp == 1:
+            return results[0]
+        merged = {k: v for k, v in results[0].items() if k not in ("output_tok_s", "total_tok_s")}
+        if all("output_tok_s" in r for r in results):
+            merged.update({k: round(sum(r[k] for r in results), 1) for k in ("output_tok_s", "total_tok_s")})
+        return {**merged, "replicas": results}
+
+    def ceilings(self, arch: Any, layout: Layout, res: dict[str, Any], context: int) -> dict[str, Any]:
+        """On GPUs: MFU (2 x active parameters per token over the layout's GPUs' dense bf16 peak) and batch-1
+        decode's share of the roofline (its GPUs' copy bandwidth over the bytes a decode step reads: the active
+        parameters and `context` tokens' KV)."""
+        if not self.cuda:
+            return {}
+        gpus = layout.tp * layout.pp * layout.dp
+        out: dict[str, Any] = {}
+        if "total_tok_s" in res:
+            out["mfu"] = round(2 * active_params(arch) * res["total_tok_s"] /
+                               (gpus * H200_BF16_DENSE_TFLOPS * 1e12), 4)
+            out["mfu_peak_assumed_tflops_per_gpu"] = H200_BF16_DENSE_TFLOPS
+        if "decode_tok_s" in res and layout.pp == 1:  # stages run one after another: no shared roofline
+            if self.copy_gbps is None:
+                from bench.tp_gpu import copy_bandwidth_gbps
+
+                self.copy_gbps = copy_bandwidth_gbps(self.plan.world)
+            step_bytes = 2 * active_params(arch) + arch.kv_bytes_per_token(2) * context
+            roofline = sum(self.copy_gbps[: layout.tp]) * 1e9 / step_bytes
+            out.update(roofline_tok_s=round(roofline, 1), copy_gbps_per_gpu=self.copy_gbps,
+                       decode_share_of_roofline=round(res["decode_tok_s"] / roofline, 3))
+        return out
 
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first layout's numbers over the second's (EP over TP, PP over TP)."""
+    """The first layout's numbers over the second's (EP over TP, PP over TP; MoE over the dense reference)."""
     first, second = rows
-    out: dict[str, Any] = {"of": f"{first['layout']} / {second['layout']}"}
+    if first.get("model") == second.get("model"):
+        of = f"{first['layout']} / {second['layout']}"
+    else:
+        of = f"{first['model']} {first['layout']} / {second['model']} {second['layout']}"
+    out: dict[str, Any] = {"of": of}
     for key in ("decode_tok_s", "output_tok_s"):
         a, b = first.get(key), second.get(key)
         out[key] = round(a / b, 3) if a and b else None
@@ -465,9 +545,11 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, world size 2: the same code paths")
-    parser.add_argument("--world", type=int, default=None, help="ranks of the EP / TP layouts (default 4; smoke 2)")
+    parser.add_argument("--world", type=int, default=None, choices=(1, 2, 4),
+                        help="GPUs: the EP / TP layouts' ranks (default 4; smoke 2)")
     parser.add_argument("--num-prompts-moe", type=int, default=512, help="moe throughput prompts (512 in / 128 out)")
-    parser.add_argument("--num-prompts-pp", type=int, default=200, help="pp throughput prompts (512 in / 128 out)")
+    parser.add_argument("--num-prompts-pp", type=int, default=None,
+                        help="pp throughput prompts (512 in / 128 out; default 1000 on two GPUs, 200 on four)")
     parser.add_argument("--check-timeout", type=float, default=240.0, help="seconds per wave of check jobs")
     parser.add_argument("--side-by-side", type=int, default=None,
                         help="check jobs run at once (default: all on GPUs, 3 on CPU; 1: one after the other)")

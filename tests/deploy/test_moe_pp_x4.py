@@ -12,15 +12,26 @@ from bench.moe_pp_x4 import MODULE, Bench, KernelCase, Layout, Plan, active_para
 from engine.models.loader import resolve_model
 
 
-def test_the_gpu_plan_runs_four_way_layouts_and_the_smoke_two_way() -> None:
+def test_each_world_size_runs_its_layouts_and_models() -> None:
     gpu = Plan.of(4, smoke=False)
     assert [layout.name for layout in gpu.moe_layouts] == ["ep4", "tp4"]
     assert [layout.name for layout in gpu.pp_check] == ["pp2", "tp2_pp2", "pp4"]
     assert [layout.name for layout in gpu.pp_timed] == ["tp2_pp2", "tp4"]
     assert {c.tokens for c in gpu.kernel_cases} == {1, 7, 64, 512} and gpu.ep_case.experts == 128
+    assert gpu.moe_models == ("qwen3-30b-a3b",) and gpu.pp_model == "llama-3.1-70b" and gpu.moe_reference is None
+    two = Plan.of(2, smoke=False)  # the MoE issue's two-GPU runs: EP2 vs TP2 on two models, PP2 vs TP2 vs replicas
+    assert [layout.name for layout in two.moe_layouts] == ["ep2", "tp2"]
+    assert two.moe_models == ("qwen3-30b-a3b", "mixtral-8x7b") and two.pp_model == "llama-3.1-8b"
+    assert [layout.name for layout in two.pp_check] == ["pp2"]  # TP2 x PP2 needs four GPUs
+    assert [layout.name for layout in two.pp_timed] == ["pp2", "tp2", "dp2"]
+    one = Plan.of(1, smoke=False)  # one GPU: Qwen3-30B-A3B beside the dense Llama-3.1-8B, no pipeline
+    assert [layout.name for layout in one.moe_layouts] == ["tp1"] and one.moe_reference == "llama-3.1-8b"
+    assert one.pp_timed == () and one.pp_check == ()
     smoke = Plan.of(2, smoke=True)
     assert [layout.name for layout in smoke.moe_layouts] == ["ep2", "tp2"]
-    assert [layout.name for layout in smoke.pp_timed] == ["pp2", "tp2"]
+    assert [layout.name for layout in smoke.pp_check] == ["pp2", "tp2_pp2"]
+    assert [layout.name for layout in smoke.pp_timed] == ["pp2", "tp2", "dp2"]
+    assert Layout(1, dp=2).engine_args()["tensor_parallel_size"] == 1  # each replica one GPU
     assert Layout(2, 2).engine_args() == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
                                           "enable_expert_parallel": False}
 
@@ -62,8 +73,10 @@ def test_a_rerun_of_one_layout_keeps_the_files_records_of_the_others(tmp_path) -
     (tmp_path / "moe_x4_qwen3_30b_a3b.json").write_text(json.dumps(
         {"date": "then", "argv": ["--parts", "moe"], "records": [{"layout": "ep4", "decode_tok_s": 104.0},
                                                                   {"layout": "tp4", "error": "skipped"}]}))
-    bench = SimpleNamespace(smoke=False, args=SimpleNamespace(out=tmp_path, layouts=["tp4"]))
-    kept = Bench.kept_records(bench, "moe", {"tp4"})  # type: ignore[arg-type]
+    bench = SimpleNamespace(smoke=False, args=SimpleNamespace(out=tmp_path, layouts=["tp4"]), plan=Plan.of(4, False))
+    name = Bench.file(bench, "moe", "qwen3-30b-a3b")  # type: ignore[arg-type]
+    assert name == "moe_x4_qwen3_30b_a3b.json" and Bench.file(bench, "pp", "llama-3.1-70b") == "pp_x4_llama70b.json"  # type: ignore[arg-type]
+    kept = Bench.kept_records(bench, name, {"tp4"})  # type: ignore[arg-type]
     assert [(r["layout"], r["decode_tok_s"], r["earlier_run"]["date"]) for r in kept] == [("ep4", 104.0, "then")]
     bench.args.layouts = None  # a full run starts its file afresh
-    assert Bench.kept_records(bench, "moe", {"ep4", "tp4"}) == []  # type: ignore[arg-type]
+    assert Bench.kept_records(bench, name, {"ep4", "tp4"}) == []  # type: ignore[arg-type]
