@@ -1,29 +1,22 @@
 """Tensor parallelism on two GPUs, checked and timed in one scenario (issue 12's benchmarks).
 
 Parts (`--parts`, run in this order; each writes <out>/tp_<part>.json as soon as it finishes):
-  check       token-exact: greedy ids of a tiny fp32 model at TP=2 equal TP=1's, with CUDA graphs (the engine's
-              all-reduce captured: TP2's default peer one-shot, and NCCL with --disable-custom-all-reduce) and eager
-  allreduce   all-reduce µs per call at 8 KB-4 MB, eager (host timed, one call at a time) and inside a CUDA graph
-              (100 calls captured, replayed): NCCL, and the peer-memory one-shot (engine/parallel/peer_all_reduce.py)
-              at 32 / 64 / 128 programs; every size checked on random inputs, and a graph of mixed sizes replayed
-              50 times on fresh inputs. torch symmetric memory's one-shot (symm_mem_one_shot) was retired: it runs
-              at `git checkout be1a1ae`
-  decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs; the default peer one-shot, and
-              NCCL), and TP2 eager
-  tput8b      N x 512/128 (default 1000) offline throughput: TP2 vs two TP1 replicas (data parallel, one per GPU,
-              run side by side; aggregate = the sum of the replicas' output tok/s)
-  profile8b   where TP2's offline throughput goes: TP2 on N x 512/128 (default 300) against one TP1 GPU on half of
-              them (the share one replica of two gets), rank 0 under torch.profiler (CUDA kernels only, so the host
-              is not slowed); each step's host seconds and make-up, and per engine the kernels' busy time, the idle
-              time between them, the top kernels and their classes (GEMM, attention, all-reduce, ...). The rank-0
-              chrome traces are written beside the record (tp_profile8b_<engine>.trace.json.gz)
-  llama70b    Llama-3.1-70B shapes, bf16, TP2: batch-1 decode tok/s against the aggregate memory roofline (both
-              GPUs' measured copy bandwidth over the bytes a decode step reads), and a short N x 512/128
-              throughput with MFU (2 x params FLOPs per token over both GPUs' dense bf16 peak)
+  check       token-exact: greedy and seeded-sampled ids of a tiny fp32 model at TP=2 equal TP=1 eager's, with CUDA
+              graphs (the default peer one-shot, and NCCL by --disable-custom-all-reduce), eager, and TP1 in graphs
+  allreduce   all-reduce µs per call at 8 KB-4 MB, eager and inside a CUDA graph (100 calls replayed): NCCL and the
+              peer one-shot (engine/parallel/peer_all_reduce.py) at 32 / 64 / 128 programs; every size checked on
+              random inputs, and a graph of mixed sizes replayed 50 times on fresh inputs
+  decode8b    Llama-3.1-8B shapes, bf16, batch-1 decode tok/s: TP1 vs TP2 (graphs; one-shot and NCCL), TP2 eager
+  tput8b      N x 512/128 (default 1000) offline throughput: TP2 vs two TP1 replicas side by side (their sum)
+  profile8b   where TP2's throughput goes: TP2 on N x 512/128 (default 300) vs one TP1 GPU on half of them, rank 0
+              under torch.profiler (CUDA kernels only): per step the host seconds and make-up; per engine kernel
+              busy and idle time, top kernels and classes; chrome traces beside the record
+  llama70b    Llama-3.1-70B shapes, bf16, TP2: batch-1 decode against the memory roofline (both GPUs' copy
+              bandwidth over a step's bytes), and N x 512/128 throughput with MFU
 
-`--ranks 4` (or 8) runs check and allreduce at that TP size instead, into tp_check_tp4.json / tp_allreduce_tp4.json:
-at TP4 the one-shot is the default, as at TP2 (graphs, eager, and graphs_nccl asking for NCCL); at TP8 it is opt-in,
-so the check asks for it by name (graphs_peer, eager_peer) beside the default NCCL (graphs).
+`--ranks 4` (or 8) runs check and allreduce at that TP size, into tp_check_tp4.json / tp_allreduce_tp4.json: at TP4
+the one-shot is the default (graphs, eager; graphs_nccl asks for NCCL); at TP8 the check asks for it by name
+(graphs_peer, eager_peer) beside the default NCCL (graphs).
 
 Every engine runs in its own subprocess (bench/harness/jobs.py), so each configuration starts on clean GPUs.
 Batch-1 decode tok/s is the slope between a short and a long generation of the same prompt (prefill and start-up
