@@ -384,13 +384,13 @@ class Bench:
             record[f"tp{tp}_{mode}_sampled"] = "PASS" if base_sampled is not None and \
                 res.get("sampled_ids") == base_sampled else "FAIL"
             record[f"tp{tp}_{mode}_decode_ahead"] = res.get("decode_ahead")
+            record[f"tp{tp}_{mode}_cuda_graphs"] = res.get("cuda_graphs")
+            record[f"tp{tp}_{mode}_all_reduce"] = res.get("all_reduce")
         if self.cuda:
             tp1 = results[-1]
             record["tp1_graphs_vs_eager"] = "PASS" if tp1.get("ids") == base else f"FAIL {tp1.get('error', '')}"
             record["tp1_graphs_vs_eager_sampled"] = "PASS" if tp1.get("sampled_ids") == base_sampled else "FAIL"
             record["tp1_graphs_decode_ahead"] = tp1.get("decode_ahead")
-            record[f"tp{tp}_{mode}_cuda_graphs"] = res.get("cuda_graphs")
-            record[f"tp{tp}_{mode}_all_reduce"] = res.get("all_reduce")
         self.write("check" if tp == 2 else f"check_tp{tp}", record)
 
     def allreduce(self) -> None:

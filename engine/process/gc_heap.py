@@ -4,8 +4,9 @@ A worker holds a few hundred thousand long-lived objects once its engine is buil
 parameters, the tokenizer, the compiled kernels' launchers, gRPC): 318k for a SmolLM2 CPU engine. Each full
 (oldest generation) collection walks all of them, and it runs on whichever thread allocates at the time, the
 engine's included: 199-251 ms per collection on this project's 2-core CI box
-(bench/results/gc_pause_cpu_smollm2.json), a pause every running request sees in its inter-token gap. `gc.freeze()` after start-up moves them to the permanent
-generation, which collections skip; vLLM's engine core does the same after its start-up.
+(bench/results/gc_pause_cpu_smollm2.json), a pause every running request sees in its inter-token gap.
+`gc.freeze()` after start-up moves them to the permanent generation, which collections skip; vLLM's engine core
+does the same after its start-up.
 
 Only for processes that are the engine's alone (a worker's server, a tensor-parallel rank): freezing a caller's
 heap (the `LLM` class in someone's script, a test process building many engines) would keep its later cyclic

@@ -75,7 +75,8 @@ def test_a_rerun_of_one_layout_keeps_the_files_records_of_the_others(tmp_path) -
                                                                   {"layout": "tp4", "error": "skipped"}]}))
     bench = SimpleNamespace(smoke=False, args=SimpleNamespace(out=tmp_path, layouts=["tp4"]), plan=Plan.of(4, False))
     name = Bench.file(bench, "moe", "qwen3-30b-a3b")  # type: ignore[arg-type]
-    assert name == "moe_x4_qwen3_30b_a3b.json" and Bench.file(bench, "pp", "llama-3.1-70b") == "pp_x4_llama70b.json"  # type: ignore[arg-type]
+    assert name == "moe_x4_qwen3_30b_a3b.json"
+    assert Bench.file(bench, "pp", "llama-3.1-70b") == "pp_x4_llama70b.json"  # type: ignore[arg-type]
     kept = Bench.kept_records(bench, name, {"tp4"})  # type: ignore[arg-type]
     assert [(r["layout"], r["decode_tok_s"], r["earlier_run"]["date"]) for r in kept] == [("ep4", 104.0, "then")]
     bench.args.layouts = None  # a full run starts its file afresh
