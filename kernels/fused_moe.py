@@ -10,7 +10,8 @@ Routing (top-k over the router logits) happens before, in torch: it is [T, E] an
 2. `_moe_gemm` over w13 [E, 2I, H]: tile m of sorted slots times expert e's weight; slot s reads token s // k.
    SwiGLU on the [T*k, 2I] result (kernels/silu_and_mul.py).
 3. `_moe_gemm` over w2 [E, H, I] with TOP_K = 1 (one activation row per slot), each row scaled by its routing
-   weight; the k rows of a token are summed in torch ([T, k, H] -> [T, H]).
+   weight; `_combine_kernel` sums each token's k rows in fp32 ([T, k, H] -> [T, H]), skipping dropped slots,
+   whose rows no GEMM wrote. Decode-sized batches take kernels/moe_gemv.py instead (the engine picks).
 
 Invariants: accumulation is fp32; outputs are rounded to x's dtype once per GEMM (as the unfused path rounds
 each linear). Weights are contiguous per expert: w13 rows are gate_proj's I rows then up_proj's. The torch
@@ -55,11 +56,10 @@ def moe_tiles(num_slots: int, num_experts: int) -> MoeTiles:
 
 
 MOE_ALIGN_TRITON_MAX_SLOTS = 4096
-"""Above this many T*k slots `moe_align` takes the torch path: the Triton kernel is one program walking the slots in
-sequential chunks (twice), so its time grows with T*k on one SM while the torch path's ~20 launches cost the same at
-any size. 4096 = the largest batch a CUDA graph captures (engine/runner/cuda_graphs.py MAX_CAPTURE_SIZE, 512) x
-top-8, so every captured decode step of Qwen3-MoE-like models takes one launch; prefill chunks (thousands of
-tokens) go to torch, whose many small kernels are then a small share of the step. Not yet tuned on a GPU."""
+"""Above this many T*k slots `moe_align` takes the torch path (~20 launches, a small share of a prefill chunk's
+step). Up to it the Triton alignment's three launches serve every batch a CUDA graph captures (MAX_CAPTURE_SIZE
+512 x top-8). It was one program walking the slots serially: ~50 us per layer at decode batches of 1-2k slots on
+an H200 (a tenth of the GPU's busy time in a Qwen3-30B-A3B throughput profile, 2026-11-28)."""
 
 MOE_ALIGN_TRITON_MAX_EXPERTS = 1024  # the kernel's [chunk, E_POW2] one-hot tiles: past this, registers spill
 
@@ -67,7 +67,7 @@ MOE_ALIGN_TRITON_MAX_EXPERTS = 1024  # the kernel's [chunk, E_POW2] one-hot tile
 def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted slots [P], the expert of each BLOCK_M tile [P / block_m] (-1: unused), the used
-    length [1]), all int32. P = roundup(T*k + E*(block_m-1), block_m), a host-known bound.
+    length [1]), all int32. P = min(roundup(T*k + E*(block_m-1), block_m), T*k*block_m), a host-known bound.
 
     Invariants (both implementations, bit for bit): slots are grouped by expert in ascending expert order, each
     expert's slots in ascending slot order (stable), each expert's run padded to a multiple of block_m with the
@@ -75,8 +75,8 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, num_experts: int
     another expert-parallel rank holds) drops its slot: no tile holds it, so no row is computed. No host sync and
     no data-dependent shape, so a decode step can be graph-captured.
 
-    Dispatch: one Triton launch (`moe_align_triton`) for decode-sized inputs on CUDA (or on CPU under
-    TRITON_INTERPRET=1, as the other kernels' tests run), else the torch reference `moe_align_ref`."""
+    Dispatch: the Triton alignment (`moe_align_triton`, three launches) for decode-sized inputs on CUDA (or on CPU
+    under TRITON_INTERPRET=1, as the other kernels' tests run), else the torch reference `moe_align_ref`."""
     num_slots = topk_ids.numel()
     if (_triton_runs_on(topk_ids.device) and 0 < num_slots <= MOE_ALIGN_TRITON_MAX_SLOTS
             and num_experts <= MOE_ALIGN_TRITON_MAX_EXPERTS):
@@ -89,7 +89,10 @@ def _triton_runs_on(device: torch.device) -> bool:
 
 
 def _align_capacity(num_slots: int, block_m: int, num_experts: int) -> int:
-    return -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+    """Sorted slots to allocate: every expert's run is padded by at most block_m - 1, and each non-empty run holds
+    at least one slot, so also at most num_slots tiles (the bound that matters at decode: top-8 of 128 experts at
+    one token needs 8 tiles, not 121, and the GEMMs' grids shrink with it)."""
+    return min(-(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m, num_slots * block_m)
 
 
 def moe_align_ref(topk_ids: torch.Tensor, block_m: int, num_experts: int
@@ -123,9 +126,14 @@ def _align_chunk(experts_pow2: int) -> int:
     return max(16, min(256, 8192 // experts_pow2))
 
 
+ALIGN_SPAN = 256  # slots per program of the counting and scattering launches
+
+
 def moe_align_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_align` in one Triton launch of one program (decode-sized inputs; see MOE_ALIGN_TRITON_MAX_SLOTS)."""
+    """`moe_align` in three Triton launches (decode-sized inputs; see MOE_ALIGN_TRITON_MAX_SLOTS): per span of
+    ALIGN_SPAN slots, count each expert's slots (and fill the sentinel); one program turns the counts into every
+    span's start inside each expert's padded run and tags the tiles; per span, scatter the slots in order."""
     require_triton("moe_align")
     device = topk_ids.device
     flat = topk_ids.reshape(-1)  # contiguous: a view, or a copy when topk_ids is strided
@@ -135,10 +143,20 @@ def moe_align_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int
     expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     used = torch.empty(1, dtype=torch.int32, device=device)
     experts_pow2 = next_pow2(max(num_experts, 2))
-    chunk = _align_chunk(experts_pow2)
-    _moe_align_kernel[(1,)](
-        flat, sorted_ids, expert_ids, used, num_slots, num_experts, capacity,
-        BLOCK_M=block_m, E_POW2=experts_pow2, CHUNK=chunk, FILL=1024, num_warps=8 if experts_pow2 >= 128 else 4)
+    spans = triton.cdiv(num_slots, ALIGN_SPAN)
+    span_counts = torch.empty((spans, experts_pow2), dtype=torch.int32, device=device)  # then each span's starts
+    chunk = min(_align_chunk(experts_pow2), ALIGN_SPAN)
+    warps = 8 if experts_pow2 >= 128 else 4
+    fill_span = triton.cdiv(capacity, spans)
+    _align_count_kernel[(spans,)](
+        flat, span_counts, sorted_ids, num_slots, num_experts, capacity, fill_span,
+        SPAN=ALIGN_SPAN, E_POW2=experts_pow2, CHUNK=chunk, FILL=512, num_warps=warps)
+    _align_plan_kernel[(1,)](
+        span_counts, expert_ids, used, spans, num_experts, capacity, BLOCK_M=block_m, E_POW2=experts_pow2,
+        S_POW2=next_pow2(spans), CHUNK=_align_chunk(experts_pow2), num_warps=warps)
+    _align_scatter_kernel[(spans,)](
+        flat, span_counts, sorted_ids, num_slots, num_experts,
+        SPAN=ALIGN_SPAN, E_POW2=experts_pow2, CHUNK=chunk, num_warps=warps)
     return sorted_ids, expert_ids, used
 
 
@@ -155,39 +173,62 @@ if HAS_TRITON:
         return (ids[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32), keep
 
     @triton.jit
-    def _moe_align_kernel(Ids, SortedIds, ExpertIds, Used, num_slots, num_experts, capacity,
-                          BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
-        """One program: count per expert, pad, exclusive-scan the padded counts, fill sorted_ids with the
-        sentinel, then scatter each slot to its expert's start + its stable rank (a running per-expert cursor
-        across chunks plus an exclusive scan of the one-hot inside a chunk), and tag each tile with its expert."""
+    def _align_count_kernel(Ids, SpanCounts, SortedIds, num_slots, num_experts, capacity, fill_span,
+                            SPAN: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+        """Program s: its span's slots per expert -> SpanCounts[s]; and its share of SortedIds set to the sentinel
+        (the scatter, two launches later, overwrites the used slots)."""
+        span = tl.program_id(0)
         counts = tl.zeros((E_POW2,), dtype=tl.int32)
-        for s0 in range(0, num_slots, CHUNK):
+        for s0 in range(span * SPAN, span * SPAN + SPAN, CHUNK):
             onehot, _ = _onehot(Ids, s0 + tl.arange(0, CHUNK), num_slots, num_experts, E_POW2)
             counts += tl.sum(onehot, axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # columns past num_experts count 0, pad to 0
+        tl.store(SpanCounts + span * E_POW2 + tl.arange(0, E_POW2), counts)
+        fill_end = tl.minimum(span * fill_span + fill_span, capacity)
+        for p0 in range(span * fill_span, span * fill_span + fill_span, FILL):
+            offs = p0 + tl.arange(0, FILL)
+            tl.store(SortedIds + offs, tl.full((FILL,), 0, tl.int32) + num_slots, mask=offs < fill_end)
+
+    @triton.jit
+    def _align_plan_kernel(SpanCounts, ExpertIds, Used, num_spans, num_experts, capacity,
+                           BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, S_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """One program: each expert's total, padded to BLOCK_M and laid out in ascending expert order; SpanCounts
+        [s, e] becomes where span s's first slot of expert e goes (the expert's padded start plus the earlier
+        spans' slots of it); each tile tagged with its expert (-1 past the used length)."""
+        rows = tl.arange(0, S_POW2)
+        cols = tl.arange(0, E_POW2)
+        mask = (rows < num_spans)[:, None]
+        where = SpanCounts + rows[:, None] * E_POW2 + cols[None, :]
+        counts = tl.load(where, mask=mask, other=0)
+        totals = tl.sum(counts, axis=0)
+        padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # columns past num_experts count 0, pad to 0
         padded_end = tl.cumsum(padded, axis=0)
         total = tl.sum(padded, axis=0)
         tl.store(Used, total)
-        for p0 in range(0, capacity, FILL):
-            offs = p0 + tl.arange(0, FILL)
-            tl.store(SortedIds + offs, tl.full((FILL,), 0, tl.int32) + num_slots, mask=offs < capacity)
-        # The scatter below overwrites some sentinels: other threads of this program must see the fill first.
-        tl.debug_barrier()
-        cursor = padded_end - padded  # where each expert's next slot goes
-        for s0 in range(0, num_slots, CHUNK):
+        earlier = tl.cumsum(counts, axis=0) - counts  # this expert's slots in the spans before
+        tl.store(where, (padded_end - padded)[None, :] + earlier, mask=mask)
+        # Tile t belongs to the number of experts whose padded run ends at or before it; past `total` that is
+        # E_POW2 >= num_experts (padded_end of the empty columns is `total`): -1.
+        num_tiles = capacity // BLOCK_M
+        for t0 in range(0, num_tiles, CHUNK):
+            tiles = t0 + tl.arange(0, CHUNK)
+            expert = tl.sum((padded_end[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
+            expert = tl.where(expert < num_experts, expert, -1)
+            tl.store(ExpertIds + tiles, expert, mask=tiles < num_tiles)
+
+    @triton.jit
+    def _align_scatter_kernel(Ids, SpanStarts, SortedIds, num_slots, num_experts,
+                              SPAN: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """Program s: each of its span's slots to its expert's next place, in slot order (a running per-expert
+        cursor across chunks plus an exclusive scan of the one-hot inside a chunk): the stable order."""
+        span = tl.program_id(0)
+        cursor = tl.load(SpanStarts + span * E_POW2 + tl.arange(0, E_POW2))
+        for s0 in range(span * SPAN, span * SPAN + SPAN, CHUNK):
             offs = s0 + tl.arange(0, CHUNK)
             onehot, keep = _onehot(Ids, offs, num_slots, num_experts, E_POW2)
             before = tl.cumsum(onehot, axis=0) - onehot  # same-expert slots earlier in this chunk
             dest = tl.sum(onehot * (cursor[None, :] + before), axis=1)
             tl.store(SortedIds + dest, offs, mask=keep)
             cursor += tl.sum(onehot, axis=0)
-        # Tile t belongs to the number of experts whose padded run ends at or before it; past `total` that is
-        # E_POW2 >= num_experts (padded_end of the empty columns is `total`): -1.
-        for t0 in range(0, capacity // BLOCK_M, CHUNK):
-            tiles = t0 + tl.arange(0, CHUNK)
-            expert = tl.sum((padded_end[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
-            expert = tl.where(expert < num_experts, expert, -1)
-            tl.store(ExpertIds + tiles, expert, mask=tiles < capacity // BLOCK_M)
 
     @triton.jit
     def _moe_gemm(A, B, C, Weights, SortedIds, ExpertIds, NumUsed, N, K, num_slots, capacity,
@@ -230,6 +271,21 @@ if HAS_TRITON:
             acc = acc * weight[:, None]
         tl.store(C + slots[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
                  mask=valid[:, None] & mask_n[None, :])
+
+
+    @triton.jit
+    def _combine_kernel(Rows, Ids, Out, hidden, num_experts, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        """Out[t] = the fp32 sum of rows t*k .. t*k + k - 1 whose id is in [0, num_experts), in x's dtype."""
+        token = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(Ids + slot)
+            mine = (expert >= 0) & (expert < num_experts)
+            total += tl.load(Rows + slot * hidden + offs, mask=offs < tl.where(mine, hidden, 0),
+                             other=0.0).to(tl.float32)
+        tl.store(Out + token * hidden + offs, total.to(Out.dtype.element_ty), mask=offs < hidden)
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
@@ -276,9 +332,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     gate_up = torch.empty((num_slots, w13.shape[1]), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, aligned, top_k, tiles)
     act = silu_and_mul(gate_up)
-    out = torch.zeros((num_slots, hidden), dtype=x.dtype, device=x.device)  # dropped slots' rows stay zero
-    _grouped_gemm(act, w2, out, topk_weights.reshape(-1).contiguous(), aligned, 1, tiles)
-    return out.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    rows = torch.empty((num_slots, hidden), dtype=x.dtype, device=x.device)  # dropped slots' rows: never read
+    _grouped_gemm(act, w2, rows, topk_weights.reshape(-1).contiguous(), aligned, 1, tiles)
+    out = torch.empty_like(x)
+    block = min(1024, next_pow2(hidden))
+    _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+        rows, topk_ids.reshape(-1), out, hidden, w13.shape[0], TOP_K=top_k, BLOCK=block,
+        num_warps=4 if block >= 512 else 1)
+    return out
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

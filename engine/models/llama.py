@@ -133,8 +133,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, fused, shard) if mlp is None else mlp
         self.group = group  # tensor parallelism: one all-reduce after o_proj, one after down_proj
         self.small_gemm_mode = SmallGemmMode.from_env()
-        # the small-batch kernels fold the dense MLP's gate|up and down projections; another block runs its own
-        self.small_gemm = fused and self.small_gemm_mode.enabled and isinstance(self.mlp, MLP)
+        # the small-batch kernels fold the dense MLP's gate|up and down projections; another block (MoE) runs
+        # its own kernels after the attention's GEMVs
+        self.small_gemm = fused and self.small_gemm_mode.enabled
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding, kv_cache: KVCache, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +163,9 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_norm(x, residual)
             qkv = mode.linear(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias)[0]
         h = self._reduce(mode.linear(attn.attend(positions, qkv, rotary, kv_cache, meta), attn.o_proj.weight)[0])
+        if not isinstance(mlp, MLP):
+            h, residual = self.post_attention_layernorm.add_norm(h, residual)
+            return self._reduce(mlp(h)), residual
         if h.shape[-1] <= mode.norm_max_hidden:
             gate_up, residual = _norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, mode)
         else:

@@ -7,7 +7,9 @@ Invariants:
   to one when `MoEArch.renormalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral always, which is the same as a softmax
   over the top-k logits), the weights then cast to the activations' dtype. fp32 routes as HF routes.
 - On the fused (CUDA) path, once `prepare_fused_weights` stacked the experts' weights, the routed experts run as
-  kernels/fused_moe.py's two grouped GEMMs: no host read, so decode steps are graph-captured at sparse cost.
+  Triton kernels: a few tokens (decode) as kernels/moe_gemv.py's per-slot GEMVs, more as kernels/fused_moe.py's
+  two grouped GEMMs; no host read, so decode steps are graph-captured at sparse cost. Half-precision routing there
+  is one kernel (kernels/moe_route.py), same arithmetic; a single row's router logits come from the one-row GEMV.
 - Otherwise the experts run as the torch reference: a loop over the experts that got tokens (idle experts cost
   nothing), in ascending expert id, each adding its weighted rows into the output as HF's loop does. While a CUDA
   graph is captured the active experts cannot be read on the host, so every expert runs on every token, weighted
@@ -34,21 +36,25 @@ from torch import nn
 
 from engine.models.arch import ModelArch, MoEArch
 from engine.models.layers import Collectives
-from engine.models.llama import CausalLM, DecoderLayer
+from engine.models.llama import CausalLM, DecoderLayer, uses_small_gemm
 from engine.models.weight_map import TPSplit, column_parallel, row_parallel
 from engine.parallel.layout import RankShard
 from engine.runner.attention import AttentionBackend
 from kernels.fused_moe import fused_moe
+from kernels.moe_gemv import gemv_suits, moe_gemv
+from kernels.moe_route import MAX_EXPERTS as MAX_ROUTED_EXPERTS
+from kernels.moe_route import moe_route, moe_route_ref
+from kernels.small_gemm import small_gemm
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, fused: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, k] in `dtype`, expert ids [T, k]), as transformers computes them."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), ids
+    """Router logits [T, E] -> (weights [T, k] in `dtype`, expert ids [T, k]), as transformers computes them.
+    `fused` (the Triton path) with half-precision activations: one kernel (kernels/moe_route.py) instead of the
+    five to seven of the torch ops; fp32 keeps the torch ops, bit-equal to HF's."""
+    if fused and dtype in (torch.bfloat16, torch.float16) and logits.shape[-1] <= MAX_ROUTED_EXPERTS:
+        return moe_route(logits.contiguous(), top_k, renormalize, dtype)
+    return moe_route_ref(logits, top_k, renormalize, dtype)
 
 
 class Expert(nn.Module):
@@ -99,8 +105,9 @@ class SparseMoeBlock(nn.Module):
             expert.down_proj.weight = nn.Parameter(self.w2[i], requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.renormalize, x.dtype)
-        if self.w13 is not None:
+        fused = self.w13 is not None
+        weights, ids = route(self._router_logits(x, fused), self.moe.top_k, self.moe.renormalize, x.dtype, fused)
+        if fused:
             routed = self._fused_experts(x, weights, ids)
         elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             routed = self._all_experts(x, weights, ids)
@@ -111,14 +118,25 @@ class SparseMoeBlock(nn.Module):
         # HF's order: the routed sum plus the gated shared expert (this rank's rows of it: a partial sum too)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
+    def _router_logits(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The replicated router; a single half-precision row on the fused path streams its weight through the
+        one-row GEMV (kernels/small_gemm.py), as the dense layers' batch-1 linears do, instead of cuBLAS."""
+        if fused and uses_small_gemm(x):
+            return small_gemm(x, self.gate.weight, impl="gemv")[0]
+        return self.gate(x)
+
     def _fused_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The fused kernel over this rank's experts: global ids become local ones, and another rank's experts
-        fall outside [0, E_local), which the kernel skips."""
+        """This rank's experts through the Triton kernels: a few tokens as per-slot GEMVs (kernels/moe_gemv.py),
+        more through the sorted grouped GEMMs (kernels/fused_moe.py). Another rank's experts fall outside
+        [start, start + E_local), which both skip."""
         assert self.w13 is not None and self.w2 is not None  # the caller checked (forward)
         if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # counted on the eager path only
             flat = ids.flatten()
             self.load.scatter_add_(0, flat, torch.ones_like(flat))
-        return fused_moe(x.contiguous(), self.w13, self.w2, weights, ids - self.expert_ids.start)
+        start = self.expert_ids.start
+        if gemv_suits(ids.numel(), self.moe.num_experts):
+            return moe_gemv(x.contiguous(), self.w13, self.w2, weights, ids, start)
+        return fused_moe(x.contiguous(), self.w13, self.w2, weights, ids - start if start else ids)
 
     def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The reference loop over this rank's experts that got tokens."""

@@ -177,15 +177,17 @@ def test_small_batch_gemm_layers_match_the_unfused_layers() -> None:
     """bf16, single-token steps: the layers through kernels/small_gemm.py (norm + qkv with bias for qwen2,
     o, norm + gate|up, SwiGLU + down; float32 logits with the argmax fused) against the same fused model with
     them switched off (norm/SwiGLU kernels + torch linears). The interpreter rounds bf16 its own way, so the
-    comparison is within bf16 tolerance; the fused argmax must be the argmax of the logits it returned."""
-    for preset in ("tiny-llama", "tiny-qwen2"):
+    comparison is within bf16 tolerance; the fused argmax must be the argmax of the logits it returned. The MoE
+    model's layers take the attention GEMVs, then its own block (router GEMV, routing kernel, expert GEMVs)."""
+    for preset in ("tiny-llama", "tiny-qwen2", "tiny-qwen3-moe"):
         config = EngineArgs(model=preset, load_format="dummy").create_engine_config()
         arch, hf = config.model.arch, config.model.hf_config
         models = {}
         for variant in VARIANTS:
-            model = CausalLM(arch, hf, TritonPagedAttention(4), 64, fused_ops=True)
+            model = model_class(arch.architecture)(arch, hf, TritonPagedAttention(4), 64, fused_ops=True)
             model.init_dummy_weights(0)
             model.to(torch.bfloat16)
+            model.prepare_fused_weights()
             for module in [model, *model.layers]:
                 module.small_gemm = variant is not None
                 module.small_gemm_mode = variant or SmallGemmMode()
