@@ -69,6 +69,14 @@ class KVCacheSpec:
                 for _ in range(self.num_layers)]
 
 
+    def allocate_host_pool(self, num_slots: int, pin: bool) -> torch.Tensor:
+        """The host KV tier's pool (engine/runner/kv_tier.py): [slots, 2 x layers, block elements], slot-major so
+        that a block is one contiguous transfer; pinned beside a GPU cache. One allocation (the pinned allocator
+        rounds it up to a power of two of bytes, as it did each of the per-layer tensors before)."""
+        elements = self.block_size * self.num_kv_heads * self.head_dim
+        return torch.zeros((num_slots, 2 * self.num_layers, elements), dtype=self.dtype, pin_memory=pin)
+
+
 def swap_blocks(device_caches: list[KVCache], host_caches: list[KVCache], pairs: list[tuple[int, int]],
                 to_host: bool) -> None:
     """Copy blocks (source id, destination id) from the device cache to the host swap cache, or back."""

@@ -304,7 +304,9 @@ class ModelRunner:
 
     def allocate_host_tier(self, num_blocks: int) -> None:
         """The host KV tier's pool (pinned beside a GPU cache; a second CPU pool beside a CPU one)."""
-        self.kv_tier = KVTierCopier(self.kv_spec.allocate_swap(num_blocks, pin=self.on_cuda), self.device)
+        spec = self.kv_spec
+        self.kv_tier = KVTierCopier(spec.allocate_host_pool(num_blocks, pin=self.on_cuda),
+                                    (spec.block_size, spec.num_kv_heads, spec.head_dim), self.device)
 
     @torch.inference_mode()
     def run_kv_tier_copies(self, copies: list[TierCopy]) -> None:

@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import SchedulerOutput
 from engine.parallel import codec
 from engine.runner.kv_cache import KVCacheSpec
-from engine.runner.kv_tier import KVTierCopier, _spans
+from engine.runner.kv_tier import KVTierCopier, _layers, _runs, _slot_spans
 from engine.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -155,28 +155,34 @@ def test_step_codec_carries_the_tier_copies() -> None:
     assert codec.decode(codec.encode(so)).kv_tier_copies == so.kv_tier_copies
 
 
-def test_gpu_copies_join_only_neighbouring_blocks_in_order() -> None:
-    copies = [(True, 4, 0), (True, 5, 1), (True, 6, 2), (False, 2, 9), (False, 3, 10), (True, 7, 2), (True, 9, 3)]
-    assert _spans(copies) == [(True, 4, 0, 3), (False, 2, 9, 2), (True, 7, 2, 1), (True, 9, 3, 1)]
+def test_gpu_transfers_join_only_consecutive_host_slots_in_order() -> None:
+    assert _slot_spans([4, 5, 6, 9, 2, 3, 7]) == [(4, 3, 0), (9, 1, 3), (2, 2, 4), (7, 1, 6)]
+    assert _slot_spans([]) == []
 
 
-def test_the_gpu_span_copies_move_the_same_bytes_as_the_cpu_path() -> None:
-    """No GPU here: the CUDA path's slice copies, run on CPU tensors, against the CPU path's batched copies."""
-    spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_the_gpu_staged_copies_move_the_same_bytes_as_the_cpu_path(dtype: torch.dtype) -> None:
+    """No GPU here: the CUDA path (a staging buffer of 2 blocks, so runs go in chunks; one transfer per run of
+    consecutive host slots), run on CPU tensors, against the CPU path's per-layer gathers; fp8 moves as bytes."""
+    spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     torch.manual_seed(0)
-    start = [(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)]
-    copies = [(True, 3, 0), (True, 4, 1), (True, 8, 2), (False, 0, 10), (False, 1, 11), (True, 9, 0)]
+    start = [(torch.randn(12, 4, 2, 8).to(dtype), torch.randn(12, 4, 2, 8).to(dtype)) for _ in range(2)]
+    copies = [(True, 3, 0), (True, 4, 1), (True, 8, 2), (False, 0, 10), (False, 1, 11), (True, 9, 0),
+              (False, 2, 5), (False, 0, 6), (False, 1, 7)]
     results = []
-    for use_spans in (False, True):
+    for staged in (False, True):
         device = [(k.clone(), v.clone()) for k, v in start]
-        copier = KVTierCopier(spec.allocate_swap(6, pin=False), torch.device("cpu"))
-        if use_spans:
-            for span in _spans(copies):
-                copier._copy_span_cuda(span, device)
+        copier = KVTierCopier(spec.allocate_host_pool(6, pin=False), (4, 2, 8), torch.device("cpu"), stage_blocks=2)
+        if staged:
+            for run in _runs(copies):
+                copier._copy_run_staged(run, _layers(device))
         else:
             copier.run(copies, device)
         results.append((device, copier.host_caches))
     (dev_a, host_a), (dev_b, host_b) = results
     for a, b in zip([*dev_a, *host_a], [*dev_b, *host_b], strict=True):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert torch.equal(dev_a[0][0][10], dev_a[0][0][3]) and torch.equal(host_a[1][1][0], dev_a[1][1][9])
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+        assert torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+    bits = [t.view(torch.uint8) for t in (dev_a[0][0][10], dev_a[0][0][3], host_a[1][1][0], dev_a[1][1][9])]
+    assert torch.equal(bits[0], bits[1]) and torch.equal(bits[2], bits[3])
+    assert torch.equal(dev_a[1][0][5].view(torch.uint8), start[1][0][8].view(torch.uint8))  # slot 2 = block 8
