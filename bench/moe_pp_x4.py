@@ -27,6 +27,9 @@ timed parts. Batch-1 decode tok/s: bench/tp_gpu.py's `batch1_decode`. `--smoke`:
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \\
         python -m bench.moe_pp_x4 --parts check moe pp --out $OUT
 
+`--parts profile` (not in the default): the first MoE layout's throughput run under torch.profiler, rank 0's
+kernels summarized (moe_x<world>_profile.json, its chrome trace beside it).
+
 On 4 x H200 (2026-11-27): check 86 s, moe ~90 s per layout, pp TP4 59 s. Smoke: 60-110 s on a 2-core CPU. A
 layout at a time: `cp bench/results/moe_x4_qwen3_30b_a3b.json $OUT/; python -m bench.moe_pp_x4 --parts moe
 --layouts tp4 --out $OUT` reruns TP4 and keeps the file's EP4 record (the device's $OUT starts empty).
@@ -50,7 +53,8 @@ from bench.harness.records import RESULTS, git_commit, log, run_parts, write_jso
 from bench.harness.runs import first_divergence
 from bench.tp_gpu import GRAPH_SIZES, H200_BF16_DENSE_TFLOPS, engine_job
 
-PARTS = ("check", "moe", "pp")
+PARTS = ("check", "moe", "pp", "profile")
+DEFAULT_PARTS = ("check", "moe", "pp")
 SHORT_NAMES = {"llama-3.1-70b": "llama70b", "llama-3.1-8b": "llama8b"}  # the pp files' model names
 MODULE = "bench.moe_pp_x4"
 CHECK_PROMPTS = [[1, 5, 9, 33, 7, 100], list(range(3, 60)), [(13 * i + 7) % 500 + 3 for i in range(100)]]
@@ -314,7 +318,7 @@ class Bench:
 
     def file(self, part: str, model: str | None = None) -> str:
         """A part's results file: moe_x<world>_check.json, moe_x<world>_<model>.json, pp_x<world>_<model>.json."""
-        name = "check" if part == "check" else SHORT_NAMES.get(model or "", (model or "").replace("-", "_"))
+        name = part if part in ("check", "profile") else SHORT_NAMES.get(model or "", (model or "").replace("-", "_"))
         stem = f"{'pp' if part == 'pp' else 'moe'}_x{self.plan.world}_{name}"
         return f"{stem}_smoke.json" if self.smoke else f"{stem}.json"
 
@@ -420,6 +424,23 @@ class Bench:
         prompts = self.args.num_prompts_pp or (1000 if self.plan.world == 2 else 200)
         self.timed("pp", self.timing(model, prompts, 136), [(model, layout) for layout in self.plan.pp_timed],
                    self.file("pp", model))
+
+    def profile(self) -> None:
+        """Where the MoE model's throughput goes: its first layout on N x 512/128 (--num-prompts-moe) with rank 0
+        under torch.profiler (bench/tp_gpu.py `profiled_throughput`: host seconds per step, kernel busy / idle
+        time, the top kernels and classes); the chrome trace beside the record."""
+        model, layout = self.plan.moe_models[0], self.plan.moe_layouts[0]
+        n, io = (16, {"input_len": 64, "output_len": 16}) if self.smoke else \
+            (self.args.num_prompts_moe, {"input_len": 512, "output_len": 128})
+        self.args.out.mkdir(parents=True, exist_ok=True)
+        trace = str((self.args.out / self.file("profile").replace(".json", ".trace.json.gz")).resolve())
+        job = {"kind": "engine", "engine": self.engine(model, layout),
+               "profile": {"num_prompts": n, **io, "trace": trace}}
+        res = self.jobs([job], self.args.job_timeout)[0]
+        self.write(self.file("profile"), {**self.context("profile"), "workload": f"{model} {self.dtype} dummy "
+                   f"{layout.name}: {n} x {io['input_len']}/{io['output_len']}, rank 0 profiled", "model": model,
+                   "layout": layout.name, **res})
+        log(f"profile: {res.get('kernels', {}).get('class_ms')} {res.get('error') or ''}")
 
     def timing(self, model: str, num_prompts: int, decode_long: int) -> Timing:
         if self.smoke:
@@ -542,7 +563,7 @@ def write_tiny_dense(folder: Path, layers: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, world size 2: the same code paths")
     parser.add_argument("--world", type=int, default=None, choices=(1, 2, 4),
