@@ -13,6 +13,9 @@ Routing (top-k over the router logits) happens before, in torch: it is [T, E] an
    weight; `_combine_kernel` sums each token's k rows in fp32 ([T, k, H] -> [T, H]), skipping dropped slots,
    whose rows no GEMM wrote. Decode-sized batches take kernels/moe_gemv.py instead (the engine picks).
 
+Batch-size arguments (slot counts, capacities, spans) are not specialized by Triton: one compile per tile class
+serves every batch (engine/runner/warmup.py `moe_rows` warms each class).
+
 Invariants: accumulation is fp32; outputs are rounded to x's dtype once per GEMM (as the unfused path rounds
 each linear). Weights are contiguous per expert: w13 rows are gate_proj's I rows then up_proj's. The torch
 reference is `fused_moe_ref` (a loop over the experts that received tokens).
@@ -172,7 +175,7 @@ if HAS_TRITON:
         ids = tl.where(keep, ids, -1)
         return (ids[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32), keep
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots", "capacity", "fill_span"])
     def _align_count_kernel(Ids, SpanCounts, SortedIds, num_slots, num_experts, capacity, fill_span,
                             SPAN: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
         """Program s: its span's slots per expert -> SpanCounts[s]; and its share of SortedIds set to the sentinel
@@ -188,7 +191,7 @@ if HAS_TRITON:
             offs = p0 + tl.arange(0, FILL)
             tl.store(SortedIds + offs, tl.full((FILL,), 0, tl.int32) + num_slots, mask=offs < fill_end)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_spans", "capacity"])
     def _align_plan_kernel(SpanCounts, ExpertIds, Used, num_spans, num_experts, capacity,
                            BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, S_POW2: tl.constexpr, CHUNK: tl.constexpr):
         """One program: each expert's total, padded to BLOCK_M and laid out in ascending expert order; SpanCounts
@@ -215,7 +218,7 @@ if HAS_TRITON:
             expert = tl.where(expert < num_experts, expert, -1)
             tl.store(ExpertIds + tiles, expert, mask=tiles < num_tiles)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots"])
     def _align_scatter_kernel(Ids, SpanStarts, SortedIds, num_slots, num_experts,
                               SPAN: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
         """Program s: each of its span's slots to its expert's next place, in slot order (a running per-expert
@@ -230,7 +233,7 @@ if HAS_TRITON:
             tl.store(SortedIds + dest, offs, mask=keep)
             cursor += tl.sum(onehot, axis=0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots", "capacity"])
     def _moe_gemm(A, B, C, Weights, SortedIds, ExpertIds, NumUsed, N, K, num_slots, capacity,
                   stride_am, stride_be, stride_bn, stride_cm,
                   TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr,

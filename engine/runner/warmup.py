@@ -14,7 +14,8 @@ multiples of 16), a small prompt, a chunk continuing a cached prefix, eager deco
 decode + prefill steps of 16 and 21 tokens, one decode row at each context that selects another split-count
 class of the decode kernel (kernels/paged_decode_attention.py), and a prompt of every row count that selects
 another compiled variant of the quantized GEMMs (`quant_gemm_rows`: tile classes, row-tile counts, M on or off a
-multiple of 16), whose counts the lm head also runs once. No sampling.
+multiple of 16), whose counts the lm head also runs once; for an MoE model, a prompt of every token count that
+selects another compiled variant of its expert kernels (`moe_rows`). No sampling.
 
 Invariants:
 - Every K/V write goes to block 0, the null block that pads block tables and is never handed out, and every
@@ -37,6 +38,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.runner.attention import AttentionBatch
+from kernels.fused_moe import MOE_ALIGN_TRITON_MAX_SLOTS, moe_tiles
+from kernels.moe_gemv import gemv_suits
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
 from kernels.quant_gemm import GEMV_MAX_M, gemm_tiles, gemv_tiles
 from kernels.quant_gemm_kn import DEQUANT_MIN_M, kn_gemm_tiles
@@ -126,8 +129,38 @@ def quant_gemm_rows(limit: int = QUANT_ROWS_SCAN) -> tuple[int, ...]:
     return tuple(sorted(set(first.values())))
 
 
-def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[WarmupBatch]:
-    """The dummy steps, within the scheduler's limits (see the module docstring)."""
+def moe_rows(num_experts: int, top_k: int, local_experts: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """Token counts that reach every compiled variant of an MoE layer's expert kernels (engine/models/moe.py
+    `_fused_experts`): the first count taking the per-slot GEMVs, and the first taking each tile class of the
+    grouped GEMMs (kernels/fused_moe.py `moe_tiles`, by every rank's expert count in `local_experts`) with the
+    Triton or the torch alignment. Their batch-size arguments are not specialized, so nothing else varies."""
+    first: dict[tuple[object, ...], int] = {}
+    for tokens in range(1, limit + 1):
+        slots = tokens * top_k
+        if gemv_suits(slots, num_experts):
+            first.setdefault(("gemv",), tokens)
+            continue
+        for experts in local_experts:
+            first.setdefault((moe_tiles(slots, experts), slots <= MOE_ALIGN_TRITON_MAX_SLOTS), tokens)
+    return tuple(sorted(set(first.values())))
+
+
+def model_moe_rows(config: EngineConfig) -> tuple[int, ...]:
+    """`moe_rows` for the config's model (none for a dense one), up to its largest step. Every rank derives the
+    same list from the config, expert-parallel ranks' expert counts included, so their collectives pair up."""
+    moe = config.model.arch.moe
+    if moe is None:
+        return ()
+    ranks = config.device.tensor_parallel_size if config.device.enable_expert_parallel else 1
+    base, extra = divmod(moe.num_experts, ranks)
+    local = tuple(sorted({base, base + (1 if extra else 0)} - {0}))
+    return moe_rows(moe.num_experts, moe.top_k, local, config.scheduler.max_num_batched_tokens)
+
+
+def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
+                   extra_rows: tuple[int, ...] = ()) -> list[WarmupBatch]:
+    """The dummy steps, within the scheduler's limits (see the module docstring); `extra_rows`: prompts of these
+    token counts too (an MoE model's `model_moe_rows`)."""
     chunk = min(max_num_batched_tokens, max_model_len)
     wanted = [
         WarmupBatch((chunk,), (chunk,)),
@@ -141,7 +174,7 @@ def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
     ]
     wanted += [WarmupBatch((1,), (splits * MIN_SPLIT_TOKENS,)) for splits in DECODE_SPLITS[1:]]
     tokens = {b.num_tokens for b in wanted}
-    wanted += [WarmupBatch((rows,), (rows,)) for rows in quant_gemm_rows() if rows not in tokens]
+    wanted += [WarmupBatch((rows,), (rows,)) for rows in (*quant_gemm_rows(), *extra_rows) if rows not in tokens]
     batches = []
     for batch in wanted:
         fits = (1 <= batch.num_tokens <= max_num_batched_tokens and len(batch.query_lens) <= max_num_seqs
@@ -154,7 +187,8 @@ def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
 def warm_up(runner: WarmupRunner) -> float:
     """Run `warmup_batches` on the runner's model; the seconds it took. See the module docstring."""
     sched = runner.config.scheduler
-    batches = warmup_batches(sched.max_num_batched_tokens, runner.config.model.max_model_len, sched.max_num_seqs)
+    batches = warmup_batches(sched.max_num_batched_tokens, runner.config.model.max_model_len, sched.max_num_seqs,
+                             model_moe_rows(runner.config))
     started = time.perf_counter()
     saved = [(k[SCRATCH_BLOCK].clone(), v[SCRATCH_BLOCK].clone()) for k, v in runner.kv_caches]
     # the lm head's row counts: the quantized GEMMs' variants once (on the largest batch), SAMPLE_ROWS on each

@@ -18,12 +18,16 @@ from engine.runner.warmup import (
     SCRATCH_BLOCK,
     WarmupBatch,
     _quant_variants,
+    model_moe_rows,
+    moe_rows,
     quant_gemm_rows,
     run_batch,
     warm_up,
     warmup_batches,
 )
 from engine.sampling_params import SamplingParams
+from kernels.fused_moe import MOE_ALIGN_TRITON_MAX_SLOTS, moe_tiles
+from kernels.moe_gemv import gemv_suits
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
 from tests.helpers.oracle import run_to_end
 
@@ -150,3 +154,30 @@ def test_warm_up_runs_the_quantized_linears_at_every_variant(monkeypatch: pytest
     decoder = seen[arch.hidden_size]  # o_proj and down_proj
     assert set(quant_gemm_rows()) <= decoder
     assert {r for r in quant_gemm_rows() if r <= 64} <= seen[arch.vocab_size]  # the quantized head, up to max_num_seqs
+
+
+def test_moe_rows_reach_every_expert_kernel_variant() -> None:
+    """Qwen3-30B-A3B's 128 experts, top-8: the per-slot GEMVs (1 token), then the grouped GEMMs' 16-, 32- and
+    64-row tiles, with the Triton alignment up to 4096 slots and the torch one past it; expert parallelism over
+    two ranks (64 experts each) moves the tile classes' bounds."""
+    assert moe_rows(128, 8, (128,), 8192) == (1, 9, 257, 513, 1025)
+    assert moe_rows(128, 8, (64,), 8192) == (1, 9, 129, 513)
+    assert moe_rows(128, 8, (128,), 300) == (1, 9, 257)  # nothing past the largest step
+    slots_by_key: dict[tuple[object, ...], set[int]] = {}
+    for tokens in range(1, 2049):  # every count's variant is one a warmed count selects
+        slots = tokens * 8
+        key = ("gemv",) if gemv_suits(slots, 128) else (moe_tiles(slots, 128), slots <= MOE_ALIGN_TRITON_MAX_SLOTS)
+        slots_by_key.setdefault(key, set()).add(tokens)
+    assert all(set(moe_rows(128, 8, (128,), 2048)) & tokens for tokens in slots_by_key.values())
+
+
+def test_moe_warm_up_rows_come_from_the_config() -> None:
+    config = EngineArgs(model="tiny-qwen3-moe", load_format="dummy", device="cpu", max_model_len=1024,
+                        max_num_batched_tokens=1024).create_engine_config()
+    moe = config.model.arch.moe
+    assert moe is not None
+    rows = model_moe_rows(config)
+    assert rows == moe_rows(moe.num_experts, moe.top_k, (moe.num_experts,), 1024) and rows[0] == 1
+    tokens = {b.num_tokens for b in warmup_batches(1024, 1024, 256, rows)}
+    assert set(rows) <= tokens
+    assert model_moe_rows(EngineArgs(**ARGS).create_engine_config()) == ()  # type: ignore[arg-type]
