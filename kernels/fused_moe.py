@@ -1,11 +1,13 @@
 """Fused mixture-of-experts MLP (issue 30): one grouped GEMM for every expert's gate|up with SwiGLU, one for down
 with the routing weight applied, the way vLLM and SGLang run MoE layers.
 
-Routing (top-k over the router logits) happens before, in torch: it is [T, E] and cheap. Then:
+Routing (top-k over the router logits) happens before (engine/models/moe.py `route`: kernels/moe_route.py or
+torch). Then:
 
 1. `moe_align`: the T*k (token, expert) slots are sorted by expert and each expert's run is padded to a multiple
-   of BLOCK_M, so every BLOCK_M tile of sorted slots belongs to one expert. Sizes are the worst case
-   (T*k + E*(BLOCK_M-1) slots), never read back to the host: no sync, so a decode step can be graph-captured.
+   of BLOCK_M, so every BLOCK_M tile of sorted slots belongs to one expert. Sizes are the worst case (T*k +
+   E*(BLOCK_M-1) slots, or T*k tiles if fewer), never read back to the host: no sync, so a decode step can be
+   graph-captured.
    Padding slots hold the sentinel T*k and are masked out; tiles past the used length return at once.
 2. `_moe_gemm` over w13 [E, 2I, H]: tile m of sorted slots times expert e's weight; slot s reads token s // k.
    SwiGLU on the [T*k, 2I] result (kernels/silu_and_mul.py).
@@ -274,7 +276,6 @@ if HAS_TRITON:
             acc = acc * weight[:, None]
         tl.store(C + slots[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
                  mask=valid[:, None] & mask_n[None, :])
-
 
     @triton.jit
     def _combine_kernel(Rows, Ids, Out, hidden, num_experts, TOP_K: tl.constexpr, BLOCK: tl.constexpr):

@@ -77,7 +77,8 @@ class KVTierCopier:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         per_block = pool[0].numel() * pool.element_size()
         blocks = stage_blocks or max(1, min(pool.shape[0], STAGE_BYTES // per_block))
-        self.stage = torch.empty((blocks, *pool.shape[1:]), dtype=pool.dtype, device=device)
+        staged = device.type == "cuda" or stage_blocks is not None  # a CPU engine copies without one
+        self.stage = torch.empty((blocks, *pool.shape[1:]), dtype=pool.dtype, device=device) if staged else None
         self.copy_seconds_per_block = 0.0  # 0: not measured yet
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
 
@@ -130,6 +131,8 @@ class KVTierCopier:
     def _copy_run_staged(self, run: list[Copy], layers: list[torch.Tensor]) -> None:
         """The CUDA path (any device: the tests run it on CPU tensors), the run in chunks of the staging buffer:
         no host-side gather, which would read host slots that earlier copies may still be writing."""
+        if self.stage is None:
+            raise RuntimeError("the staged copies need a staging buffer: a CUDA copier, or stage_blocks")
         to_host = run[0][0]
         pool, stage = _as_bytes(self.pool), _as_bytes(self.stage)
         for first in range(0, len(run), stage.shape[0]):
