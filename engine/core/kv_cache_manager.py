@@ -87,6 +87,27 @@ class KVCacheManager:
             self.stats.host_queries += request.num_tokens
         return hits, len(hits) * self.block_size
 
+    def reserve_prefix(self, request: Request) -> None:
+        """A request joining the waiting queue: keep the host-tier blocks of its cached prefix (the leading blocks
+        on the device or in the tier) from being dropped until it is admitted or ends (engine/core/host_tier.py).
+        No stats: this is not the admission's lookup."""
+        if self.host_tier is None or request.sampling_params.prompt_logprobs is not None:
+            return
+        self.update_block_hashes(request)
+        held = []
+        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
+            if block_hash in self.host_tier:
+                held.append(block_hash)
+            elif self.pool.get_cached_block(block_hash) is None:
+                break
+        request.host_reserved = self.host_tier.reserve(held)
+
+    def release_prefix(self, request: Request) -> None:
+        """End `reserve_prefix`'s reservation (admitted, or finished while waiting); a no-op after the first."""
+        if self.host_tier is not None and request.host_reserved:
+            self.host_tier.release(request.host_reserved)
+        request.host_reserved = []
+
     def _lookup(self, block_hash: bytes) -> PrefixBlock | None:
         block = self.pool.get_cached_block(block_hash)
         if block is not None or self.host_tier is None:

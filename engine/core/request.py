@@ -48,6 +48,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     block_hashes: list[bytes] = field(default_factory=list)
+    host_reserved: list[int] = field(default_factory=list)  # host-tier slots of its prefix kept while it waits
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

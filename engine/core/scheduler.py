@@ -85,6 +85,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.kv.reserve_prefix(request)  # its host-tier prefix stays until admission (the router counted on it)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         finished = []
@@ -245,6 +246,7 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
             self.waiting.popleft()
+            self.kv.release_prefix(request)  # admitted: its prefix blocks are referenced or being loaded
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
@@ -408,6 +410,7 @@ class Scheduler:
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.kv.release_prefix(request)
         if request.kv_lease_s is not None and status is not RequestStatus.FINISHED_ABORTED:
             self.kv.hold(request, time.monotonic() + request.kv_lease_s)
         else:

@@ -110,6 +110,61 @@ def test_host_tier_is_lru_and_never_reuses_a_protected_slot() -> None:
         HostKVTier(0)
 
 
+def test_a_reserved_slot_is_kept_until_released_and_reservations_hold_half_the_tier() -> None:
+    tier = HostKVTier(4)
+    a, b, c, d, e, f = (bytes([i]) * 4 for i in range(6))
+    for block_hash in (a, b, c, d):
+        tier.store(block_hash)
+    assert tier.max_reserved == 2
+    slots = tier.reserve([a, b, c, e])  # e is not held: skipped; c would pass the cap
+    assert slots == [tier.lookup(a), tier.lookup(b)] and tier.num_reserved == 2
+    assert tier.reserve([a]) == [tier.lookup(a)]  # a second waiting request sharing the prefix
+    assert tier.store(e).dropped not in (a, b) and tier.store(f).dropped not in (a, b)  # c and d go instead
+    assert a in tier and b in tier
+    tier.release(slots)
+    assert tier.num_reserved == 1  # a: still reserved by the second request
+    tier.release([tier.lookup(a)])
+    assert tier.num_reserved == 0
+    tier.lookup(e), tier.lookup(f)  # a and b are now the least recently used: the next stores drop them
+    assert tier.store(c).dropped in (a, b)
+
+
+def _wait_behind_a_filler(reserve: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], int]:
+    """One conversation's prefix evicted to the host tier; then a long filler and the conversation's next turn
+    arrive together: max_num_seqs=1, so the turn waits while the filler's blocks evict into a full tier."""
+    if not reserve:
+        monkeypatch.setattr(HostKVTier, "reserve", lambda self, hashes: [])
+    size = 8 * TINY_BLOCK_BYTES / 2**30
+    args = EngineArgs(model="tiny", num_gpu_blocks_override=12, max_model_len=160, kv_offloading_size=size,
+                      max_num_seqs=1)
+    engine = LLMEngine(args.create_engine_config())
+    first, *fillers = prompts(5, seed=4)
+    for prompt in (first, *fillers[:3]):
+        generate(engine, prompt)
+    tier = engine.kv_manager.host_tier
+    assert tier is not None and all(h in tier for h in engine.kv_manager.hasher.hash_blocks(first)[:3])
+    long_filler = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    engine.add_request("filler", {"prompt_token_ids": fillers[3]}, long_filler)
+    turn = engine.add_request("turn", {"prompt_token_ids": first + [9] * 8}, GREEDY)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert tier.num_reserved == 0  # released at admission
+    return list(outputs[turn].outputs[0].token_ids), outputs[turn].num_cached_tokens
+
+
+def test_a_waiting_turn_keeps_its_host_prefix_while_other_requests_evict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router predicted the turn's prefix on this worker's host tier: reserved on arrival, it survives the
+    filler's evictions and loads back; without the reservation LRU dropped it (a false hit, recomputed)."""
+    ids, cached = _wait_behind_a_filler(True, monkeypatch)
+    with monkeypatch.context() as patched:
+        ids_off, cached_off = _wait_behind_a_filler(False, patched)
+    assert cached == 64 and cached_off < cached
+    assert ids == ids_off  # the same greedy tokens either way
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(kv_offloading_size=-1.0), "positive number of GiB"),
     (dict(kv_offloading_size=float("nan")), "positive number of GiB"),
