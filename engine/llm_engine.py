@@ -64,6 +64,7 @@ class EngineLoad:
     prefill_tokens_per_s: float = 0.0  # how fast a prompt admitted now would prefill; 0: not known yet
     host_reload_cost: float = 0.0  # a host-tier block's load over its recompute time (engine/metrics/reload_cost.py)
     external_prefix_cache_hits: int = 0  # prompt tokens loaded back from the host tier (cumulative)
+    host_dropped_blocks: int = 0  # blocks a full host tier let go (cumulative)
 
 
 class LLMEngine:
@@ -277,7 +278,7 @@ class LLMEngine:
         return EngineLoad(sched.num_running, sched.num_waiting + len(sched.remote_waiting), queued,
                           pool.usage, pool.num_usable_blocks, pool.num_free_blocks, sched.num_preemptions,
                           self.busy.fraction(time.perf_counter()), self._prefill_rate(queued), self._host_reload_cost(),
-                          self.kv_manager.stats.host_hits)
+                          self.kv_manager.stats.host_hits, pool.num_host_dropped_blocks)
 
     def _host_reload_cost(self) -> float:
         tier = self.runner.kv_tier
@@ -364,6 +365,7 @@ class LLMEngine:
         s.external_prefix_cache_queries = self.kv_manager.stats.host_queries
         s.external_prefix_cache_hits = self.kv_manager.stats.host_hits
         s.kv_offloaded_blocks = self.kv_manager.pool.num_offloaded_blocks
+        s.kv_host_dropped_blocks = self.kv_manager.pool.num_host_dropped_blocks
         tier = self.kv_manager.host_tier
         s.kv_host_cache_usage = tier.usage if tier is not None else 0.0
         s.num_preemptions = self.scheduler.num_preemptions

@@ -66,6 +66,9 @@ class RouterMetrics:
         self.external_prefix_hits = Counter("vllm:external_prefix_cache_hits",
                                             "Prompt tokens the workers loaded back from their host KV tiers, by the "
                                             "role of the worker.", ["role"], registry=r)
+        self.host_dropped_blocks = Counter("kvflow:kv_host_dropped_blocks",
+                                           "KV blocks the workers' full host tiers let go, by the role of the worker.",
+                                           ["role"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
                                          registry=r)
@@ -128,7 +131,9 @@ class RouterMetrics:
         self.worker_waiting.labels(*labels).set(load.num_waiting)
         for counter, name, value in ((self.preemptions, "preemptions", load.num_preemptions),
                                      (self.external_prefix_hits.labels(role), "external_hits",
-                                      load.external_prefix_cache_hits)):
+                                      load.external_prefix_cache_hits),
+                                     (self.host_dropped_blocks.labels(role), "host_dropped",
+                                      load.host_dropped_blocks)):
             seen = self._cumulative_seen.setdefault(name, {})
             previous = seen.get(worker, value)  # counted from this router's first sight of the worker
             if value > previous:

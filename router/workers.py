@@ -97,7 +97,8 @@ def batch_from_proto(msg: pb.KVEventBatch) -> events.EventBatch:
         lo = msg.load
         load = events.WorkerLoad(lo.num_running, lo.num_waiting, lo.queued_prefill_tokens, lo.kv_cache_usage,
                                  lo.num_kv_blocks, lo.num_preemptions, lo.busy_fraction, lo.prefill_tokens_per_s,
-                                 lo.host_reload_cost, lo.external_prefix_cache_hits, lo.kv_receive_s_per_token)
+                                 lo.host_reload_cost, lo.external_prefix_cache_hits, lo.kv_receive_s_per_token,
+                                 lo.host_dropped_blocks)
     return events.EventBatch(msg.worker_id, msg.epoch, msg.sequence, tuple(index_events), load, msg.sent_unix_s)
 
 

@@ -47,6 +47,7 @@ class WorkerLoad:
     host_reload_cost: float = 0.0  # a host-tier block's load time over its recompute time; 0: not measured
     external_prefix_cache_hits: int = 0  # prompt tokens loaded back from the host tier (cumulative)
     kv_receive_s_per_token: float = 0.0  # its pulls' wire seconds per received prompt token; 0: not measured
+    host_dropped_blocks: int = 0  # blocks its full host tier let go (cumulative)
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,8 @@ class KVEventHub:
                              busy_fraction=load.busy_fraction, prefill_tokens_per_s=load.prefill_tokens_per_s,
                              host_reload_cost=load.host_reload_cost,
                              external_prefix_cache_hits=load.external_prefix_cache_hits,
-                             kv_receive_s_per_token=self.transfer_pace.seconds_per_token)
+                             kv_receive_s_per_token=self.transfer_pace.seconds_per_token,
+                             host_dropped_blocks=load.host_dropped_blocks)
 
     def _batch(self, sequence: int, events: list[pb.KVEvent]) -> pb.KVEventBatch:
         return pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, sequence=sequence, events=events,

@@ -108,6 +108,7 @@ class BlockPool:
         self.host_tier = host_tier
         self.tier_copies: list[TierCopy] = []  # queued since the last `take_tier_copies`, in order
         self.num_offloaded_blocks = 0  # blocks copied to the host tier (cumulative)
+        self.num_host_dropped_blocks = 0  # blocks the full host tier let go (LRU, or all slots held), cumulative
 
     @property
     def num_usable_blocks(self) -> int:
@@ -152,6 +153,8 @@ class BlockPool:
         if stored.slot is not None:  # the copy runs before this step's forward can overwrite the block
             self.tier_copies.append((True, block.block_id, stored.slot))
             self.num_offloaded_blocks += 1
+        if stored.dropped is not None:
+            self.num_host_dropped_blocks += 1
         if stored.dropped == block_hash:
             return [(None, block_hash)]
         changes: list[tuple[KVTier | None, bytes]] = [(KVTier.HOST, block_hash)]

@@ -80,6 +80,9 @@ class EngineMetrics:
                                      "Prompt tokens loaded back from the host KV tier instead of recomputed.")
         self.offloaded_blocks = counter("kvflow:kv_offloaded_blocks",
                                         "KV blocks copied to the host tier when evicted from the device cache.")
+        self.host_dropped_blocks = counter("kvflow:kv_host_dropped_blocks",
+                                           "KV blocks a full host tier let go (its least recently used, or the "
+                                           "evicted block itself when every slot is held).")
         self.host_cache_usage = gauge("kvflow:kv_host_cache_usage_perc",
                                       "Host KV tier usage (--kv-offloading-size). 1 means 100 percent usage.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
@@ -134,6 +137,7 @@ class EngineMetrics:
             (self.external_queries, stats.external_prefix_cache_queries, last.external_prefix_cache_queries),
             (self.external_hits, stats.external_prefix_cache_hits, last.external_prefix_cache_hits),
             (self.offloaded_blocks, stats.kv_offloaded_blocks, last.kv_offloaded_blocks),
+            (self.host_dropped_blocks, stats.kv_host_dropped_blocks, last.kv_host_dropped_blocks),
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens, last.prompt_tokens),
             (self.generation_tokens, stats.generation_tokens, last.generation_tokens),

@@ -23,6 +23,7 @@ class EngineStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_offloaded_blocks: int = 0  # blocks copied to the host tier
+    kv_host_dropped_blocks: int = 0  # blocks a full host tier let go (its LRU end, or every slot held)
     kv_host_cache_usage: float = 0.0  # 0..1 of the host tier's blocks in use
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)

@@ -17,8 +17,8 @@ Modes (each a fresh `kvflow serve` with the same other flags):
 Invariants: prompts are token ids drawn from a seeded generator, identical across modes; every answer is greedy,
 so each mode's outputs must agree (the record carries a digest of them). Records: `workload`, `device`, `mode`,
 `ttft_p50_s`, `ttft_p99_s`, `prefix_hit_rate` (`total` from the requests' cached tokens, and the host tier's share
-where the workers count it), `false_hits`, `fetches` (turns whose prefix was pulled from another worker), `itl_p99_s`,
-`out_tok_s`.
+where the workers count it), `false_hits`, `fetches` (turns whose prefix was pulled from another worker),
+`host_dropped_blocks` (blocks the workers' full host tiers let go), `itl_p99_s`, `out_tok_s`.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def summarize(mode: str, device: str, workload: Workload, results: list[list[Tur
                             "host": host_hits / prompt_tokens if host_hits is not None and prompt_tokens else None},
         "false_hits": metric_sum(metrics, "kvflow:route_false_hits_total"),
         "fetches": metric_sum(metrics, "kvflow:prefix_fetch_decisions_total", path="fetch"),  # turns pulled from a holder
+        "host_dropped_blocks": metric_sum(metrics, "kvflow:kv_host_dropped_blocks_total"),  # full tiers' LRU drops
         "itl_p99_s": float(np.percentile(itl, 99)),
         "out_tok_s": sum(len(r.output_ids) for r in ok) / duration_s,
         "completed": len(ok), "failed": len(flat) - len(ok),

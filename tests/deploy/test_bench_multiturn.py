@@ -28,12 +28,13 @@ def test_the_record_has_the_issue_fields() -> None:
                'vllm:external_prefix_cache_hits_created{role="decode"} 1.7e9\n'
                "kvflow:route_false_hits_total 0\nkvflow:route_false_hits_created 1.7e9\n"
                'kvflow:prefix_fetch_decisions_total{path="fetch",reason="cheaper_fetch"} 2\n'
-               'kvflow:prefix_fetch_decisions_total{path="recompute",reason="cheaper_recompute"} 5\n')
+               'kvflow:prefix_fetch_decisions_total{path="recompute",reason="cheaper_recompute"} 5\n'
+               'kvflow:kv_host_dropped_blocks_total{role="decode"} 7\n')
     record = summarize("host_tier", "cpu", workload, results, 2.0, metrics)
     assert record["mode"] == "host_tier" and record["device"] == "cpu" and record["workload"]["conversations"] == 2
     assert record["prefix_hit_rate"] == {"total": 12 / 22, "host": 4 / 22}
     assert record["false_hits"] == 0 and record["completed"] == 3 and record["failed"] == 1
-    assert record["fetches"] == 2
+    assert record["fetches"] == 2 and record["host_dropped_blocks"] == 7
     assert record["out_tok_s"] == 3.0 and record["ttft_p50_s"] == pytest.approx(0.3)
     assert record["errors"] == ["boom"]
     assert summarize("no_tier", "cpu", workload, results, 2.0, "")["false_hits"] is None  # not counted: null

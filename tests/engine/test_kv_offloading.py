@@ -91,6 +91,8 @@ def test_events_advertise_exactly_what_the_worker_can_serve() -> None:
         expected = {h: KVTier.HOST for h in tier.hashes()} | {h: KVTier.DEVICE for h in pool.cached}
         assert mirror == expected
     assert moved > 0 and removed > 0 and len(tier) == 4
+    # every removal here is a full tier letting a block go (some drops leave a copy on the device: no event)
+    assert engine.stats.kv_host_dropped_blocks >= removed
     assert engine.stats.external_prefix_cache_hits > 0  # the repeated prompts found some blocks on the host
 
 

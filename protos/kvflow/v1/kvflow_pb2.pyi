@@ -609,7 +609,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "busy_fraction", "prefill_tokens_per_s", "host_reload_cost", "external_prefix_cache_hits", "kv_receive_s_per_token")
+    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "busy_fraction", "prefill_tokens_per_s", "host_reload_cost", "external_prefix_cache_hits", "kv_receive_s_per_token", "host_dropped_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -621,6 +621,7 @@ class WorkerLoad(_message.Message):
     HOST_RELOAD_COST_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     KV_RECEIVE_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     queued_prefill_tokens: int
@@ -632,7 +633,8 @@ class WorkerLoad(_message.Message):
     host_reload_cost: float
     external_prefix_cache_hits: int
     kv_receive_s_per_token: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_reload_cost: _Optional[float] = ..., external_prefix_cache_hits: _Optional[int] = ..., kv_receive_s_per_token: _Optional[float] = ...) -> None: ...
+    host_dropped_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., host_reload_cost: _Optional[float] = ..., external_prefix_cache_hits: _Optional[int] = ..., kv_receive_s_per_token: _Optional[float] = ..., host_dropped_blocks: _Optional[int] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("worker_id", "epoch", "sequence", "events", "load", "sent_unix_s")
