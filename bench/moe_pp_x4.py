@@ -28,7 +28,9 @@ timed parts. Batch-1 decode tok/s: bench/tp_gpu.py's `batch1_decode`. `--smoke`:
         python -m bench.moe_pp_x4 --parts check moe pp --out $OUT
 
 `--parts profile` (not in the default): the first MoE layout's throughput run under torch.profiler, rank 0's
-kernels summarized (moe_x<world>_profile.json, its chrome trace beside it).
+kernels summarized (moe_x<world>_profile.json, its chrome trace beside it). `--parts tiles` (not in the default):
+the grouped MoE GEMMs' tile sweep for each rank's expert shape of the world's layouts, on one GPU (~1 min a
+shape): tables under <out>/moe_tiles/ to copy into kernels/moe_tile_tables/, which `fused_moe` then reads there.
 
 On 4 x H200 (2026-11-27): check 86 s, moe ~90 s per layout, pp TP4 59 s. Smoke: 60-110 s on a 2-core CPU. A
 layout at a time: `cp bench/results/moe_x4_qwen3_30b_a3b.json $OUT/; python -m bench.moe_pp_x4 --parts moe
@@ -45,6 +47,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,7 @@ from bench.harness.records import RESULTS, git_commit, log, run_parts, write_jso
 from bench.harness.runs import first_divergence
 from bench.tp_gpu import GRAPH_SIZES, H200_BF16_DENSE_TFLOPS, engine_job
 
-PARTS = ("check", "moe", "pp", "profile")
+PARTS = ("check", "moe", "pp", "profile", "tiles")
 DEFAULT_PARTS = ("check", "moe", "pp")
 SHORT_NAMES = {"llama-3.1-70b": "llama70b", "llama-3.1-8b": "llama8b"}  # the pp files' model names
 MODULE = "bench.moe_pp_x4"
@@ -142,10 +145,72 @@ class Plan:
 
 # ---- one job per subprocess -----------------------------------------------------------------------------------
 def one(job: dict[str, Any]) -> dict[str, Any]:
-    """Run one configuration in this process: the kernel comparison, or an engine (bench/tp_gpu.py's job)."""
+    """Run one configuration in this process: the kernel comparison, a tile sweep, or an engine (bench/tp_gpu.py's
+    job)."""
     if job["kind"] == "kernel":
         return kernel_check(job)
+    if job["kind"] == "tiles":
+        return tile_sweep(job)
     return engine_job(job)
+
+
+SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def tile_candidates(smoke: bool) -> list[Any]:
+    """24 tilings (rows x (columns, depth) x (warps, stages)); the smoke's two small ones."""
+    from kernels.moe_tiles import MoeTiles
+
+    if smoke:
+        return [MoeTiles(16, 32, 32, 1, 1, 1), MoeTiles(32, 32, 32, 1, 2, 1)]
+    return [MoeTiles(m, n, k, 1 if m == 16 else 8, warps, stages) for m in (16, 32, 64, 128)
+            for n, k in ((64, 128), (128, 64), (128, 128)) for warps, stages in ((4, 4), (8, 3))]
+
+
+def tile_sweep(job: dict[str, Any]) -> dict[str, Any]:
+    """Each token count's fastest tiling of `fused_moe` on one rank's expert shape (random bf16 weights, routing
+    uniform over all experts, ids of other ranks' experts dropped as under expert parallelism), against the
+    heuristic's; a tiling that fails to compile or launch (shared memory) is skipped."""
+    import torch
+
+    from bench.harness.timing import cuda_event_mean_seconds
+    from kernels.fused_moe import fused_moe
+    from kernels.moe_gemv import gemv_suits
+    from kernels.moe_tiles import MoeTiles, moe_tiles
+
+    case = KernelCase(**job["case"])  # experts: this rank's; tokens unused
+    cuda = torch.cuda.is_available() and not job["smoke"]
+    device, dtype = (torch.device("cuda:0"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(case.experts, 2 * case.inter, case.hidden, generator=gen, device=device) * 0.02).to(dtype)
+    w2 = (torch.randn(case.experts, case.hidden, case.inter, generator=gen, device=device) * 0.02).to(dtype)
+
+    def ms(call: Any) -> float:
+        if cuda:
+            return cuda_event_mean_seconds(call, 5, warmup=1) * 1e3
+        started = time.perf_counter()
+        call()
+        return (time.perf_counter() - started) * 1e3
+
+    best: dict[str, Any] = {}
+    for tokens in job["tokens"]:
+        if gemv_suits(tokens * case.top_k, job["all_experts"]):
+            continue  # the per-slot GEMVs run these (kernels/moe_gemv.py)
+        x = torch.randn(tokens, case.hidden, generator=gen, device=device).to(dtype)
+        ids = torch.randint(0, job["all_experts"], (tokens, case.top_k), generator=gen, device=device)
+        weights = torch.full((tokens, case.top_k), 1.0 / case.top_k, device=device, dtype=dtype)
+        timed = []
+        for tiles in [*job["candidates"], None]:
+            try:
+                chosen = MoeTiles(**tiles) if tiles else moe_tiles(tokens * case.top_k, case.experts)
+                timed.append((ms(partial(fused_moe, x, w13, w2, weights, ids, chosen)), chosen, tiles is None))
+            except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot run (resources): not a candidate
+                log(f"tiles: {tokens} tokens, {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+        fastest = min(timed, key=lambda t: t[0])
+        heuristic_ms = next(t[0] for t in timed if t[2])
+        best[str(tokens)] = {"tiles": asdict(fastest[1]), "ms": round(fastest[0], 4),
+                             "heuristic_ms": round(heuristic_ms, 4), "speedup": round(heuristic_ms / fastest[0], 3)}
+    return {"entries": best, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}
 
 
 def kernel_check(job: dict[str, Any]) -> dict[str, Any]:
@@ -318,7 +383,8 @@ class Bench:
 
     def file(self, part: str, model: str | None = None) -> str:
         """A part's results file: moe_x<world>_check.json, moe_x<world>_<model>.json, pp_x<world>_<model>.json."""
-        name = part if part in ("check", "profile") else SHORT_NAMES.get(model or "", (model or "").replace("-", "_"))
+        name = part if part in ("check", "profile", "tiles") else \
+            SHORT_NAMES.get(model or "", (model or "").replace("-", "_"))
         stem = f"{'pp' if part == 'pp' else 'moe'}_x{self.plan.world}_{name}"
         return f"{stem}_smoke.json" if self.smoke else f"{stem}.json"
 
@@ -441,6 +507,41 @@ class Bench:
                    f"{layout.name}: {n} x {io['input_len']}/{io['output_len']}, rank 0 profiled", "model": model,
                    "layout": layout.name, **res})
         log(f"profile: {res.get('kernels', {}).get('class_ms')} {res.get('error') or ''}")
+
+    def tiles(self) -> None:
+        """`tile_sweep` on one GPU for each per-rank expert shape of this world's MoE layouts: each shape's table
+        (kernels/moe_tiles.py's format, to copy into kernels/moe_tile_tables/) under <out>/moe_tiles/, a summary
+        beside."""
+        from engine.models.loader import resolve_model
+        from kernels.moe_tiles import table_name
+
+        shapes = {}
+        for model in self.plan.moe_models:
+            arch = resolve_model(model, "dummy").arch
+            moe = arch.moe
+            for layout in self.plan.moe_layouts:
+                experts = moe.num_experts // layout.tp if layout.ep else moe.num_experts
+                inter = moe.expert_intermediate_size // (1 if layout.ep else layout.tp)
+                shapes[(experts, inter)] = (model, moe.num_experts, KernelCase(0, experts, moe.top_k,
+                                                                              arch.hidden_size, inter))
+        rows = []
+        for (experts, inter), (model, all_experts, case) in shapes.items():
+            log(f"tiles: {model}, {experts} experts x {inter} rows on a rank")
+            job = {"kind": "tiles", "case": asdict(case), "all_experts": all_experts, "smoke": self.smoke,
+                   "tokens": [16, 64] if self.smoke else list(SWEEP_TOKENS),
+                   "candidates": [asdict(t) for t in tile_candidates(self.smoke)]}
+            res = self.jobs([job], self.args.job_timeout, {"TRITON_INTERPRET": "1"} if self.smoke else {})[0]
+            row = {"model": model, "experts": experts, "inter": inter, **res}
+            if "entries" in res:
+                name = table_name(experts, inter, res["device_name"])
+                write_json(self.args.out / "moe_tiles" / name, {
+                    "tiles": {t: e["tiles"] for t, e in res["entries"].items()}, "model": model,
+                    "device": self.device, "date": self.context("tiles")["date"], "commit": self.commit,
+                    "speedup_over_heuristic": {t: e["speedup"] for t, e in res["entries"].items()}})
+                row["table"] = name
+            rows.append(row)
+        self.write(self.file("tiles"), {**self.context("tiles"), "workload": "fused_moe per token count, each "
+                   "rank's expert shape, fastest of the candidate tilings vs the heuristic", "shapes": rows})
 
     def timing(self, model: str, num_prompts: int, decode_long: int) -> Timing:
         if self.smoke:

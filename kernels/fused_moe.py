@@ -26,38 +26,15 @@ reference is `fused_moe_ref` (a loop over the experts that received tokens).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from kernels._triton import HAS_TRITON, dot_needs_upcast, next_pow2, require_triton, tl, triton
+from kernels.moe_tiles import MoeTiles, moe_tiles, select_tiles
 from kernels.silu_and_mul import silu_and_mul
 
 __all__ = ["MoeTiles", "moe_tiles", "moe_align", "moe_align_ref", "moe_align_triton", "fused_moe",
            "fused_moe_ref"]
-
-
-@dataclass(frozen=True)
-class MoeTiles:
-    """One GEMM's tile shape and launch settings."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def moe_tiles(num_slots: int, num_experts: int) -> MoeTiles:
-    """A heuristic until per-GPU sweeps are recorded: decode-sized batches spread few slots over many experts, so
-    a 16-row tile wastes least padding; large prefill batches fill 64-row tiles."""
-    per_expert = num_slots / max(num_experts, 1)
-    if per_expert <= 16:
-        return MoeTiles(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
-    if per_expert <= 64:
-        return MoeTiles(32, 64, 64, num_warps=4, num_stages=4)
-    return MoeTiles(64, 128, 64, num_warps=8, num_stages=3)
 
 
 MOE_ALIGN_TRITON_MAX_SLOTS = 4096
@@ -323,7 +300,8 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in x's dtype. Ids
-    outside [0, E) contribute nothing (expert parallelism: this rank's partial sum)."""
+    outside [0, E) contribute nothing (expert parallelism: this rank's partial sum). `tiles`: both GEMMs'
+    (default: this GPU's recorded table for the shape, else the heuristic; kernels/moe_tiles.py)."""
     require_triton("fused_moe")
     _check(x, w13, w2, topk_weights, topk_ids)
     tokens, hidden = x.shape
@@ -331,7 +309,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_slots = tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(x)
-    tiles = tiles or moe_tiles(num_slots, w13.shape[0])
+    tiles = tiles or select_tiles(tokens, top_k, w13.shape[0], w2.shape[2], x.device)
     aligned = moe_align(topk_ids, tiles.block_m, w13.shape[0])
     gate_up = torch.empty((num_slots, w13.shape[1]), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, aligned, top_k, tiles)

@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.runner.attention import AttentionBatch
-from kernels.fused_moe import MOE_ALIGN_TRITON_MAX_SLOTS, moe_tiles
+from kernels.fused_moe import MOE_ALIGN_TRITON_MAX_SLOTS
 from kernels.moe_gemv import gemv_suits
+from kernels.moe_tiles import select_tiles
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
 from kernels.quant_gemm import GEMV_MAX_M, gemm_tiles, gemv_tiles
 from kernels.quant_gemm_kn import DEQUANT_MIN_M, kn_gemm_tiles
@@ -129,32 +130,41 @@ def quant_gemm_rows(limit: int = QUANT_ROWS_SCAN) -> tuple[int, ...]:
     return tuple(sorted(set(first.values())))
 
 
-def moe_rows(num_experts: int, top_k: int, local_experts: tuple[int, ...], limit: int) -> tuple[int, ...]:
+def moe_rows(num_experts: int, top_k: int, shapes: tuple[tuple[int, int], ...], limit: int,
+             device: torch.device = torch.device("cpu")) -> tuple[int, ...]:
     """Token counts that reach every compiled variant of an MoE layer's expert kernels (engine/models/moe.py
-    `_fused_experts`): the first count taking the per-slot GEMVs, and the first taking each tile class of the
-    grouped GEMMs (kernels/fused_moe.py `moe_tiles`, by every rank's expert count in `local_experts`) with the
-    Triton or the torch alignment. Their batch-size arguments are not specialized, so nothing else varies."""
+    `_fused_experts`): the first count taking the per-slot GEMVs, and the first taking each tiling of the grouped
+    GEMMs (kernels/moe_tiles.py `select_tiles` on `device`, for every rank's (experts, intermediate size) in
+    `shapes`) with the Triton or the torch alignment. Their batch-size arguments are not specialized, so nothing
+    else varies."""
     first: dict[tuple[object, ...], int] = {}
     for tokens in range(1, limit + 1):
         slots = tokens * top_k
         if gemv_suits(slots, num_experts):
             first.setdefault(("gemv",), tokens)
             continue
-        for experts in local_experts:
-            first.setdefault((moe_tiles(slots, experts), slots <= MOE_ALIGN_TRITON_MAX_SLOTS), tokens)
+        for experts, inter in shapes:
+            tiles = select_tiles(tokens, top_k, experts, inter, device)
+            first.setdefault((tiles, slots <= MOE_ALIGN_TRITON_MAX_SLOTS), tokens)
     return tuple(sorted(set(first.values())))
 
 
-def model_moe_rows(config: EngineConfig) -> tuple[int, ...]:
+def model_moe_rows(config: EngineConfig, device: torch.device = torch.device("cpu")) -> tuple[int, ...]:
     """`moe_rows` for the config's model (none for a dense one), up to its largest step. Every rank derives the
-    same list from the config, expert-parallel ranks' expert counts included, so their collectives pair up."""
+    same list from the config (and its GPU model, the same on every rank), every rank's expert shape included, so
+    their collectives pair up."""
     moe = config.model.arch.moe
     if moe is None:
         return ()
-    ranks = config.device.tensor_parallel_size if config.device.enable_expert_parallel else 1
-    base, extra = divmod(moe.num_experts, ranks)
-    local = tuple(sorted({base, base + (1 if extra else 0)} - {0}))
-    return moe_rows(moe.num_experts, moe.top_k, local, config.scheduler.max_num_batched_tokens)
+    tp = config.device.tensor_parallel_size
+    if config.device.enable_expert_parallel:  # whole experts dealt out: counts differ by at most one
+        base, extra = divmod(moe.num_experts, tp)
+        shapes = {(n, moe.expert_intermediate_size) for n in (base, base + (1 if extra else 0)) if n}
+    else:  # every expert's intermediate rows split over the ranks
+        base, extra = divmod(moe.expert_intermediate_size, tp)
+        shapes = {(moe.num_experts, n) for n in (base, base + (1 if extra else 0)) if n}
+    return moe_rows(moe.num_experts, moe.top_k, tuple(sorted(shapes)), config.scheduler.max_num_batched_tokens,
+                    device)
 
 
 def warmup_batches(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
@@ -188,7 +198,7 @@ def warm_up(runner: WarmupRunner) -> float:
     """Run `warmup_batches` on the runner's model; the seconds it took. See the module docstring."""
     sched = runner.config.scheduler
     batches = warmup_batches(sched.max_num_batched_tokens, runner.config.model.max_model_len, sched.max_num_seqs,
-                             model_moe_rows(runner.config))
+                             model_moe_rows(runner.config, runner.device))
     started = time.perf_counter()
     saved = [(k[SCRATCH_BLOCK].clone(), v[SCRATCH_BLOCK].clone()) for k, v in runner.kv_caches]
     # the lm head's row counts: the quantized GEMMs' variants once (on the largest batch), SAMPLE_ROWS on each

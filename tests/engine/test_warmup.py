@@ -160,15 +160,15 @@ def test_moe_rows_reach_every_expert_kernel_variant() -> None:
     """Qwen3-30B-A3B's 128 experts, top-8: the per-slot GEMVs (1 token), then the grouped GEMMs' 16-, 32- and
     64-row tiles, with the Triton alignment up to 4096 slots and the torch one past it; expert parallelism over
     two ranks (64 experts each) moves the tile classes' bounds."""
-    assert moe_rows(128, 8, (128,), 8192) == (1, 9, 257, 513, 1025)
-    assert moe_rows(128, 8, (64,), 8192) == (1, 9, 129, 513)
-    assert moe_rows(128, 8, (128,), 300) == (1, 9, 257)  # nothing past the largest step
+    assert moe_rows(128, 8, ((128, 768),), 8192) == (1, 9, 257, 513, 1025)
+    assert moe_rows(128, 8, ((64, 768),), 8192) == (1, 9, 129, 513)
+    assert moe_rows(128, 8, ((128, 768),), 300) == (1, 9, 257)  # nothing past the largest step
     slots_by_key: dict[tuple[object, ...], set[int]] = {}
     for tokens in range(1, 2049):  # every count's variant is one a warmed count selects
         slots = tokens * 8
         key = ("gemv",) if gemv_suits(slots, 128) else (moe_tiles(slots, 128), slots <= MOE_ALIGN_TRITON_MAX_SLOTS)
         slots_by_key.setdefault(key, set()).add(tokens)
-    assert all(set(moe_rows(128, 8, (128,), 2048)) & tokens for tokens in slots_by_key.values())
+    assert all(set(moe_rows(128, 8, ((128, 768),), 2048)) & tokens for tokens in slots_by_key.values())
 
 
 def test_moe_warm_up_rows_come_from_the_config() -> None:
@@ -177,7 +177,8 @@ def test_moe_warm_up_rows_come_from_the_config() -> None:
     moe = config.model.arch.moe
     assert moe is not None
     rows = model_moe_rows(config)
-    assert rows == moe_rows(moe.num_experts, moe.top_k, (moe.num_experts,), 1024) and rows[0] == 1
+    assert rows == moe_rows(moe.num_experts, moe.top_k, ((moe.num_experts, moe.expert_intermediate_size),), 1024)
+    assert rows[0] == 1
     tokens = {b.num_tokens for b in warmup_batches(1024, 1024, 256, rows)}
     assert set(rows) <= tokens
     assert model_moe_rows(EngineArgs(**ARGS).create_engine_config()) == ()  # type: ignore[arg-type]

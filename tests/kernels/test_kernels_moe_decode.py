@@ -1,8 +1,12 @@
 """The MoE decode kernels: one-kernel routing (kernels/moe_route.py) against the torch routing, and the per-slot
 expert GEMVs (kernels/moe_gemv.py) against the per-expert loop, at tiny shapes under Triton's interpreter
-(re-run in a subprocess with TRITON_INTERPRET=1); and the sparse block taking them on its fused path."""
+(re-run in a subprocess with TRITON_INTERPRET=1); the sparse block taking them on its fused path; and the grouped
+GEMMs' recorded tile tables (kernels/moe_tiles.py)."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -13,9 +17,10 @@ from engine.models.moe import SparseMoeBlock
 from kernels.fused_moe import fused_moe_ref
 from kernels.moe_gemv import GEMV_MAX_SLOTS, gemv_suits, moe_gemv
 from kernels.moe_route import moe_route, moe_route_ref
+from kernels.moe_tiles import MoeTiles, load_table, moe_tiles, nearest, select_tiles, table_name
 from tests.helpers.interpreter import interpreter_cases_test
 
-test_moe_decode_under_interpreter = interpreter_cases_test(__file__, at_least=16, at_most=16, timeout=600)
+test_moe_decode_under_interpreter = interpreter_cases_test(__file__, at_least=17, at_most=17, timeout=600)
 
 
 def test_gemv_path_is_for_few_slots_over_many_experts() -> None:
@@ -102,3 +107,16 @@ def test_sparse_block_fused_path_takes_the_decode_kernels() -> None:
         block.stack_experts()
         fused = block(x).float()
     assert float((fused - loop).norm() / loop.norm()) < 2e-2
+
+
+def test_a_recorded_tile_table_is_read_and_its_nearest_entry_taken(tmp_path) -> None:  # noqa: ANN001
+    name = table_name(128, 768, "NVIDIA H200")
+    assert name == "E=128,N=768,device_name=NVIDIA_H200.json"
+    small, large = MoeTiles(16, 64, 128, 1, 4, 4), MoeTiles(64, 128, 64, 8, 8, 3)
+    (tmp_path / name).write_text(json.dumps({"tiles": {"16": asdict(small), "1024": asdict(large)}, "model": "x"}))
+    table = load_table(128, 768, "NVIDIA H200", tmp_path)
+    assert table == ((16, small), (1024, large))
+    assert nearest(table, 1) == small and nearest(table, 520) == small and nearest(table, 600) == large
+    assert load_table(64, 768, "NVIDIA H200", tmp_path) == ()  # another shape: no table
+    # no GPU here: the heuristic, whatever is recorded
+    assert select_tiles(4096, 8, 128, 768, torch.device("cpu")) == moe_tiles(4096 * 8, 128)
