@@ -513,6 +513,7 @@ class Bench:
         (kernels/moe_tiles.py's format, to copy into kernels/moe_tile_tables/) under <out>/moe_tiles/, a summary
         beside."""
         from engine.models.loader import resolve_model
+        from engine.parallel.layout import shard_for
         from kernels.moe_tiles import table_name
 
         shapes = {}
@@ -520,8 +521,8 @@ class Bench:
             arch = resolve_model(model, "dummy").arch
             moe = arch.moe
             for layout in self.plan.moe_layouts:
-                experts = moe.num_experts // layout.tp if layout.ep else moe.num_experts
-                inter = moe.expert_intermediate_size // (1 if layout.ep else layout.tp)
+                shard = shard_for(arch, 0, layout.tp, layout.ep)  # rank 0's experts and rows of each
+                experts, inter = shard.experts[1] - shard.experts[0], shard.expert_intermediate_size
                 shapes[(experts, inter)] = (model, moe.num_experts, KernelCase(0, experts, moe.top_k,
                                                                               arch.hidden_size, inter))
         rows = []

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.parallel.layout import shard_for
 from engine.runner.attention import AttentionBatch
 from kernels.fused_moe import MOE_ALIGN_TRITON_MAX_SLOTS
 from kernels.moe_gemv import gemv_suits
@@ -157,12 +158,8 @@ def model_moe_rows(config: EngineConfig, device: torch.device = torch.device("cp
     if moe is None:
         return ()
     tp = config.device.tensor_parallel_size
-    if config.device.enable_expert_parallel:  # whole experts dealt out: counts differ by at most one
-        base, extra = divmod(moe.num_experts, tp)
-        shapes = {(n, moe.expert_intermediate_size) for n in (base, base + (1 if extra else 0)) if n}
-    else:  # every expert's intermediate rows split over the ranks
-        base, extra = divmod(moe.expert_intermediate_size, tp)
-        shapes = {(moe.num_experts, n) for n in (base, base + (1 if extra else 0)) if n}
+    shards = [shard_for(config.model.arch, rank, tp, config.device.enable_expert_parallel) for rank in range(tp)]
+    shapes = {(s.experts[1] - s.experts[0], s.expert_intermediate_size) for s in shards}
     return moe_rows(moe.num_experts, moe.top_k, tuple(sorted(shapes)), config.scheduler.max_num_batched_tokens,
                     device)
 
