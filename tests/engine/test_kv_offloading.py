@@ -219,8 +219,9 @@ def test_gpu_transfers_join_only_consecutive_host_slots_in_order() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_the_gpu_staged_copies_move_the_same_bytes_as_the_cpu_path(dtype: torch.dtype) -> None:
-    """No GPU here: the CUDA path (a staging buffer of 2 blocks, so runs go in chunks; one transfer per run of
-    consecutive host slots), run on CPU tensors, against the CPU path's per-layer gathers; fp8 moves as bytes."""
+    """The CUDA path (a staging buffer of 2 blocks, so runs go in chunks; one transfer per run of consecutive host
+    slots), run on CPU tensors and, on a GPU machine, through `run` on CUDA caches, against the CPU path's
+    per-layer gathers; fp8 moves as bytes."""
     spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     torch.manual_seed(0)
     start = [(torch.randn(12, 4, 2, 8).to(dtype), torch.randn(12, 4, 2, 8).to(dtype)) for _ in range(2)]
@@ -236,10 +237,18 @@ def test_the_gpu_staged_copies_move_the_same_bytes_as_the_cpu_path(dtype: torch.
         else:
             copier.run(copies, device)
         results.append((device, copier.host_caches))
-    (dev_a, host_a), (dev_b, host_b) = results
-    for a, b in zip([*dev_a, *host_a], [*dev_b, *host_b], strict=True):
-        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
-        assert torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+    if torch.cuda.is_available():  # on a GPU machine, the real thing too: CUDA caches, a pinned pool, its stream
+        cuda = torch.device("cuda")
+        device = [(k.to(cuda), v.to(cuda)) for k, v in start]
+        copier = KVTierCopier(spec.allocate_host_pool(6, pin=True), (4, 2, 8), cuda, stage_blocks=2)
+        copier.run(copies, device)
+        copier.wait()
+        results.append(([(k.cpu(), v.cpu()) for k, v in device], copier.host_caches))
+    (dev_a, host_a), *others = results
+    for dev_b, host_b in others:
+        for a, b in zip([*dev_a, *host_a], [*dev_b, *host_b], strict=True):
+            assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+            assert torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
     bits = [t.view(torch.uint8) for t in (dev_a[0][0][10], dev_a[0][0][3], host_a[1][1][0], dev_a[1][1][9])]
     assert torch.equal(bits[0], bits[1]) and torch.equal(bits[2], bits[3])
     assert torch.equal(dev_a[1][0][5].view(torch.uint8), start[1][0][8].view(torch.uint8))  # slot 2 = block 8
