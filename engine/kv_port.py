@@ -12,6 +12,9 @@ Threads and streams (the invariants the callers keep):
   belong to a request waiting for remote KV, which no scheduled step reads or writes. The caller waits for the
   copy to complete (`KVImport.wait`) before it tells the engine the blocks are filled, so the engine's stream
   needs no cross-stream wait, and a hung peer can only ever block the transfer thread.
+- Host-tier copies an admission queued (saving the reserved blocks' old content, loading a cached prefix) end
+  at the event the engine hands to `after`; `import_` makes its stream wait for the latest such event before it
+  writes. The copies run in queue order on one stream, so the latest event covers every earlier one.
 
 Tensor parallelism: each rank holds only its KV heads (`KVRanks.heads`); the port wraps rank 0's cache, and a
 transport reaches the other ranks' caches through their own agents (`KVRanks.tell`, in step order). `export` can
@@ -97,6 +100,7 @@ class KVPort:
         self._caches = [(k.view(torch.uint8), v.view(torch.uint8)) if k.dtype == torch.float8_e4m3fn else (k, v)
                         for k, v in kv_caches]
         self._num_blocks = key.shape[0]
+        self._tier_copies_done: torch.cuda.Event | None = None
 
     @property
     def on_cuda(self) -> bool:
@@ -112,6 +116,10 @@ class KVPort:
         return torch.as_tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
 
     # ---- engine thread -------------------------------------------------------------------------------------
+    def after(self, tier_copies_done: torch.cuda.Event) -> None:
+        """Imports from now on wait (on the device) for the host-tier copies queued up to this event."""
+        self._tier_copies_done = tier_copies_done
+
     def heads_layout(self, num_heads: int) -> KVLayout:
         """The wire layout of a message carrying `num_heads` of the local heads."""
         return replace(self.layout, num_kv_heads=num_heads)
@@ -177,6 +185,9 @@ class KVPort:
                                                  f"{self.layout.wire_shape(part)} {self.layout.dtype}")
         index = self._index(block_ids, part)
         src = wire.to(self.device, non_blocking=True).view(self._caches[0][0].dtype)
+        tier_copies_done = self._tier_copies_done
+        if tier_copies_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(tier_copies_done)
         for offset in range(part.num_layers):
             k, v = self._caches[part.first_layer + offset]
             k.index_copy_(0, index, src[offset, 0])

@@ -220,8 +220,11 @@ class LLMEngine:
         return slot
 
     def _run_tier_copies(self) -> None:
-        """Run host-tier copies queued outside a step (a remote admission's evictions and loads) now."""
-        self.runner.run_kv_tier_copies(self.kv_manager.take_tier_copies())  # one runner: TP is refused with a tier
+        """Queue host-tier copies queued outside a step (a remote admission's evictions and loads) now; a KV
+        transport's writes wait for them on the device (`KVPort.after`), not this thread."""
+        done = self.runner.run_kv_tier_copies(self.kv_manager.take_tier_copies())  # one runner: TP has no tier
+        if done is not None:
+            self.kv_port.after(done)
 
     def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
                               sampler_state: bytes = b"") -> None:

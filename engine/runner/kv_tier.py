@@ -88,17 +88,20 @@ class KVTierCopier:
         views = [self.pool[:, i].view(self.pool.shape[0], *self.block_shape) for i in range(self.pool.shape[1])]
         return [(views[i], views[i + 1]) for i in range(0, len(views), 2)]
 
-    def run(self, copies: list[Copy], device_caches: list[KVCache]) -> None:
+    def run(self, copies: list[Copy], device_caches: list[KVCache]) -> torch.cuda.Event | None:
+        """Queue `copies`, ordered after the work queued so far and before what the compute stream queues next;
+        on CUDA the event that marks their end (another stream must wait for it before touching those blocks),
+        None once they are done (CPU) or when there were none."""
         self._read_timing()
         if not copies:
-            return
+            return None
         layers = _layers(device_caches)
         if self.stream is None:
             started = time.perf_counter()
             for run in _runs(copies):
                 self._copy_run_cpu(run, layers)
             self._observe((time.perf_counter() - started) / len(copies))
-            return
+            return None
         compute = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(compute)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,11 +113,7 @@ class KVTierCopier:
         compute.wait_event(end)
         if self._timing is None:
             self._timing = (start, end, len(copies))
-
-    def wait(self) -> None:
-        """Block until every queued copy is done (other streams, a KV transport's, are not ordered after them)."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        return end
 
     def _copy_run_cpu(self, run: list[Copy], layers: list[torch.Tensor]) -> None:
         """One gather and one scatter per layer and K/V for the whole run (host memory on both sides)."""
@@ -150,6 +149,7 @@ class KVTierCopier:
                     staged[at : at + count].copy_(pool[slot : slot + count], non_blocking=True)
                 for i, layer in enumerate(layers):
                     layer.index_copy_(0, blocks, staged[:, i])
+
     def _read_timing(self) -> None:
         if self._timing is None or not self._timing[1].query():
             return

@@ -309,12 +309,13 @@ class ModelRunner:
                                     (spec.block_size, spec.num_kv_heads, spec.head_dim), self.device)
 
     @torch.inference_mode()
-    def run_kv_tier_copies(self, copies: list[TierCopy]) -> None:
-        """Host-tier copies queued between steps (a remote admission's), run now and waited for: a KV transport
-        writes the reserved blocks on a stream of its own. A decode replay queued ahead is left alone."""
-        if self.kv_tier is not None and copies:
-            self.kv_tier.run(copies, self.kv_caches)
-            self.kv_tier.wait()
+    def run_kv_tier_copies(self, copies: list[TierCopy]) -> torch.cuda.Event | None:
+        """Host-tier copies queued between steps (a remote admission's), queued now. On CUDA the event a KV
+        transport's stream must wait for before it writes the reserved blocks (`KVPort.after`): the engine
+        thread does not wait. A decode replay queued ahead is left alone."""
+        if self.kv_tier is None or not copies:
+            return None
+        return self.kv_tier.run(copies, self.kv_caches)
 
     def _allocate_kv(self, num_blocks: int) -> None:
         self.kv_caches = []  # drop the old cache before allocating the new one

@@ -242,7 +242,7 @@ def test_the_gpu_staged_copies_move_the_same_bytes_as_the_cpu_path(dtype: torch.
         device = [(k.to(cuda), v.to(cuda)) for k, v in start]
         copier = KVTierCopier(spec.allocate_host_pool(6, pin=True), (4, 2, 8), cuda, stage_blocks=2)
         copier.run(copies, device)
-        copier.wait()
+        torch.cuda.synchronize()
         results.append(([(k.cpu(), v.cpu()) for k, v in device], copier.host_caches))
     (dev_a, host_a), *others = results
     for dev_b, host_b in others:
