@@ -56,6 +56,12 @@ def _slot_spans(slots: list[int]) -> list[tuple[int, int, int]]:
 STAGE_BYTES = 64 << 20  # the CUDA path's staging buffer: 32 Llama-8B blocks of 2 MiB
 
 
+def stage_blocks_for(block_bytes: int, host_blocks: int) -> int:
+    """The CUDA staging buffer's blocks: what STAGE_BYTES holds, at least 1, at most the pool's slots. The KV
+    budget leaves room for it (ModelRunner.determine_num_blocks)."""
+    return max(1, min(host_blocks, STAGE_BYTES // block_bytes))
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # CPU float8 has no index_copy_
 
@@ -75,8 +81,7 @@ class KVTierCopier:
         self.pool = pool
         self.block_shape = block_shape
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        per_block = pool[0].numel() * pool.element_size()
-        blocks = stage_blocks or max(1, min(pool.shape[0], STAGE_BYTES // per_block))
+        blocks = stage_blocks or stage_blocks_for(pool[0].numel() * pool.element_size(), pool.shape[0])
         staged = device.type == "cuda" or stage_blocks is not None  # a CPU engine copies without one
         self.stage = torch.empty((blocks, *pool.shape[1:]), dtype=pool.dtype, device=device) if staged else None
         self.copy_seconds_per_block = 0.0  # 0: not measured yet

@@ -59,7 +59,7 @@ from engine.runner.kv_cache import (
     set_kv_scales,
     swap_blocks,
 )
-from engine.runner.kv_tier import KVTierCopier
+from engine.runner.kv_tier import KVTierCopier, stage_blocks_for
 from engine.runner.memory import GpuMemory, MemoryProfiler, ProfileShape
 from engine.runner.sampler import GrammarMask, Sampler, SamplingRow, gather_logprobs
 from engine.runner.warmup import warm_up
@@ -263,6 +263,9 @@ class ModelRunner:
             return cache.num_gpu_blocks_override
         if self.device.type == "cuda":
             budget = self._profile_kv_budget()
+            if cache.kv_offloading_bytes and cache.kv_cache_memory_bytes is None:  # the tier's staging buffer
+                budget -= self.block_bytes * stage_blocks_for(self.block_bytes,
+                                                              cache.kv_offloading_bytes // self.block_bytes)
         else:
             budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         num_blocks = self.kv_spec.num_blocks_in(budget)
