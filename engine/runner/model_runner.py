@@ -47,6 +47,7 @@ from engine.parallel.sharding import held_checkpoint_keys, init_dummy_sharded, l
 from engine.parallel.stages import PipelineStage
 from engine.process.cpu_memory import keep_freed_memory_for_reuse, release_freed_memory
 from engine.runner.attention import AttentionBackend, KVCache, TorchPagedAttention
+from engine.runner.compile_watch import CompileWatch
 from engine.runner.cpu_linear import pack_linears_for_cpu
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.decode_ahead import DecodeAhead
@@ -198,6 +199,7 @@ class ModelRunner:
                                    self.kv_dtype)
         self.on_cuda = self.device.type == "cuda"
         self.memory_at_start: GpuMemory | None = None
+        self.compile_watch: CompileWatch | None = None  # after the warm-up: Triton compiles while serving
         if self.on_cuda:
             torch.cuda.set_device(self.device)  # this thread; the engine thread binds itself too (bind_thread)
             self.memory_at_start = GpuMemory.now()
@@ -299,6 +301,9 @@ class ModelRunner:
                                            self.config.device.max_seq_len_to_capture, self.block_size, self.device)
         if self.on_cuda:
             warm_up(self)
+            if self.compile_watch is None:
+                self.compile_watch = CompileWatch()
+                self.compile_watch.install()
         self.take_expert_load()  # the profile, capture and warm-up forwards routed no real token
 
     def take_expert_load(self) -> np.ndarray | None:
