@@ -28,7 +28,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def make_engine(host_blocks: int = 0, events: bool = False) -> LLMEngine:
     """The tiny model with 11 usable device blocks: three 72-token requests evict a fourth's prefix."""
     size = host_blocks * TINY_BLOCK_BYTES / 2**30 if host_blocks else None
-    args = EngineArgs(model="tiny", num_gpu_blocks_override=12, max_model_len=160, kv_offloading_size=size)
+    args = EngineArgs(model="tiny", device="cpu", num_gpu_blocks_override=12, max_model_len=160,
+                      kv_offloading_size=size)
     return LLMEngine(args.create_engine_config(), enable_kv_events=events)
 
 
