@@ -138,8 +138,8 @@ def _wait_behind_a_filler(reserve: bool, monkeypatch: pytest.MonkeyPatch) -> tup
     if not reserve:
         monkeypatch.setattr(HostKVTier, "reserve", lambda self, hashes: [])
     size = 8 * TINY_BLOCK_BYTES / 2**30
-    args = EngineArgs(model="tiny", num_gpu_blocks_override=12, max_model_len=160, kv_offloading_size=size,
-                      max_num_seqs=1)
+    args = EngineArgs(model="tiny", device="cpu", num_gpu_blocks_override=12, max_model_len=160,
+                      kv_offloading_size=size, max_num_seqs=1)
     engine = LLMEngine(args.create_engine_config())
     first, *fillers = prompts(5, seed=4)
     for prompt in (first, *fillers[:3]):
