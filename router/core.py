@@ -75,6 +75,9 @@ class Router:
         self.pools = PoolManager(self.pool, self.metrics, config.planner_config(),
                                  adaptive=config.disagg_policy == "adaptive")
         self.tokenizers: TokenizerPool | None = None
+        # the first tokenizer load has finished, loaded or failed: /health waits for it, since every request
+        # does (`generate`), and a load takes seconds (7 s for Llama-3.1-8B's on a GPU host)
+        self.tokenizers_settled = False
         self._tokenizer_lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
         # (owner, client id) -> {worker request id: decode worker} of the requests in flight, for Abort
@@ -103,12 +106,15 @@ class Router:
         if self.tokenizers is None:
             async with self._tokenizer_lock:
                 if self.tokenizers is None:
-                    info = self.model_info
-                    hasher = BlockHasher.for_model(info.model_id, info.block_size)
-                    path = await asyncio.to_thread(tokenizer_path_for, info.model, self.config.tokenizer)
-                    self.tokenizers = await asyncio.to_thread(TokenizerPool, path, hasher,
-                                                              self.config.tokenizer_pool_size,
-                                                              self.config.chat_template_workers)
+                    try:
+                        info = self.model_info
+                        hasher = BlockHasher.for_model(info.model_id, info.block_size)
+                        path = await asyncio.to_thread(tokenizer_path_for, info.model, self.config.tokenizer)
+                        self.tokenizers = await asyncio.to_thread(TokenizerPool, path, hasher,
+                                                                  self.config.tokenizer_pool_size,
+                                                                  self.config.chat_template_workers)
+                    finally:
+                        self.tokenizers_settled = True
         return self.tokenizers
 
     # ---- index callbacks (event threads) -------------------------------------------------------------

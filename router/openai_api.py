@@ -99,9 +99,11 @@ def build_app(router: Router) -> FastAPI:
     async def health() -> Response:
         if router.lifecycle.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503, headers={"connection": "close"})
-        if router.is_ready():
-            return Response(status_code=200)
-        return JSONResponse({"status": "waiting for workers"}, status_code=503)
+        if not router.is_ready():
+            return JSONResponse({"status": "waiting for workers"}, status_code=503)
+        if not router.tokenizers_settled:  # the first requests would wait for it, seconds, inside their TTFT
+            return JSONResponse({"status": "loading the tokenizer"}, status_code=503)
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

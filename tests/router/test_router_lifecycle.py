@@ -328,3 +328,46 @@ def test_restart_backoff_doubles_to_its_cap_and_resets_after_a_minute_up() -> No
         delays.append(previous)
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
     assert backoff.delay(30.0, uptime_s=61.0) == 1.0  # it had been up a minute: a fresh streak
+
+
+
+class _Unwaited(RouterHarness):
+    def _wait_ready(self) -> None:  # the test watches /health itself
+        pass
+
+
+def test_health_waits_for_the_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request waits for the router's first tokenizer load (seconds for a large vocabulary, 7 s on a GPU host
+    for Llama-3.1-8B's), so /health says ready only once it has finished: it stays out of the first TTFTs."""
+    import threading
+
+    import router.core
+
+    release = threading.Event()
+    real_pool = router.core.TokenizerPool
+
+    def held_pool(*args: Any) -> Any:
+        release.wait(60)
+        return real_pool(*args)
+
+    monkeypatch.setattr(router.core, "TokenizerPool", held_pool)
+    workers = FakeWorkers()
+    harness = _Unwaited(workers)
+    try:
+        def health() -> httpx.Response | None:
+            try:
+                return harness.http.get("/health", timeout=5)
+            except httpx.HTTPError:
+                return None
+
+        until(lambda: (r := health()) is not None and r.status_code == 503
+              and r.json() == {"status": "loading the tokenizer"}, 60, "the workers, then the tokenizer's load")
+        time.sleep(0.3)
+        assert health().status_code == 503  # type: ignore[union-attr]
+        release.set()
+        until(lambda: (r := health()) is not None and r.status_code == 200, 60, "ready")
+        assert harness.router.tokenizers is not None
+    finally:
+        release.set()
+        harness.close()
+        workers.close()
