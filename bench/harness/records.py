@@ -42,8 +42,13 @@ def cpu_name() -> str:
 
 
 def git_commit() -> str:
-    """This checkout's commit (`git describe --always --dirty`), or "unknown" outside a git checkout."""
-    done = subprocess.run(["git", "-C", str(RESULTS.parent.parent), "describe", "--always", "--dirty"],
+    """This checkout's commit (`git describe --always --dirty`), or "unknown" outside a git checkout. A copy of
+    the code inside another checkout (a `git archive` extracted under it) is not that checkout: "unknown"."""
+    root = RESULTS.parent.parent
+    top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if not top.stdout.strip() or Path(top.stdout.strip()).resolve() != root.resolve():
+        return "unknown"
+    done = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
                           capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
 
