@@ -104,7 +104,8 @@ def run_multiturn_command(args: argparse.Namespace) -> int:
     for record in records:
         print(format_line(record))
     digests = {record["outputs_sha256"] for record in records}
-    print("greedy outputs " + ("agree across modes" if len(digests) == 1 else f"DIFFER across modes: {digests}"))
+    if len(records) > 1:  # one mode has nothing to agree with
+        print("greedy outputs " + ("agree across modes" if len(digests) == 1 else f"DIFFER across modes: {digests}"))
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(records, indent=1) + "\n")
