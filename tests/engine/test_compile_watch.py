@@ -24,3 +24,27 @@ def test_each_compile_is_counted_logged_and_passed_on(monkeypatch: pytest.Monkey
         assert knobs.runtime.jit_post_compile_hook(key=1, repr=variant, already_compiled=False) is None
     assert watch.compiles == 1 and seen == [variant]
     assert variant in caplog.text and "while serving" in caplog.text
+
+
+def test_a_real_compile_is_seen_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU machine, a kernel this process never launched goes through the hooks (this Triton calls them);
+    here, without one, the chained hooks are checked above only."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    watch = CompileWatch()
+    assert watch.install()
+    if not torch.cuda.is_available():
+        return
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x = torch.zeros(8, device="cuda")
+    add_one[(1,)](x, 8, BLOCK=8)
+    assert watch.compiles == 1 and x.sum().item() == 8
