@@ -18,7 +18,8 @@ Invariants: prompts are token ids drawn from a seeded generator, identical acros
 so each mode's outputs must agree (the record carries a digest of them). Records: `workload`, `device`, `mode`,
 `ttft_p50_s`, `ttft_p99_s`, `prefix_hit_rate` (`total` from the requests' cached tokens, and the host tier's share
 where the workers count it), `false_hits`, `fetches` (turns whose prefix was pulled from another worker),
-`host_dropped_blocks` (blocks the workers' full host tiers let go), `itl_p99_s`, `out_tok_s`.
+`host_dropped_blocks` (blocks the workers' full host tiers let go), `itl_p99_s`, `out_tok_s`; and
+`ttft_p50_s_by_turn` (each turn's median over the conversations).
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def summarize(mode: str, device: str, workload: Workload, results: list[list[Tur
         "workload": {**asdict(workload), "working_set_tokens": workload.conversations * workload.max_prompt_tokens()},
         "device": device, "mode": mode,
         "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+        # per turn: turn 0 misses everywhere but the system prompt; later turns are where the history's KV counts
+        "ttft_p50_s_by_turn": [float(np.median([r.ttft_s for r in turn if r.ok] or [0.0]))
+                               for turn in zip(*results, strict=False)],
         "prefix_hit_rate": {"total": sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
                             "host": host_hits / prompt_tokens if host_hits is not None and prompt_tokens else None},
         "false_hits": metric_sum(metrics, "kvflow:route_false_hits_total"),

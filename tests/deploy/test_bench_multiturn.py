@@ -36,6 +36,7 @@ def test_the_record_has_the_issue_fields() -> None:
     assert record["false_hits"] == 0 and record["completed"] == 3 and record["failed"] == 1
     assert record["fetches"] == 2 and record["host_dropped_blocks"] == 7
     assert record["out_tok_s"] == 3.0 and record["ttft_p50_s"] == pytest.approx(0.3)
+    assert record["ttft_p50_s_by_turn"] == pytest.approx([0.4, 0.1])  # turn 0: 0.5 and 0.3; turn 1: 0.1 (one failed)
     assert record["errors"] == ["boom"]
     assert summarize("no_tier", "cpu", workload, results, 2.0, "")["false_hits"] is None  # not counted: null
     assert summarize("no_tier", "cpu", workload, results, 2.0, "")["fetches"] is None
