@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArch, MoEArch
-from engine.models.layers import Collectives
+from engine.models.layers import Collectives, SmallGemmMode
 from engine.models.llama import CausalLM, DecoderLayer, uses_small_gemm
 from engine.models.weight_map import TPSplit, column_parallel, row_parallel
 from engine.parallel.layout import RankShard
@@ -44,7 +44,6 @@ from kernels.fused_moe import fused_moe
 from kernels.moe_gemv import gemv_suits, moe_gemv
 from kernels.moe_route import MAX_EXPERTS as MAX_ROUTED_EXPERTS
 from kernels.moe_route import moe_route, moe_route_ref
-from kernels.small_gemm import small_gemm
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, fused: bool = False
@@ -92,6 +91,7 @@ class SparseMoeBlock(nn.Module):
         # this rank's experts stacked for the fused kernel ([E_local, 2I, H] and [E_local, H, I]); None: the loop
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
+        self.small_gemm_mode = SmallGemmMode.from_env()  # the router's one-row GEMV, as the dense layers' (or off)
 
     def stack_experts(self) -> None:
         """Lay this rank's experts out as the fused kernel reads them. Each expert's own weights become views of
@@ -120,9 +120,10 @@ class SparseMoeBlock(nn.Module):
 
     def _router_logits(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         """The replicated router; a single half-precision row on the fused path streams its weight through the
-        one-row GEMV (kernels/small_gemm.py), as the dense layers' batch-1 linears do, instead of cuBLAS."""
-        if fused and uses_small_gemm(x):
-            return small_gemm(x, self.gate.weight, impl="gemv")[0]
+        one-row GEMV (kernels/small_gemm.py), as the dense layers' batch-1 linears do, instead of cuBLAS; with
+        their switch (KVFLOW_SMALL_GEMM=0: cuBLAS everywhere)."""
+        if fused and self.small_gemm_mode.enabled and uses_small_gemm(x):
+            return self.small_gemm_mode.linear(x, self.gate.weight)[0]
         return self.gate(x)
 
     def _fused_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

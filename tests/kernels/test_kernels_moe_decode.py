@@ -20,7 +20,7 @@ from kernels.moe_route import moe_route, moe_route_ref
 from kernels.moe_tiles import MoeTiles, load_table, moe_tiles, nearest, select_tiles, table_name
 from tests.helpers.interpreter import interpreter_cases_test
 
-test_moe_decode_under_interpreter = interpreter_cases_test(__file__, at_least=17, at_most=17, timeout=600)
+test_moe_decode_under_interpreter = interpreter_cases_test(__file__, at_least=18, at_most=18, timeout=600)
 
 
 def test_gemv_path_is_for_few_slots_over_many_experts() -> None:
@@ -120,3 +120,22 @@ def test_a_recorded_tile_table_is_read_and_its_nearest_entry_taken(tmp_path) -> 
     assert load_table(64, 768, "NVIDIA H200", tmp_path) == ()  # another shape: no table
     # no GPU here: the heuristic, whatever is recorded
     assert select_tiles(4096, 8, 128, 768, torch.device("cpu")) == moe_tiles(4096 * 8, 128)
+
+
+def test_the_router_gemv_follows_the_small_gemm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLOW_SMALL_GEMM=0 (cuBLAS everywhere, the dense layers' A/B switch) keeps the router's logits on its
+    nn.Linear too; by default a one-row half-precision step takes the GEMV."""
+    import engine.models.moe as moe_module
+    from engine.models.layers import SmallGemmMode
+
+    monkeypatch.setattr(moe_module, "uses_small_gemm", lambda x: True)
+    calls = []
+    monkeypatch.setattr(SmallGemmMode, "linear", lambda self, x, weight, **kw: calls.append(x) or (x @ weight.T,))
+    x = torch.randn(1, 64)
+    for switch, expected in (("0", 0), ("auto", 1)):
+        monkeypatch.setenv("KVFLOW_SMALL_GEMM", switch)
+        block = SparseMoeBlock(64, MoEArch(16, 4, 32, renormalize=True, sparse_layers=(0,))).eval()
+        with torch.no_grad():
+            logits = block._router_logits(x, fused=True)
+        torch.testing.assert_close(logits, block.gate(x))
+        assert len(calls) == expected
