@@ -31,6 +31,9 @@ timed parts. Batch-1 decode tok/s: bench/tp_gpu.py's `batch1_decode`. `--smoke`:
 kernels summarized (moe_x<world>_profile.json, its chrome trace beside it). `--parts tiles` (not in the default):
 the grouped MoE GEMMs' tile sweep for each rank's expert shape of the world's layouts, on one GPU (~1 min a
 shape): tables under <out>/moe_tiles/ to copy into kernels/moe_tile_tables/, which `fused_moe` then reads there.
+`--parts dispatch` (not in the default, two ranks or more): the collectives one MoE layer pays with expert
+parallelism, at 1-256 tokens per rank of each MoE model's hidden size: two all-reduces (tensor-parallel attention,
+what runs now) vs all-gather + reduce-scatter vs two all-to-alls (data-parallel attention) -> moe_x<world>_dispatch.json.
 
 On 4 x H200 (2026-11-27): check 86 s, moe ~90 s per layout, pp TP4 59 s. Smoke: 60-110 s on a 2-core CPU. A
 layout at a time: `cp bench/results/moe_x4_qwen3_30b_a3b.json $OUT/; python -m bench.moe_pp_x4 --parts moe
@@ -56,7 +59,7 @@ from bench.harness.records import RESULTS, git_commit, log, run_parts, write_jso
 from bench.harness.runs import first_divergence
 from bench.tp_gpu import GRAPH_SIZES, H200_BF16_DENSE_TFLOPS, engine_job
 
-PARTS = ("check", "moe", "pp", "profile", "tiles")
+PARTS = ("check", "moe", "pp", "profile", "tiles", "dispatch")
 DEFAULT_PARTS = ("check", "moe", "pp")
 SHORT_NAMES = {"llama-3.1-70b": "llama70b", "llama-3.1-8b": "llama8b"}  # the pp files' model names
 MODULE = "bench.moe_pp_x4"
@@ -151,7 +154,70 @@ def one(job: dict[str, Any]) -> dict[str, Any]:
         return kernel_check(job)
     if job["kind"] == "tiles":
         return tile_sweep(job)
+    if job["kind"] == "dispatch":
+        return dispatch_rank(job)
     return engine_job(job)
+
+
+DISPATCH_TOKENS = (1, 4, 16, 64, 256)  # tokens per rank under data-parallel attention (decode sizes)
+
+
+def _dispatch_row(tokens: int, job: dict[str, Any], device: Any, dtype: Any) -> dict[str, Any]:
+    """`dispatch_rank`'s timings at one size, and the per-layer sums of each design."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.tp_gpu import call_us
+
+    world, cuda = job["world"], job["cuda"]
+    local = torch.randn(tokens, job["hidden"], device=device).to(dtype)
+    every = torch.randn(world * tokens, job["hidden"], device=device).to(dtype)
+    gathered, scattered, sent = torch.empty_like(every), torch.empty_like(local), torch.empty_like(every)
+    calls = {"all_reduce": lambda: dist.all_reduce(every),
+             "all_gather": lambda: dist.all_gather_into_tensor(gathered, local),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(scattered, every),
+             "all_to_all": lambda: dist.all_to_all_single(sent, every)}
+    row: dict[str, Any] = {"tokens_per_rank": tokens, "bytes_per_rank": local.numel() * local.element_size()}
+    for name, call in calls.items():
+        row[name] = call_us(call, job["iters"], cuda)
+    ones = torch.full((world * tokens, job["hidden"]), job["rank"] + 1.0, device=device, dtype=dtype)
+    dist.all_reduce(ones)
+    row["exact"] = bool((ones == world * (world + 1) / 2).all())
+    key = "graph_us" if cuda else "eager_us"
+    row["per_layer_us"] = {  # the collectives one MoE layer's step pays in each design
+        "tp_attention_two_all_reduces": round(2 * row["all_reduce"][key], 2),
+        "dp_attention_all_gather_reduce_scatter": round(row["all_gather"][key] + row["reduce_scatter"][key], 2),
+        "dp_attention_two_all_to_alls": round(2 * row["all_to_all"][key], 2)}
+    return row
+
+
+def dispatch_rank(job: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the expert-parallel collectives' timing (torch.distributed: NCCL on GPUs, gloo on CPUs), at
+    `tokens` per rank of `hidden` bf16 values: the all-reduce of every rank's tokens (tensor-parallel attention:
+    one after the attention, one as the MoE combine, what the engine does now), and the two data-parallel
+    attention forms of dispatch + combine: all-gather + reduce-scatter, and two all-to-alls (every token sent to
+    every rank: with top-8 of 128 experts over 2-4 ranks nearly every token has an expert on each). µs per call,
+    eager and from a CUDA graph (bench/tp_gpu.py's `call_us`); one all-reduce of known values checked (`exact`)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world, cuda = job["rank"], job["world"], job["cuda"]
+    device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", job["port"], world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+                            device_id=device if cuda else None)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    try:
+        for tokens in job["tokens"]:
+            rows.append(_dispatch_row(tokens, job, device, dtype))
+    finally:
+        dist.destroy_process_group()
+    return {"rank": rank, "rows": rows}
 
 
 SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -383,7 +449,7 @@ class Bench:
 
     def file(self, part: str, model: str | None = None) -> str:
         """A part's results file: moe_x<world>_check.json, moe_x<world>_<model>.json, pp_x<world>_<model>.json."""
-        name = part if part in ("check", "profile", "tiles") else \
+        name = part if part in ("check", "profile", "tiles", "dispatch") else \
             SHORT_NAMES.get(model or "", (model or "").replace("-", "_"))
         stem = f"{'pp' if part == 'pp' else 'moe'}_x{self.plan.world}_{name}"
         return f"{stem}_smoke.json" if self.smoke else f"{stem}.json"
@@ -543,6 +609,32 @@ class Bench:
             rows.append(row)
         self.write(self.file("tiles"), {**self.context("tiles"), "workload": "fused_moe per token count, each "
                    "rank's expert shape, fastest of the candidate tilings vs the heuristic", "shapes": rows})
+
+    def dispatch(self) -> None:
+        """`dispatch_rank` on every rank of this world's MoE layouts, at each model's hidden size: the collectives
+        behind EP with tensor-parallel attention (now) and with data-parallel attention (not built)."""
+        from engine.models.loader import resolve_model
+        from engine.parallel.executor import free_port
+
+        world = self.plan.world
+        if world < 2:
+            log("dispatch: needs two ranks or more")
+            return
+        records = []
+        for model in self.plan.moe_models:
+            hidden = resolve_model(model, "dummy").arch.hidden_size
+            port = free_port()
+            jobs = [{"kind": "dispatch", "rank": r, "world": world, "port": port, "cuda": self.cuda,
+                     "hidden": hidden, "tokens": [1, 4] if self.smoke else list(DISPATCH_TOKENS),
+                     "iters": 5 if self.smoke else 200} for r in range(world)]
+            results = self.jobs(jobs, self.args.job_timeout)
+            records.append({"model": model, "hidden": hidden, "backend": "nccl" if self.cuda else "gloo",
+                            **{f"rank{r}": res for r, res in enumerate(results)}})
+            log(f"dispatch: {model}: {[row.get('per_layer_us') for row in results[0].get('rows', [])]}")
+        self.write(self.file("dispatch"), {**self.context("dispatch"), "workload": f"{world} ranks, bf16, tokens "
+                   "per rank under data-parallel attention; per MoE layer: two all-reduces of every rank's tokens "
+                   "(tensor-parallel attention + the combine) vs all-gather + reduce-scatter vs two all-to-alls",
+                   "records": records})
 
     def timing(self, model: str, num_prompts: int, decode_long: int) -> Timing:
         if self.smoke:

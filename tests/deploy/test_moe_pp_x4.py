@@ -81,3 +81,21 @@ def test_a_rerun_of_one_layout_keeps_the_files_records_of_the_others(tmp_path) -
     assert [(r["layout"], r["decode_tok_s"], r["earlier_run"]["date"]) for r in kept] == [("ep4", 104.0, "then")]
     bench.args.layouts = None  # a full run starts its file afresh
     assert Bench.kept_records(bench, name, {"ep4", "tp4"}) == []  # type: ignore[arg-type]
+
+
+def test_dispatch_ranks_time_every_collective_and_sum_exactly() -> None:
+    """The dispatch part's ranks (two gloo processes, one size): each collective timed, the per-layer sums of the
+    three designs, the known all-reduce exact."""
+    from bench.harness.jobs import run_jobs
+    from engine.parallel.executor import free_port
+
+    port = free_port()
+    jobs = [{"kind": "dispatch", "rank": r, "world": 2, "port": port, "cuda": False, "hidden": 16, "tokens": [3],
+             "iters": 2} for r in range(2)]
+    results = run_jobs(MODULE, jobs, 120, {})
+    for rank, result in enumerate(results):
+        assert result.get("rank") == rank, result
+        (row,) = result["rows"]
+        assert row["tokens_per_rank"] == 3 and row["bytes_per_rank"] == 3 * 16 * 4 and row["exact"]
+        assert all(row[name]["eager_us"] > 0 for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
+        assert row["per_layer_us"]["tp_attention_two_all_reduces"] == round(2 * row["all_reduce"]["eager_us"], 2)
