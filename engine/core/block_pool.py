@@ -12,7 +12,7 @@ advertised in the tier its next lookup will find it in.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -181,14 +181,6 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
-
-    def refresh(self, prefix: Sequence[KVCacheBlock]) -> None:
-        """Move a prefix's free blocks to the most recently used end of the eviction queue, its first block last:
-        evicted after everything else, deepest block first, as a freed request's blocks are."""
-        for block in reversed(prefix):
-            if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-                self.free_queue.append(block)
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
         for block in blocks_in_eviction_order:

@@ -88,26 +88,19 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def reserve_prefix(self, request: Request) -> None:
-        """A request joining the waiting queue: keep its cached prefix (the leading blocks on the device or in the
-        host tier) for its admission, which the router counted on. Its free device blocks become the most
-        recently used (evicted last, not pinned: a soft hold); its host-tier blocks are reserved, never dropped
-        until it is admitted or ends (engine/core/host_tier.py). No stats: this is not the admission's lookup."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        """A request joining the waiting queue: keep the host-tier blocks of its cached prefix (the leading blocks
+        on the device or in the tier) from being dropped until it is admitted or ends (engine/core/host_tier.py).
+        No stats: this is not the admission's lookup."""
+        if self.host_tier is None or request.sampling_params.prompt_logprobs is not None:
             return
         self.update_block_hashes(request)
-        held, on_device = [], []
+        held = []
         for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
-            block = self.pool.get_cached_block(block_hash)
-            in_tier = self.host_tier is not None and block_hash in self.host_tier
-            if block is None and not in_tier:
-                break
-            if block is not None:
-                on_device.append(block)
-            if in_tier:
+            if block_hash in self.host_tier:
                 held.append(block_hash)
-        self.pool.refresh(on_device)
-        if self.host_tier is not None:
-            request.host_reserved = self.host_tier.reserve(held)
+            elif self.pool.get_cached_block(block_hash) is None:
+                break
+        request.host_reserved = self.host_tier.reserve(held)
 
     def release_prefix(self, request: Request) -> None:
         """End `reserve_prefix`'s reservation (admitted, or finished while waiting); a no-op after the first."""

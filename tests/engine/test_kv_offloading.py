@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.arg_utils import EngineArgs
-from engine.core.block_pool import BlockPool, BlockRemoved, BlockStored, KVTier
+from engine.core.block_pool import BlockRemoved, BlockStored, KVTier
 from engine.core.host_tier import HostKVTier
 from engine.llm_engine import LLMEngine
 from engine.outputs import SchedulerOutput
@@ -166,37 +166,6 @@ def test_a_waiting_turn_keeps_its_host_prefix_while_other_requests_evict(monkeyp
         ids_off, cached_off = _wait_behind_a_filler(False, patched)
     assert cached == 64 and cached_off < cached
     assert ids == ids_off  # the same greedy tokens either way
-
-
-def _device_prefix_behind_a_filler(refresh: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], int]:
-    """No host tier: one conversation's 4 prefix blocks and a filler's are cached and free (the conversation's the
-    least recently used); then another filler and the conversation's next turn arrive together (max_num_seqs=1),
-    and the filler's 5 new blocks evict from the LRU end while the turn waits."""
-    if not refresh:
-        monkeypatch.setattr(BlockPool, "refresh", lambda self, prefix: None)
-    args = EngineArgs(model="tiny", device="cpu", num_gpu_blocks_override=12, max_model_len=160, max_num_seqs=1)
-    engine = LLMEngine(args.create_engine_config())
-    first, filler_a, filler_b = prompts(3, seed=5)
-    generate(engine, first)
-    generate(engine, filler_a)
-    engine.add_request("filler", {"prompt_token_ids": filler_b}, GREEDY)
-    turn = engine.add_request("turn", {"prompt_token_ids": first + [9] * 8}, GREEDY)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
-    return list(outputs[turn].outputs[0].token_ids), outputs[turn].num_cached_tokens
-
-
-def test_a_waiting_turn_keeps_its_device_prefix_ahead_of_older_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a tier, a request's cached device prefix moves to the most recently used end of the eviction queue
-    when it arrives: the router routed it there for that prefix, so other free blocks are evicted first."""
-    ids, cached = _device_prefix_behind_a_filler(True, monkeypatch)
-    with monkeypatch.context() as patched:
-        ids_off, cached_off = _device_prefix_behind_a_filler(False, patched)
-    assert cached == 64 and cached_off < cached
-    assert ids == ids_off
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
