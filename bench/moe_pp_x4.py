@@ -172,8 +172,9 @@ def _dispatch_row(tokens: int, job: dict[str, Any], device: Any, dtype: Any) -> 
     world, cuda = job["world"], job["cuda"]
     local = torch.randn(tokens, job["hidden"], device=device).to(dtype)
     every = torch.randn(world * tokens, job["hidden"], device=device).to(dtype)
+    reduced = every.clone()  # summed in place on every call: its own buffer, so the others' inputs stay finite
     gathered, scattered, sent = torch.empty_like(every), torch.empty_like(local), torch.empty_like(every)
-    calls = {"all_reduce": lambda: dist.all_reduce(every),
+    calls = {"all_reduce": lambda: dist.all_reduce(reduced),
              "all_gather": lambda: dist.all_gather_into_tensor(gathered, local),
              "reduce_scatter": lambda: dist.reduce_scatter_tensor(scattered, every),
              "all_to_all": lambda: dist.all_to_all_single(sent, every)}

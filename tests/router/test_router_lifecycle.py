@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+import router.core
 from protos.kvflow.v1 import kvflow_pb2 as pb
 from protos.kvflow.v1 import kvflow_pb2_grpc
 from router.drain_forecast import GenerationTracker
@@ -330,7 +332,6 @@ def test_restart_backoff_doubles_to_its_cap_and_resets_after_a_minute_up() -> No
     assert backoff.delay(30.0, uptime_s=61.0) == 1.0  # it had been up a minute: a fresh streak
 
 
-
 class _Unwaited(RouterHarness):
     def _wait_ready(self) -> None:  # the test watches /health itself
         pass
@@ -339,10 +340,6 @@ class _Unwaited(RouterHarness):
 def test_health_waits_for_the_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every request waits for the router's first tokenizer load (seconds for a large vocabulary, 7 s on a GPU host
     for Llama-3.1-8B's), so /health says ready only once it has finished: it stays out of the first TTFTs."""
-    import threading
-
-    import router.core
-
     release = threading.Event()
     real_pool = router.core.TokenizerPool
 
