@@ -1,8 +1,8 @@
 """Quantization on the GPU (issues 14 and 32), each quantized form beside bf16 in the same run, Llama-3.1-8B shapes
 with random weights (`--load-format dummy`):
 
-- e2e:   the engine end to end (issue 32): modes bf16, fp8 (W8A8), int4 (the dummy AWQ preset) and int4_fp8kv
-         (+ fp8 KV), at batch 1, 16 and "tput" (N x 512 in / 128 out, default N=1000, --num-prompts), each
+- e2e:   the engine end to end (issue 32): modes bf16, fp8 (W8A8), int4 (the dummy AWQ preset), int4_fp8kv
+         (+ fp8 KV) and gguf (a dummy GGUF written at load: Q4_1 linears, Q8_0 head), at batch 1, 16 and "tput" (N x 512 in / 128 out, default N=1000, --num-prompts), each
          (mode, batch) in a fresh process (bench/harness/jobs.py): first_batch_out_tok_s is its first generate
          after the engine is ready, out_tok_s a later repeat. Plus the check: greedy ids of int4 vs the dense
          checkpoint of the same weights, fp32 and bf16 (2-layer Llama-8B widths). Writes
@@ -11,6 +11,8 @@ with random weights (`--load-format dummy`):
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
          torch reference; and the block count of each KV dtype in one budget.
 - int4:  the decode step's weight GEMMs, int4 vs bf16 (bench/quant_int4.py).
+- mma:   the same step with AWQ-shaped weights through the tensor-core int4 kernel (kernels/quant_mma_kn.py), tiles
+         swept per batch, beside bf16 and the kn GEMV / GEMM (bench/quant_int4.py's part_mma).
 
 The w8a8_layers part (each decoder linear, Fp8Linear vs bf16; the activation quantization, Triton vs torch) was
 retired: it runs at `git checkout be1a1ae`. The w8a8 part (fp8 W8A8 / fp8 KV engine throughput beside bf16, KV
@@ -50,18 +52,19 @@ from bench.harness.jobs import answer_job, run_jobs  # noqa: E402
 from bench.harness.records import RESULTS, device_slug, gpu_name, write_json  # noqa: E402
 from bench.harness.runs import first_divergence, output_tokens, step_until_done, timed_generate  # noqa: E402
 from bench.harness.timing import wall_seconds  # noqa: E402
-from bench.quant_int4 import graph_ms, part_int4, rel_err  # noqa: E402
+from bench.quant_int4 import graph_ms, part_int4, part_mma, rel_err  # noqa: E402
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128  # Llama-3.1-8B
-PARTS = ("e2e", "kv", "int4")
+PARTS = ("e2e", "kv", "int4", "mma")
 MODULE = "bench.quant_gpu"
 
 
 # ----------------------------------------------------------------------------------------- e2e (issue 32)
 E2E_MODES: dict[str, dict[str, str]] = {"bf16": {}, "fp8": {"quantization": "fp8"}, "int4": {"quantization": "awq"},
-                                        "int4_fp8kv": {"quantization": "awq", "kv_cache_dtype": "fp8"}}
+                                        "int4_fp8kv": {"quantization": "awq", "kv_cache_dtype": "fp8"},
+                                        "gguf": {"quantization": "gguf"}}  # dummy GGUF: Q4_1 linears, Q8_0 head
 CHECK_PROMPTS = [[5, 17, 300, 42], [7] * 20, list(range(100, 140)), [1, 2, 3] * 30]
 
 
@@ -248,6 +251,8 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         return part_e2e(args)
     if part == "int4":
         return part_int4(args.smoke)
+    if part == "mma":
+        return part_mma(args.smoke)
     return part_kv(args.smoke)
 
 

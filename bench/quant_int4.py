@@ -160,3 +160,90 @@ def part_int4(smoke: bool) -> dict[str, Any]:
     out = run.header()
     out["cases"] = [run.case(batch) for batch in (1, 8, 16, 64, 256)]
     return out
+
+
+# ----------------------------------------------------------------------------------------- mma (issue 32)
+# (BLOCK_M, BLOCK_N, warps, programs per SM) tried per batch; the first of each is kernels/quant_mma_kn.py's table
+# (the first H100 sweep, quant_mma_h100.json, had other firsts: the table's entries before it)
+MMA_SWEEP: dict[int, list[tuple[int, int, int, int]]] = {
+    1: [(16, 128, 4, 4), (16, 128, 4, 8), (16, 128, 4, 16), (16, 256, 8, 4), (16, 64, 4, 16), (16, 128, 8, 8)],
+    16: [(16, 128, 4, 4), (16, 128, 4, 8), (16, 128, 4, 2), (16, 256, 8, 4), (16, 64, 4, 8)],
+    32: [(16, 128, 4, 4), (32, 128, 4, 4), (32, 128, 4, 8), (32, 256, 8, 4)],
+    64: [(64, 128, 4, 4), (64, 128, 8, 4), (64, 64, 4, 4), (32, 128, 4, 4), (32, 256, 8, 4)],
+    128: [(128, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 4), (32, 128, 4, 4)],
+    256: [(128, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2)]}
+
+
+def awq_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight:
+    """AWQ-shaped int4: zero points, groups of 128 (the dummy AWQ preset's form)."""
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8, device=dev)
+    scales = fp16_bits(torch.rand(n, k // 128, generator=g, device=dev) * 0.002 + 0.0005)
+    zeros = torch.randint(0, 16, (n, k // 128), generator=g, dtype=torch.uint8, device=dev)
+    return QuantWeight(4, "zero", 128, n, k, pack_int4(q), scales, zeros=zeros)
+
+
+def step_mma(weights: list[list[KNWeight]], xs: dict[int, torch.Tensor], arrivals: list[list[torch.Tensor]],
+             **overrides: Any) -> None:
+    from kernels.quant_mma_kn import quant_mma_kn
+
+    for i, ws in enumerate(weights):
+        for j, w in enumerate(ws):
+            quant_mma_kn(xs[w.in_features], w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size,
+                         w.out_features, arrivals=arrivals[i][j], **overrides)
+
+
+def part_mma(smoke: bool) -> dict[str, Any]:
+    """The tensor-core int4 kernel (kernels/quant_mma_kn.py) over the decode step's AWQ-shaped weights, beside
+    bf16 (cuBLAS), the engine's bf16 GEMV (batch 1) and today's kn path (GEMV / GEMM / dense), tiles swept per
+    batch; its error against the reference first, paired (PTX) and not."""
+    from kernels.quant_mma_kn import quant_mma_kn
+
+    dev = "cpu" if smoke else "cuda"
+    hidden, inter, layers = (128, 256, 2) if smoke else (HIDDEN, INTER, LAYERS)
+    shapes = [(hidden + 2 * (hidden // 4), hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    g = torch.Generator(device=dev).manual_seed(3)
+    int4 = [[awq_weight(n, k, dev, g) for n, k in shapes] for _ in range(layers)]
+    kn = [[to_kn(w) for w in ws] for ws in int4]
+    del int4[1:]  # (the canonical copies of layer 0 only, for the check)
+    bf16 = [[torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+            for _ in range(layers)]
+    arrivals = arrivals_for(kn)
+    out: dict[str, Any] = {"workload": f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), "
+                                       "AWQ-shaped int4 (zero points, group 128) vs bf16, one CUDA graph per step",
+                           "check": [], "cases": []}
+    w0 = kn[0][2]
+    for rows in (1, 16, 64):
+        x = torch.randn(rows, hidden, generator=g, device=dev).to(torch.bfloat16)
+        ref = quant_matmul_ref(x.float(), int4[0][2])
+        for paired in ([False] if smoke else [False, True]):
+            y = quant_mma_kn(x, w0.qweight, w0.scales, w0.offsets, KINDS.index("zero"), 128, w0.out_features,
+                             paired=paired)
+            out["check"].append({"rows": rows, "paired": paired, "rel_err": rel_err(y.float(), ref),
+                                 "bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)})
+    print("mma check", out["check"], flush=True)
+    for batch, sweep in MMA_SWEEP.items():
+        xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in (hidden, inter)}
+        steps = [("bf16", functools.partial(step_bf16, bf16, xs)),
+                 ("int4_kn", functools.partial(step_kn, kn, xs, arrivals, mma=False))]
+        if batch == 1 and not smoke:
+            steps.append(("bf16_engine", functools.partial(step_bf16_engine, bf16, xs)))
+        steps += [(f"mma{list(t)}", functools.partial(step_mma, kn, xs, arrivals, tiles=t)) for t in sweep]
+        steps.append((f"mma{list(sweep[0])}_unpaired",
+                      functools.partial(step_mma, kn, xs, arrivals, tiles=sweep[0], paired=False)))
+        row: dict[str, Any] = {"batch": batch}
+        for name, fn in steps:
+            try:
+                seconds = wall_seconds(fn if smoke else capture_graph(fn).replay, 1 if smoke else 20, not smoke)
+            except Exception as exc:  # a tile that fails to compile or launch: recorded, the sweep goes on
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            row[f"{name}_ms"] = round(seconds * 1e3, 3)
+        best = min((k for k in row if k.startswith("mma") and k.endswith("_ms")), key=row.get)
+        row["best_mma"] = best.removesuffix("_ms")
+        row["best_mma_vs_bf16"] = round(row["bf16_ms"] / row[best], 3)
+        row["int4_kn_vs_bf16"] = round(row["bf16_ms"] / row["int4_kn_ms"], 3)
+        print("mma", row, flush=True)
+        out["cases"].append(row)
+        if smoke:
+            break
+    return out

@@ -36,6 +36,7 @@ from kernels._triton import (
     triton,
 )
 from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO  # one numbering for both layouts' kernels
+from kernels.quant_mma_kn import mma_supported, quant_mma_kn
 
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
 # GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
@@ -56,6 +57,11 @@ GEMM_TILES: dict[int, tuple[int, int, int, int, bool]] = {16: (16, 128, 16, 4, T
 # From this many rows on, W is dequantized once (one launch) and multiplied densely by cuBLAS: a flat ~11.8 ms
 # per Llama-8B step for the dequantization, against the GEMM's 7.4 ms at 64 rows and 22.5 at 256.
 DEQUANT_MIN_M = 128
+# 2 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 (AWQ / GPTQ) take the tensor-core
+# kernel (kernels/quant_mma_kn.py): H100, the decode step's AWQ-shaped weights at 16 rows, 3.81 ms against this
+# GEMM's 4.50 and bf16's 5.17; at 32 rows the GEMM wins (5.13 against 5.85), and at one row the GEMV (2.47 against
+# 3.66) (bench/results/quant_mma_h100.json)
+MMA_MAX_M = 16
 DEQUANT_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_N, warps): 7 tiles within 4 % of each other on the H100
 
 if HAS_TRITON:
@@ -331,12 +337,14 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   asm: bool | None = None, pipeline: bool | None = None,
                   gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None,
                   dequant_tiles: tuple[int, int, int] | None = None,
-                  arrivals: torch.Tensor | None = None, pairs: bool | None = None) -> torch.Tensor:
+                  arrivals: torch.Tensor | None = None, pairs: bool | None = None,
+                  mma: bool | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
     `pipeline` (the GEMV loads one iteration ahead), `pairs` (the GEMV's nibble-pair form), `gemm_tiles`, `dense` (several rows:
-    dequantize W once and run a dense matmul; default from DEQUANT_MIN_M) and `dequant_tiles`.
+    dequantize W once and run a dense matmul; default from DEQUANT_MIN_M), `dequant_tiles` and `mma` (several rows:
+    the tensor-core kernel; default: 2 to MMA_MAX_M rows where it applies).
 
     `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
     zero again when it returns."""
@@ -373,6 +381,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             **pdl_launch(x.device))
         if sum_here:
             return y
+    elif (m <= MMA_MAX_M and mma_supported(x.dtype, group_size, k)) if mma is None else mma:
+        return quant_mma_kn(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)
     elif (m >= DEQUANT_MIN_M) if dense is None else dense:
         wt = dequantize_kn(qweight, scales, offsets, kind, group_size, out_features, x.dtype, dequant_tiles)
         return torch.mm(x, wt, out=y)
