@@ -5,7 +5,8 @@ with random weights (`--load-format dummy`):
          (+ fp8 KV) and gguf (a dummy GGUF written at load: Q4_1 linears, Q8_0 head), at batch 1, 16 and "tput" (N x 512 in / 128 out, default N=1000, --num-prompts), each
          (mode, batch) in a fresh process (bench/harness/jobs.py): first_batch_out_tok_s is its first generate
          after the engine is ready, out_tok_s a later repeat. Plus the check: greedy ids of int4 vs the dense
-         checkpoint of the same weights, fp32 and bf16 (2-layer Llama-8B widths). Writes
+         checkpoint of the same weights, fp32 and bf16 (2-layer Llama-8B widths); with gguf among the modes, also
+         the dummy GGUF engine vs HF transformers (fp32) on its dequantized weights (`gguf_check`). Writes
          bench/results/quant_e2e_<device>.json after every job; a later call with other --modes / --batches adds
          its records to the file's. Not run unless named in --parts.
 - kv:    paged decode attention, bf16 KV vs fp8 KV, at 8k and 32k context (batch 1 and 16), checked against the
@@ -72,7 +73,7 @@ def e2e_one(job: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: build the engine, time the batch at once (the first batch after the engine is ready),
     then repeat it on new prompts of the same shape (a repeat must not hit the prefix cache). Or the check."""
     if "check_dtype" in job:
-        return e2e_check(job)
+        return e2e_gguf_check(job) if job.get("quantization") == "gguf" else e2e_check(job)
     from kvflow import LLM, SamplingParams
     from kvflow.benchmarks.throughput import random_prompts
 
@@ -97,11 +98,7 @@ def e2e_check(job: dict[str, Any]) -> dict[str, Any]:
 
     from engine.arg_utils import EngineArgs
     from engine.llm_engine import LLMEngine
-    from engine.models.weight_map import checkpoint_keys, checkpoint_modules
-    from engine.quant.dummy_int4 import part_rows
-    from engine.quant.group_quant import dequantize
     from engine.quant.quant_layers import QuantLinear
-    from engine.runner.cpu_linear import PackedLinear
     from engine.sampling_params import SamplingParams
 
     def greedy(path: str, logprobs: int | None, **kw: Any) -> tuple[Any, list[Any]]:
@@ -118,17 +115,10 @@ def e2e_check(job: dict[str, Any]) -> dict[str, Any]:
         int4, ours = greedy(tmp, None, load_format="dummy", quantization="awq")
         model = int4.runner.model
         quant = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-        dense = dict(model.named_parameters()) | {f"{name}.weight": m.weight for name, m in model.named_modules()
-                                                   if isinstance(m, PackedLinear)}  # CPU fp32: oneDNN-packed
-        state = {checkpoint_keys(type(model), name)[0]: p.detach().cpu() for name, p in dense.items()
-                 if name.rpartition(".")[0] not in quant}
-        for path, linear in quant.items():
-            bases = checkpoint_modules(type(model), path)
-            parts = dequantize(linear.quant_weight()).cpu().split(part_rows(model, path, bases))
-            state |= {f"{base}.weight": w.contiguous() for base, w in zip(bases, parts, strict=True)}
+        state = dense_state(model)
         layouts = sorted({m.layout for m in quant.values()})
         int4.shutdown()
-        del int4, model, quant, dense  # the dense engine needs no memory of theirs
+        del int4, model, quant  # the dense engine needs no memory of theirs
         save_file(state, str(Path(tmp, "model.safetensors")))
         want = greedy(tmp, 5)[1]
     exact = sum(o.token_ids == w.token_ids for o, w in zip(ours, want, strict=True))
@@ -136,6 +126,80 @@ def e2e_check(job: dict[str, Any]) -> dict[str, Any]:
                if (k := first_divergence(o.token_ids, w.token_ids)) is not None)
     return {"layouts": layouts, "exact": exact, "diverged_within_top5": top5, "prompts": len(CHECK_PROMPTS),
             "verdict": "PASS" if exact + top5 == len(CHECK_PROMPTS) else "FAIL"}
+
+
+def dense_state(model: Any) -> dict[str, torch.Tensor]:
+    """An HF checkpoint's state dict of `model`'s weights as it holds them: quantized linears and tables
+    dequantized (fused ones split into their parts), every other tensor as is, on the CPU."""
+    from engine.models.weight_map import checkpoint_keys, checkpoint_modules
+    from engine.quant.dummy_int4 import part_rows
+    from engine.quant.group_quant import dequantize
+    from engine.quant.quant_layers import QuantEmbedding, QuantLinear
+    from engine.runner.cpu_linear import PackedLinear
+
+    modules = dict(model.named_modules())
+    quant = {name: m for name, m in modules.items() if isinstance(m, QuantLinear)}
+    dense = dict(model.named_parameters()) | {f"{name}.weight": m.weight for name, m in modules.items()
+                                               if isinstance(m, PackedLinear)}  # CPU fp32: oneDNN-packed
+    state = {checkpoint_keys(type(model), name)[0]: p.detach().cpu() for name, p in dense.items()
+             if name.rpartition(".")[0] not in quant}
+    for path, linear in quant.items():
+        parent = path.rpartition(".")[0]
+        table = isinstance(modules.get(parent), QuantEmbedding)  # its linear holds a table's rows
+        bases = checkpoint_modules(type(model), parent if table else path)
+        rows = [linear.out_features] if table else part_rows(model, path, bases)
+        parts = dequantize(linear.quant_weight()).cpu().split(rows)
+        state |= {f"{base}.weight": w.contiguous() for base, w in zip(bases, parts, strict=True)}
+    return state
+
+
+def e2e_gguf_check(job: dict[str, Any]) -> dict[str, Any]:
+    """Greedy ids of the dummy GGUF engine (Q4_1 linears, Q8_0 table and head) at job["check_dtype"] against HF
+    transformers, in fp32 on the same device, on the dense checkpoint of the same weights (the GGUF tensors
+    dequantized): PASS when each is equal, or first leaves HF's ids at a token in HF's top-5 of that step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.arg_utils import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "config.json").write_text(json.dumps(job["config"]))
+        engine = LLMEngine(EngineArgs(model=tmp, dtype=job["check_dtype"], max_model_len=256, seed=0,
+                                      kv_cache_memory_bytes=64 << 20, load_format="dummy", quantization="gguf",
+                                      **job["device"]).create_engine_config())
+        for n, prompt in enumerate(CHECK_PROMPTS):
+            engine.add_request(f"r{n}", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                                logprobs=1))
+        done = step_until_done(engine)[0]
+        outs = [done[f"r{n}"].outputs[0] for n in range(len(CHECK_PROMPTS))]
+        state = dense_state(engine.runner.model)
+        device = next(engine.runner.model.parameters()).device
+        engine.shutdown()
+        del engine
+    hf = LlamaForCausalLM(LlamaConfig(**job["config"])).float()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # (a tied head is the embedding)
+        raise RuntimeError(f"dense checkpoint does not fit HF's model: missing {missing}, unexpected {unexpected}")
+    hf = hf.to(device).eval()
+    exact = top5 = 0
+    gap = 0.0  # the largest |logprob difference| of our chosen token, over the steps before any divergence
+    for prompt, mine_out in zip(CHECK_PROMPTS, outs, strict=True):
+        mine = mine_out.token_ids
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=16, do_sample=False,
+                              output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
+        theirs = out.sequences[0, len(prompt):].tolist()
+        k = first_divergence(mine, theirs)
+        exact += k is None
+        top5 += k is not None and mine[k] in out.scores[k][0].topk(5).indices.tolist()
+        for step in range(len(mine) if k is None else k + 1):
+            theirs_lp = out.scores[step][0].float().log_softmax(-1)[mine[step]].item()
+            gap = max(gap, abs(mine_out.logprobs[step][mine[step]].logprob - theirs_lp))
+    return {"oracle": "HF transformers fp32", "exact": exact, "diverged_within_top5": top5,
+            "max_abs_logprob_diff": round(gap, 5),
+            "prompts": len(CHECK_PROMPTS), "verdict": "PASS" if exact + top5 == len(CHECK_PROMPTS) else "FAIL"}
 
 
 def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,11 +223,18 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
                                     f"{config['vocab_size']}), dummy AWQ vs the dense checkpoint of the same "
                                     f"weights, {len(CHECK_PROMPTS)} prompts x 16 greedy tokens; PASS: each equal, "
                                     "or first leaving at a token in the dense run's top-5", "device": device}
-        jobs = [{"check_dtype": dtype, "config": config, "device": {"device": "cpu"} if smoke else {}}
-                for dtype in ("float32", "bfloat16")]
+        quants = ["awq", *(["gguf"] if "gguf" in args.modes else [])]
+        doc["gguf_check"] = {"workload": doc["check"]["workload"].replace("dummy AWQ vs the dense checkpoint of the "
+                                                                          "same weights", "dummy GGUF (Q4_1, Q8_0 "
+                                                                          "table and head) vs HF transformers fp32 on "
+                                                                          "its dequantized weights").replace(
+                                                                              "dense run's", "HF's"),
+                             "device": device} if "gguf" in quants else doc.get("gguf_check")
+        jobs = [{"check_dtype": dtype, "config": config, "device": {"device": "cpu"} if smoke else {},
+                 "quantization": quant} for quant in quants for dtype in ("float32", "bfloat16")]
         for job, res in zip(jobs, run_jobs(MODULE, jobs, left(300)), strict=True):  # side by side: small engines
-            doc["check"][job["check_dtype"]] = res
-            print("e2e check", job["check_dtype"], res, flush=True)
+            doc["check" if job["quantization"] == "awq" else "gguf_check"][job["check_dtype"]] = res
+            print("e2e check", job["quantization"], job["check_dtype"], res, flush=True)
         write_json(path, doc)
     base = {"model": model, "load_format": "dummy", "max_model_len": in_len + out_len + 16}
     base |= {"device": "cpu", "kv_cache_memory_bytes": 16 << 20} if smoke else {"dtype": "bfloat16"}
@@ -197,8 +268,9 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
                         "ratio_vs_bf16": round(res["out_tok_s"] / bf16, 3) if bf16 else None})
                     run["load_s"][f"{mode}/{batch}"] = res["load_s"]
                 write_json(path, doc)
-    failed = run["errors"] or any(doc.get("check", {}).get(d, {}).get("verdict") != "PASS"
-                                  for d in ("float32", "bfloat16") if args.check)
+    checks = ["check", *(["gguf_check"] if "gguf" in args.modes else [])] if args.check else []
+    failed = run["errors"] or any(doc.get(c, {}).get(d, {}).get("verdict") != "PASS"
+                                  for c in checks for d in ("float32", "bfloat16"))
     return {"file": str(path), **({"error": "see the file's runs[-1].errors / check"} if failed else {})}
 
 
