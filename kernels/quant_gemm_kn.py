@@ -41,6 +41,9 @@ from kernels.quant_mma_kn import mma_supported, quant_mma_kn
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
 # GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
 GEMV_TILES = (32, 4, 16, 1)
+# Groups of a multiple of 128 (AWQ / GPTQ): two warps per program, the H100's best of five over the decode step's
+# AWQ-shaped weights (bench/results/quant_mma_h100.json, run 2): 2.27 ms against 2.43 for GEMV_TILES
+GEMV_TILES_WIDE_GROUPS = (64, 4, 16, 2)
 MIN_GEMV_BLOCK_N = 16
 GEMV_PIPELINE = True
 # The nibble-pair GEMV (`_pair`), compiled offline for sm_90 (bench/sass_mix.py, retired: it runs at git checkout 889a256 -> int4_gemv_sass_offline.json):
@@ -364,7 +367,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         return y
     sms = sm_count(x.device)
     if m == 1:
-        block_n, nsub, split, warps = kn_gemv_tiles(out_features, k, sms, gemv_tiles)
+        wide = GEMV_TILES_WIDE_GROUPS if group_size % 128 == 0 else None
+        block_n, nsub, split, warps = kn_gemv_tiles(out_features, k, sms, gemv_tiles or wide)
         step = 32 * nsub
         per_split = -(-(k // step) // split) * step
         split = -(-k // per_split)
