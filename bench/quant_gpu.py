@@ -2,7 +2,8 @@
 with random weights (`--load-format dummy`):
 
 - e2e:   the engine end to end (issue 32): modes bf16, fp8 (W8A8), int4 (the dummy AWQ preset), int4_fp8kv
-         (+ fp8 KV) and gguf (a dummy GGUF written at load: Q4_1 linears, Q8_0 head), at batch 1, 16 and "tput" (N x 512 in / 128 out, default N=1000, --num-prompts), each
+         (+ fp8 KV) and gguf (a dummy GGUF written at load: Q4_1 linears, Q8_0 head), at batch 1, 16 and "tput"
+         (N x 512 in / 128 out, default N=1000, --num-prompts), each
          (mode, batch) in a fresh process (bench/harness/jobs.py): first_batch_out_tok_s is its first generate
          after the engine is ready, out_tok_s a later repeat. Plus the check: greedy ids of int4 vs the dense
          checkpoint of the same weights, fp32 and bf16 (2-layer Llama-8B widths); with gguf among the modes, also

@@ -37,6 +37,7 @@ from kernels._triton import (
 )
 from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO  # one numbering for both layouts' kernels
 from kernels.quant_mma_kn import mma_supported, quant_mma_kn
+from kernels.split_sum import sum_here, sum_splits
 
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
 # GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
@@ -131,8 +132,8 @@ if HAS_TRITON:
 
         With K split, each program writes its fp32 partial to P [NUM_SPLITS, N]. SUM_HERE: the last program of a
         column tile to arrive (an acq_rel counter per tile in Arrivals, zero between calls) sums the partials in
-        split order, writes Y and resets its counter, so no second launch is needed; else Y is written by
-        `_sum_splits_kernel`.
+        split order, writes Y and resets its counter, so no second launch is needed (kernels/split_sum.py); else
+        Y is written by `sum_splits`.
 
         PAIRS: the codes are read a nibble pair per shift (`_pair`), x a pair of elements per load, and the
         column-independent sums of x come from one [NSUB, 4, 8] block load spread over the warp."""
@@ -197,14 +198,7 @@ if HAS_TRITON:
         else:
             tl.store(P + pid_s.to(tl.int64) * N + offs_n, acc, mask=n_mask)
             if SUM_HERE:
-                tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-                arrived = tl.atomic_add(Arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == NUM_SPLITS - 1:
-                    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                    for split in range(NUM_SPLITS):  # L2 reads (.cg): other SMs wrote them, L1 may hold stale lines
-                        total += tl.load(P + split * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-                    tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=n_mask)
-                    tl.atomic_xchg(Arrivals + pid_n, 0)
+                sum_here(P, Y, Arrivals, pid_n, NUM_SPLITS, N, offs_n, n_mask, acc)
 
     @triton.jit
     def _kn_gemm_kernel(X, QW, S, Off, Y, M, N, K, K_PER_SPLIT, stride_xm, stride_ym, stride_ys,
@@ -278,16 +272,6 @@ if HAS_TRITON:
             b = ((w >> (4 * j)) & 0xF).to(tl.float32) * d + c
             tl.store(out + j * N, b.to(W.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _sum_splits_kernel(P, Y, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """y = the sum over splits of the fp32 partials [SPLIT, NUMEL], in y's dtype (one launch)."""
-        pdl_wait(PDL)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < NUMEL
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            total += tl.load(P + s * NUMEL + offs, mask=mask, other=0.0)
-        tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
 
 
 def new_arrivals(out_features: int, device: torch.device | str) -> torch.Tensor:
@@ -376,14 +360,14 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < tiles_n):
             raise ValueError(f"arrivals must be int32 with at least {tiles_n} entries")
         partial = y if split == 1 else torch.empty(split, out_features, dtype=torch.float32, device=x.device)
-        sum_here = split > 1 and arrivals is not None
+        fused_sum = split > 1 and arrivals is not None
         _kn_gemv_kernel[(tiles_n, split)](
-            x, qweight, scales, offsets, y, partial, arrivals if sum_here else y, out_features, k, per_split, split,
+            x, qweight, scales, offsets, y, partial, arrivals if fused_sum else y, out_features, k, per_split, split,
             GROUP=group_size, KIND=kind, BLOCK_N=block_n, NSUB=nsub, ASM=x.is_cuda if asm is None else asm,
-            PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, SUM_HERE=sum_here,
+            PIPELINE=GEMV_PIPELINE if pipeline is None else pipeline, SUM_HERE=fused_sum,
             PAIRS=GEMV_PAIRS if pairs is None else pairs, num_warps=warps,
             **pdl_launch(x.device))
-        if sum_here:
+        if fused_sum:
             return y
     elif (m <= MMA_MAX_M and mma_supported(x.dtype, group_size, k)) if mma is None else mma:
         return quant_mma_kn(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)
@@ -403,9 +387,6 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             x, qweight, scales, offsets, partial, m, out_features, k, per_split, x.stride(0), out_features,
             m * out_features, GROUP=group_size, KIND=kind, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
             UPCAST=upcast, SWAP_AB=swap and not upcast, num_warps=warps)
-    if split > 1:
-        numel = m * out_features
-        # after the GEMM (no PDL there) the wait is immediate; after the GEMV it orders the partials' reads
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](partial, y, numel, SPLIT=split, BLOCK=1024,
-                                                        **pdl_launch(x.device))
+    if split > 1:  # (after the GEMM, launched without PDL, the split sum's wait is immediate)
+        sum_splits(partial, y)
     return y

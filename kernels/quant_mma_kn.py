@@ -36,6 +36,7 @@ from kernels._triton import (
     tl,
     triton,
 )
+from kernels.split_sum import sum_here, sum_splits
 
 __all__ = ["MMA_GROUP_STEP", "mma_supported", "mma_tiles", "quant_mma_kn"]
 
@@ -130,26 +131,7 @@ if HAS_TRITON:
         else:
             tl.store(P + pid_s.to(tl.int64) * M * N + rows, out, mask=mn_mask)
             if SUM_HERE:
-                tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-                arrived = tl.atomic_add(Arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == NUM_SPLITS - 1:
-                    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for split in range(NUM_SPLITS):  # L2 reads (.cg): other SMs wrote them
-                        total += tl.load(P + split * M * N + rows, mask=mn_mask, other=0.0, cache_modifier=".cg")
-                    tl.store(Y + rows, total.to(Y.dtype.element_ty), mask=mn_mask)
-                    tl.atomic_xchg(Arrivals + pid_n, 0)
-
-    @triton.jit
-    def _sum_splits_kernel(P, Y, NUMEL, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """y = the sum over splits of the fp32 partials [SPLIT, NUMEL], in y's dtype (one launch)."""
-        pdl_wait(PDL)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < NUMEL
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            total += tl.load(P + s * NUMEL + offs, mask=mask, other=0.0)
-        tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
-
+                sum_here(P, Y, Arrivals, pid_n, NUM_SPLITS, M * N, rows, mn_mask, out)
 
 def mma_supported(dtype: torch.dtype, group_size: int, k: int) -> bool:
     """Whether `quant_mma_kn` takes these activations and groups: bf16 / fp16, groups (and so K) a multiple of
@@ -172,9 +154,10 @@ def quant_mma_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, o
                  arrivals: torch.Tensor | None = None, paired: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16, contiguous rows) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes
     [K/8, N], scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric
-    kind). `tiles` overrides the table (sweeps); `paired`: codes made two at a time by PTX (default: on CUDA). `arrivals`: int32 zeros (`kernels.quant_gemm_kn.new_arrivals`),
-    owned by the caller and used by one call at a time: a call whose rows fit one row tile then sums its K split
-    in the same launch; they are zero again when it returns."""
+    kind). `tiles` overrides the table (sweeps); `paired`: codes made two at a time by PTX (default: on CUDA).
+    `arrivals`: int32 zeros (`kernels.quant_gemm_kn.new_arrivals`), owned by the caller and used by one call at a
+    time: a call whose rows fit one row tile then sums its K split in the same launch; they are zero again when it
+    returns."""
     require_triton("quant_mma_kn")
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
@@ -192,17 +175,16 @@ def quant_mma_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, o
     per_split = -(-(k // MMA_GROUP_STEP) // split) * MMA_GROUP_STEP
     split = -(-k // per_split)
     tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(out_features, block_n)
-    sum_here = split > 1 and arrivals is not None and tiles_m == 1
-    if sum_here and (arrivals.dtype != torch.int32 or arrivals.numel() < tiles_n):
+    fused_sum = split > 1 and arrivals is not None and tiles_m == 1
+    if fused_sum and (arrivals.dtype != torch.int32 or arrivals.numel() < tiles_n):
         raise ValueError(f"arrivals must be int32 with at least {tiles_n} entries")
     partial = y if split == 1 else torch.empty(split, m, out_features, dtype=torch.float32, device=x.device)
     magic, offset = _MAGIC[x.dtype]
     _kn_mma_kernel[(tiles_m, tiles_n, split)](
-        x, qweight, scales, offsets, y, partial, arrivals if sum_here else y, m, out_features, k, per_split, split,
-        x.stride(0), GROUP=group_size, KIND=kind, MAGIC=magic, OFFSET=offset, BLOCK_M=block_m, BLOCK_N=block_n,
-        SUM_HERE=sum_here, UPCAST=dot_needs_upcast(x.dtype), PAIRED=x.is_cuda if paired is None else paired, num_warps=warps, **pdl_launch(x.device))
-    if split > 1 and not sum_here:
-        numel = m * out_features
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](partial, y, numel, SPLIT=split, BLOCK=1024,
-                                                        **pdl_launch(x.device))
+        x, qweight, scales, offsets, y, partial, arrivals if fused_sum else y, m, out_features, k, per_split,
+        split, x.stride(0), GROUP=group_size, KIND=kind, MAGIC=magic, OFFSET=offset, BLOCK_M=block_m,
+        BLOCK_N=block_n, SUM_HERE=fused_sum, UPCAST=dot_needs_upcast(x.dtype),
+        PAIRED=x.is_cuda if paired is None else paired, num_warps=warps, **pdl_launch(x.device))
+    if split > 1 and not fused_sum:
+        sum_splits(partial, y)
     return y

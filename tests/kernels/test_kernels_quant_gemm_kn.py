@@ -9,25 +9,18 @@ import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
 import kernels.quant_gemm_kn as kn_kernels
-from engine.quant.group_quant import KINDS, QuantWeight, dequantize, fp16_bits, pack_int4, quant_matmul_ref
+from engine.quant.group_quant import KINDS, QuantWeight, dequantize, quant_matmul_ref
 from engine.quant.kn_layout import KNWeight, from_kn, kn_codes, pack_kn, to_kn
 from engine.quant.quant_layers import QuantEmbedding, QuantLinear
 from tests.helpers.interpreter import interpreter_cases_test
+from tests.helpers.quant import random_int4_weight
 
 # This module's `triton_interpreter` cases, run in a TRITON_INTERPRET=1 subprocess (tests/helpers/interpreter.py).
 test_quant_gemm_kn_under_interpreter = interpreter_cases_test(__file__, at_least=40, at_most=99, timeout=900)
 
 
 def _weight(kind: str, n: int, k: int, group: int, g: torch.Generator) -> QuantWeight:
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scales = fp16_bits(torch.rand(n, k // group, generator=g) * 0.1)
-    if kind == "min":
-        return QuantWeight(4, kind, group, n, k, pack_int4(q), scales,
-                           mins=fp16_bits(-torch.rand(n, k // group, generator=g)))
-    if kind == "zero":
-        return QuantWeight(4, kind, group, n, k, pack_int4(q), scales,
-                           zeros=torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8))
-    return QuantWeight(4, kind, group, n, k, pack_int4(q), scales)
+    return random_int4_weight(kind, n, k, group, g)
 
 
 def _gemm(w: QuantWeight, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, q
 from engine.quant.kn_layout import to_kn
 from kernels.quant_gemm_kn import new_arrivals
 from tests.helpers.interpreter import interpreter_cases_test
+from tests.helpers.quant import random_int4_weight
 
 test_quant_mma_kn_under_interpreter = interpreter_cases_test(__file__, at_least=20, at_most=40, timeout=900)
 
@@ -21,15 +22,7 @@ BOUND = {torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
 def _weight(kind: str, n: int, k: int, group: int, g: torch.Generator) -> QuantWeight:
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scales = fp16_bits(torch.rand(n, k // group, generator=g) * 0.1 + 0.01)
-    if kind == "min":
-        return QuantWeight(4, kind, group, n, k, pack_int4(q), scales,
-                           mins=fp16_bits(-torch.rand(n, k // group, generator=g)))
-    if kind == "zero":
-        return QuantWeight(4, kind, group, n, k, pack_int4(q), scales,
-                           zeros=torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8))
-    return QuantWeight(4, kind, group, n, k, pack_int4(q), scales)
+    return random_int4_weight(kind, n, k, group, g, min_scale=0.01)
 
 
 def _run(w: QuantWeight, x: torch.Tensor, **kw: object) -> torch.Tensor:
