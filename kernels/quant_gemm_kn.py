@@ -42,9 +42,9 @@ from kernels.split_sum import sum_here, sum_splits
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
 # GEMV: (BLOCK_N columns, NSUB sub-blocks per iteration, programs per SM when K splits, warps), the H100 sweep's best
 GEMV_TILES = (32, 4, 16, 1)
-# Groups of a multiple of 128 (AWQ / GPTQ): two warps per program, the H100's best of five over the decode step's
-# AWQ-shaped weights (bench/results/quant_mma_h100.json, run 2): 2.27 ms against 2.43 for GEMV_TILES
-GEMV_TILES_WIDE_GROUPS = (64, 4, 16, 2)
+# Over groups of 128 (AWQ-shaped weights) (64, 4, 16, 2), two warps per program, ran the decode step in 2.27 ms
+# against 2.43 (bench/results/quant_mma_h100.json, run 2); not the default until its output is checked on a GPU
+# (tests/kernels/test_kernels_quant_gemm_kn.py::test_kn_gemv_compiled_on_a_gpu, with the default changed).
 MIN_GEMV_BLOCK_N = 16
 GEMV_PIPELINE = True
 # The nibble-pair GEMV (`_pair`), compiled offline for sm_90 (bench/sass_mix.py, retired: it runs at git checkout 889a256 -> int4_gemv_sass_offline.json):
@@ -351,8 +351,7 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         return y
     sms = sm_count(x.device)
     if m == 1:
-        wide = GEMV_TILES_WIDE_GROUPS if group_size % 128 == 0 else None
-        block_n, nsub, split, warps = kn_gemv_tiles(out_features, k, sms, gemv_tiles or wide)
+        block_n, nsub, split, warps = kn_gemv_tiles(out_features, k, sms, gemv_tiles)
         step = 32 * nsub
         per_split = -(-(k // step) // split) * step
         split = -(-k // per_split)

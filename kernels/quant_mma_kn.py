@@ -42,11 +42,12 @@ __all__ = ["MMA_GROUP_STEP", "mma_supported", "mma_tiles", "quant_mma_kn"]
 
 MMA_GROUP_STEP = 128  # K elements per iteration: 16 word rows, the MMA's K, and one group's slice
 # (BLOCK_M, BLOCK_N, warps, programs per SM) by the largest row count they serve: the H100 sweeps' best over the
-# Llama-8B decode step's AWQ-shaped weights (bench/results/quant_mma_h100.json; 16 rows, run 2: 3.57 ms with two
-# warps, whose dots are Ampere-style mma.sync, against 3.80 with four (wgmma); 32 rows, run 1: two 16-row tiles,
-# 5.85 against 6.49 for one of 32). The engine takes this kernel up to 16 rows only (kernels/quant_gemm_kn.py
-# MMA_MAX_M): at one row and from 32 the other kernels are faster.
-MMA_TILES: dict[int, tuple[int, int, int, int]] = {16: (16, 128, 2, 4), 32: (16, 128, 4, 4), 64: (64, 128, 4, 4),
+# Llama-8B decode step's AWQ-shaped weights among the tiles checked on a GPU (bench/results/quant_mma_h100.json; 16
+# rows: 3.80 ms against 4.64 with 8 programs per SM; 32 rows: two 16-row tiles, 5.85 against 6.49 for one of 32).
+# Two warps at 16 rows, whose dots compile to Ampere-style mma.sync, ran 3.57 ms in run 2: not the default until its
+# output is checked on a GPU (test_mma_compiled_on_a_gpu with the table changed). The engine takes this kernel up to
+# 16 rows only (kernels/quant_gemm_kn.py MMA_MAX_M): at one row and from 32 the other kernels are faster.
+MMA_TILES: dict[int, tuple[int, int, int, int]] = {16: (16, 128, 4, 4), 32: (16, 128, 4, 4), 64: (64, 128, 4, 4),
                                                    1 << 62: (128, 128, 8, 2)}
 # bf16 / fp16 bits of 128 / 1024, whose last mantissa bit counts 1
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}

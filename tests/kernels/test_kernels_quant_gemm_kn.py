@@ -273,9 +273,9 @@ def test_quant_gemm_kn_refuses_bad_inputs() -> None:
 
 
 def test_kn_gemv_compiled_on_a_gpu() -> None:
-    """On a GPU machine: the compiled one-row GEMV at its default tiles (two warps over groups of 128, one over
-    GGUF's 32), its K split summed in the launch, equals the reference at Llama-8B widths; without a GPU the
-    interpreter cases above cover it."""
+    """On a GPU machine: the compiled one-row GEMV at its default tiles, its K split summed in the launch, equals
+    the reference at Llama-8B widths over groups of 128 and 32; without a GPU the interpreter cases above cover
+    it."""
     if not torch.cuda.is_available():
         return
     g = torch.Generator().manual_seed(5)

@@ -91,7 +91,7 @@ def test_mma_keeps_precision_under_outlier_activations() -> None:
 
 
 def test_mma_tiles_split_whole_groups() -> None:
-    assert mma.mma_tiles(1, 4096, 4096, 132) == (16, 128, 2, 16)  # 32 column tiles x 16 splits = 4 per SM
+    assert mma.mma_tiles(1, 4096, 4096, 132) == (16, 128, 4, 16)  # 32 column tiles x 16 splits = 4 per SM
     assert mma.mma_tiles(1, 4096, 512, 132)[3] == 4  # never more splits than iterations
     assert mma.mma_tiles(300, 4096, 4096, 132, (128, 128, 8, 2))[3] == 2
 
