@@ -273,7 +273,6 @@ if HAS_TRITON:
             tl.store(out + j * N, b.to(W.dtype.element_ty), mask=mask)
 
 
-
 def new_arrivals(out_features: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed split-arrival counters for one weight's one-row calls (`quant_gemm_kn(arrivals=...)`): one per
     column tile of the narrowest GEMV tile allowed (MIN_GEMV_BLOCK_N)."""

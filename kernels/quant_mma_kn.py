@@ -1,9 +1,12 @@
 """4-bit weight-only GEMM on tensor cores over the kn layout (engine/quant/kn_layout.py), for bf16 / fp16
-activations and groups of a multiple of 128: y[M, N] = x[M, K] W^T, one to a few hundred rows.
+activations and groups of a multiple of 128: y[M, N] = x[M, K] W^T. The engine runs it at 2-16 rows.
 
-Why: the CUDA-core GEMV (kernels/quant_gemm_kn.py) spends ~7 instructions per 4-bit code (shift, lop3, FMA, x
-loads and widening) and is bound by instruction issue, at about half the HBM rate on an H100. Here the products go
-to the tensor cores, as Marlin does, and a code costs a shift and one lop3 on the CUDA cores:
+Why: the CUDA-core kernels (kernels/quant_gemm_kn.py) spend ~7 (GEMV) to ~11 (GEMM) instructions per 4-bit code
+(shifts, masks, an int-to-float conversion or x's widening, FMAs) and are bound by instruction issue. Here the
+products go to the tensor cores, as Marlin does, and the codes cost 3.4-3.9 loop instructions each (sm_90 SASS,
+Triton 3.6). On an H100 that beats the GEMM at 2-16 rows (3.80 vs 4.50 ms for the Llama-8B decode step's weights at
+16); at one row the GEMV stays faster (2.43 vs 3.24 at best), since each of the eight MMAs of an iteration waits
+for its x tile's shared-memory store and barrier; from 32 rows the two fp32 accumulators spill.
 
 - A code becomes its operand without a conversion: (q | MAGIC) read as bf16 is 128 + q exactly (fp16: 1024 + q),
   since the exponent of 128 (1024) gives the mantissa's last bit the value 1.
@@ -133,6 +136,7 @@ if HAS_TRITON:
             tl.store(P + pid_s.to(tl.int64) * M * N + rows, out, mask=mn_mask)
             if SUM_HERE:
                 sum_here(P, Y, Arrivals, pid_n, NUM_SPLITS, M * N, rows, mn_mask, out)
+
 
 def mma_supported(dtype: torch.dtype, group_size: int, k: int) -> bool:
     """Whether `quant_mma_kn` takes these activations and groups: bf16 / fp16, groups (and so K) a multiple of
