@@ -183,21 +183,25 @@ def awq_weight(n: int, k: int, dev: str, g: torch.Generator) -> QuantWeight:
     return QuantWeight(4, "zero", 128, n, k, pack_int4(q), scales, zeros=zeros)
 
 
-def step_mma(weights: list[list[KNWeight]], xs: dict[int, torch.Tensor], arrivals: list[list[torch.Tensor]],
-             **overrides: Any) -> None:
+def mma_out(w: KNWeight, x: torch.Tensor, **overrides: Any) -> torch.Tensor:
     from kernels.quant_mma_kn import quant_mma_kn
 
+    return quant_mma_kn(x, w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size, w.out_features,
+                        **overrides)
+
+
+def step_each(one: Callable[..., torch.Tensor], weights: list[list[KNWeight]], xs: dict[int, torch.Tensor],
+              arrivals: list[list[torch.Tensor]], **overrides: Any) -> None:
+    """`one` (kn_out / mma_out) over every weight of the step, each with its own arrival counters."""
     for i, ws in enumerate(weights):
         for j, w in enumerate(ws):
-            quant_mma_kn(xs[w.in_features], w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size,
-                         w.out_features, arrivals=arrivals[i][j], **overrides)
+            one(w, xs[w.in_features], arrivals=arrivals[i][j], **overrides)
 
 
 def part_mma(smoke: bool) -> dict[str, Any]:
     """The tensor-core int4 kernel (kernels/quant_mma_kn.py) over the decode step's AWQ-shaped weights, beside
     bf16 (cuBLAS), the engine's bf16 GEMV (batch 1) and today's kn path (GEMV / GEMM / dense), tiles swept per
-    batch; its error against the reference first, paired (PTX) and not."""
-    from kernels.quant_mma_kn import quant_mma_kn
+    batch; its error against the reference first, paired (PTX) and not, and each timed variant's (`rel_err`)."""
 
     dev = "cpu" if smoke else "cuda"
     hidden, inter, layers = (128, 256, 2) if smoke else (HIDDEN, INTER, LAYERS)
@@ -217,24 +221,29 @@ def part_mma(smoke: bool) -> dict[str, Any]:
         x = torch.randn(rows, hidden, generator=g, device=dev).to(torch.bfloat16)
         ref = quant_matmul_ref(x.float(), int4[0][2])
         for paired in ([False] if smoke else [False, True]):
-            y = quant_mma_kn(x, w0.qweight, w0.scales, w0.offsets, KINDS.index("zero"), 128, w0.out_features,
-                             paired=paired)
+            y = mma_out(w0, x, paired=paired)
             out["check"].append({"rows": rows, "paired": paired, "rel_err": rel_err(y.float(), ref),
                                  "bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)})
     print("mma check", out["check"], flush=True)
     for batch, sweep in MMA_SWEEP.items():
         xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in (hidden, inter)}
-        steps = [("bf16", functools.partial(step_bf16, bf16, xs)),
-                 ("int4_kn", functools.partial(step_kn, kn, xs, arrivals, mma=False))]
+        variants: list[tuple[str, Callable[..., torch.Tensor], dict[str, Any]]] = [("int4_kn", kn_out, {"mma": False})]
         if batch == 1 and not smoke:  # (under 4 warps the dots are Ampere-style mma.sync, not wgmma)
+            variants += [(f"int4_kn_gemv{list(t)}_pairs{p}", kn_out, {"gemv_tiles": t, "pairs": p})
+                         for t, p in [((32, 4, 16, 1), False), ((32, 4, 16, 1), True), ((32, 4, 8, 1), False),
+                                      ((32, 8, 16, 1), False), ((64, 4, 16, 2), False)]]
+        variants += [(f"mma{list(t)}", mma_out, {"tiles": t}) for t in sweep]
+        variants.append((f"mma{list(sweep[0])}_unpaired", mma_out, {"tiles": sweep[0], "paired": False}))
+        steps = [("bf16", functools.partial(step_bf16, bf16, xs))]
+        if batch == 1 and not smoke:
             steps.append(("bf16_engine", functools.partial(step_bf16_engine, bf16, xs)))
-            steps += [(f"int4_kn_gemv{list(t)}_pairs{p}", functools.partial(step_kn, kn, xs, arrivals, gemv_tiles=t,
-                                                                             pairs=p))
-                      for t, p in [((32, 4, 16, 1), False), ((32, 4, 16, 1), True), ((32, 4, 8, 1), False),
-                                   ((32, 8, 16, 1), False), ((64, 4, 16, 2), False)]]
-        steps += [(f"mma{list(t)}", functools.partial(step_mma, kn, xs, arrivals, tiles=t)) for t in sweep]
-        steps.append((f"mma{list(sweep[0])}_unpaired",
-                      functools.partial(step_mma, kn, xs, arrivals, tiles=sweep[0], paired=False)))
+        steps += [(name, functools.partial(step_each, one, kn, xs, arrivals, **ov)) for name, one, ov in variants]
+        # each int4 variant's output for layer 0's gate|up at this batch against the reference: the timed tiles'
+        # correctness, beside bf16's own output rounding
+        ref = quant_matmul_ref(xs[hidden].float(), int4[0][2])
+        errors = {"bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)}
+        for name, one, ov in variants:
+            errors[name] = rel_err(one(w0, xs[hidden], arrivals=arrivals[0][2], **ov).float(), ref)
         row: dict[str, Any] = {"batch": batch}
         for name, fn in steps:
             try:
@@ -247,6 +256,7 @@ def part_mma(smoke: bool) -> dict[str, Any]:
         row["best_mma"] = best.removesuffix("_ms")
         row["best_mma_vs_bf16"] = round(row["bf16_ms"] / row[best], 3)
         row["int4_kn_vs_bf16"] = round(row["bf16_ms"] / row["int4_kn_ms"], 3)
+        row["rel_err"] = errors
         print("mma", row, flush=True)
         out["cases"].append(row)
         if smoke:
