@@ -225,12 +225,12 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
                                     f"weights, {len(CHECK_PROMPTS)} prompts x 16 greedy tokens; PASS: each equal, "
                                     "or first leaving at a token in the dense run's top-5", "device": device}
         quants = ["awq", *(["gguf"] if "gguf" in args.modes else [])]
-        doc["gguf_check"] = {"workload": doc["check"]["workload"].replace("dummy AWQ vs the dense checkpoint of the "
-                                                                          "same weights", "dummy GGUF (Q4_1, Q8_0 "
-                                                                          "table and head) vs HF transformers fp32 on "
-                                                                          "its dequantized weights").replace(
-                                                                              "dense run's", "HF's"),
-                             "device": device} if "gguf" in quants else doc.get("gguf_check")
+        if "gguf" in quants:
+            doc["gguf_check"] = {"workload": f"{model} shapes ({config['num_hidden_layers']} layers, vocab "
+                                             f"{config['vocab_size']}), dummy GGUF (Q4_1, Q8_0 table and head) vs HF "
+                                             f"transformers fp32 on its dequantized weights, {len(CHECK_PROMPTS)} "
+                                             "prompts x 16 greedy tokens; PASS: each equal, or first leaving at a "
+                                             "token in HF's top-5", "device": device}
         jobs = [{"check_dtype": dtype, "config": config, "device": {"device": "cpu"} if smoke else {},
                  "quantization": quant} for quant in quants for dtype in ("float32", "bfloat16")]
         for job, res in zip(jobs, run_jobs(MODULE, jobs, left(300)), strict=True):  # side by side: small engines
