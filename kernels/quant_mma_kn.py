@@ -4,7 +4,7 @@ activations and groups of a multiple of 128: y[M, N] = x[M, K] W^T. The engine r
 Why: the CUDA-core kernels (kernels/quant_gemm_kn.py) spend ~7 (GEMV) to ~11 (GEMM) instructions per 4-bit code
 (shifts, masks, an int-to-float conversion or x's widening, FMAs) and are bound by instruction issue. Here the
 products go to the tensor cores, as Marlin does, and the codes cost 3.4-3.9 loop instructions each (sm_90 SASS,
-Triton 3.6). On an H100 that beats the GEMM at 2-16 rows (3.80 vs 4.50 ms for the Llama-8B decode step's weights at
+Triton 3.6). On an H100 that beats the GEMM at 2-16 rows (3.80 vs 4.49 ms for the Llama-8B decode step's weights at
 16); at one row the GEMV stays faster (2.43 vs 3.24 at best), since each of the eight MMAs of an iteration waits
 for its x tile's shared-memory store and barrier; from 32 rows the two fp32 accumulators spill.
 
