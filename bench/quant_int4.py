@@ -262,3 +262,84 @@ def part_mma(smoke: bool) -> dict[str, Any]:
         if smoke:
             break
     return out
+
+
+# (warps, column tiles per warp, programs per SM, iterations loaded ahead) swept per batch for
+# kernels/quant_mma_regs.py
+REGS_SWEEP: dict[int, list[tuple[int, int, int, int]]] = {
+    1: [(4, 2, 8, 1), (4, 2, 8, 2), (8, 2, 4, 1), (8, 2, 4, 2), (4, 2, 16, 1), (4, 4, 8, 2), (2, 2, 16, 2),
+        (8, 1, 8, 1), (4, 1, 16, 1), (8, 2, 8, 1)],
+    4: [(4, 2, 8, 1), (2, 2, 16, 1), (4, 2, 8, 2)],
+    16: [(2, 2, 8, 1), (2, 2, 8, 2), (4, 2, 4, 1), (4, 2, 8, 1), (4, 1, 8, 1), (2, 1, 16, 1)],
+    32: [(1, 1, 16, 1), (2, 1, 8, 1), (4, 1, 4, 1), (2, 1, 16, 1)],
+    64: [(2, 1, 4, 1), (4, 1, 4, 1), (2, 1, 8, 1)]}
+
+
+def regs_out(w: KNWeight, x: torch.Tensor, **overrides: Any) -> torch.Tensor:
+    from kernels.quant_mma_regs import quant_mma_regs
+
+    return quant_mma_regs(x, w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size, w.out_features,
+                          **overrides)
+
+
+def part_regs(smoke: bool) -> dict[str, Any]:
+    """The Gluon kernel with its MMA operands built in registers (kernels/quant_mma_regs.py) over the decode
+    step's AWQ-shaped weights, tiles swept per batch, beside bf16 (cuBLAS), the engine's bf16 GEMV (batch 1),
+    today's engine path (`int4_kn`: the kn GEMV at one row, the plain-Triton tensor-core kernel at 2-16 rows, the
+    kn GEMM above) and the GEMV tile (64, 4, 16, 2) that ran faster in quant_mma_h100.json run 2; each timed
+    variant's output (layer 0's gate|up) against the reference first. CUDA only (Gluon has no interpreter)."""
+    if smoke:
+        raise ValueError("the regs part needs a GPU: Gluon kernels have no CPU interpreter")
+    dev = "cuda"
+    shapes = [(HIDDEN + 2 * (HIDDEN // 4), HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    g = torch.Generator(device=dev).manual_seed(3)
+    int4 = [[awq_weight(n, k, dev, g) for n, k in shapes] for _ in range(LAYERS)]
+    kn = [[to_kn(w) for w in ws] for ws in int4]
+    del int4[1:]  # (the canonical copies of layer 0 only, for the check)
+    bf16 = [[torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+            for _ in range(LAYERS)]
+    arrivals = arrivals_for(kn)
+    out: dict[str, Any] = {"workload": f"decode-step weight GEMMs, {LAYERS} layers x {shapes} (distinct weights), "
+                                       "AWQ-shaped int4 (zero points, group 128) vs bf16, one CUDA graph per step",
+                           "cases": []}
+    for batch, sweep in REGS_SWEEP.items():
+        xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in (HIDDEN, INTER)}
+        variants: list[tuple[str, Callable[..., torch.Tensor], dict[str, Any]]] = [("int4_kn", kn_out, {})]
+        if batch == 1:
+            variants.append(("int4_kn_gemv[64, 4, 16, 2]", kn_out, {"gemv_tiles": (64, 4, 16, 2)}))
+        if batch == 16:
+            variants.append(("mma[16, 128, 2, 4]", mma_out, {"tiles": (16, 128, 2, 4)}))
+        variants += [(f"regs{list(t)}", regs_out, {"tiles": t[:3], "ahead": t[3]}) for t in sweep]
+        ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])
+        errors = {"bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)}
+        for name, one, ov in variants:
+            errors[name] = rel_err(one(kn[0][2], xs[HIDDEN], arrivals=arrivals[0][2], **ov).float(), ref)
+        steps = [("bf16", functools.partial(step_bf16, bf16, xs))]
+        if batch == 1:
+            steps.append(("bf16_engine", functools.partial(step_bf16_engine, bf16, xs)))
+        steps += [(name, functools.partial(step_each, one, kn, xs, arrivals, **ov)) for name, one, ov in variants]
+        row: dict[str, Any] = {"batch": batch, "rel_err": errors}
+        for name, fn in steps:
+            try:
+                row[f"{name}_ms"] = round(wall_seconds(capture_graph(fn).replay, 20, True) * 1e3, 3)
+            except Exception as exc:  # a tile that fails to compile or launch: recorded, the sweep goes on
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        timed = [k for k in row if k.startswith("regs") and k.endswith("_ms")]
+        if timed:
+            best = min(timed, key=row.get)
+            row["best_regs"] = best.removesuffix("_ms")
+            row["best_regs_vs_bf16"] = round(row["bf16_ms"] / row[best], 3)
+            row["best_regs_vs_int4_kn"] = round(row["int4_kn_ms"] / row[best], 3)
+        if batch == 1:  # each weight shape alone (its 32 layers): where the step's time goes
+            best_ov = next(ov for name, _, ov in variants if name == row.get("best_regs"))
+            for i, (n, k) in enumerate(shapes):
+                for name, one, ov in [("int4_kn", kn_out, {}), ("best_regs", regs_out, best_ov)]:
+                    only = [[ws[i]] for ws in kn]
+                    fn = functools.partial(step_each, one, only, xs, [[a[i]] for a in arrivals], **ov)
+                    ms = wall_seconds(capture_graph(fn).replay, 20, True) * 1e3
+                    gbytes = LAYERS * (n * k // 2 + 3 * n * k // 128) / 1e9
+                    row.setdefault("per_shape", []).append({"shape": [n, k], "path": name, "ms": round(ms, 3),
+                                                           "tb_s": round(gbytes / ms, 3)})
+        print("regs", row, flush=True)
+        out["cases"].append(row)
+    return out

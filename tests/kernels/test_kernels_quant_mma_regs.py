@@ -1,0 +1,68 @@
+"""kernels/quant_mma_regs.py: the Gluon int4 kernel with its MMA operands built in registers. Gluon has no CPU
+interpreter, so the kernel itself runs only on a GPU machine; here on any machine: its tile choice and what it
+refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
+
+import kernels.quant_mma_regs as regs
+from engine.quant.group_quant import KINDS, QuantWeight, quant_matmul_ref
+from engine.quant.kn_layout import to_kn
+from kernels.quant_gemm_kn import new_arrivals
+from tests.helpers.quant import random_int4_weight
+
+BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
+
+
+def _run(w: QuantWeight, x: torch.Tensor, **kw: object) -> torch.Tensor:
+    kn = to_kn(w)
+    return regs.quant_mma_regs(x, kn.qweight, kn.scales, kn.offsets, KINDS.index(w.kind), w.group_size,
+                               w.out_features, **kw)
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+def test_regs_tiles_pad_rows_and_split_whole_groups() -> None:
+    assert regs.regs_tiles(1, 4096, 4096, 132, (1, 4, 8)) == (1, 4, 8, 16, 256)  # 64 tiles x 16 splits
+    assert regs.regs_tiles(13, 4096, 512, 132, (1, 4, 8))[2:4] == (16, 4)  # 16 rows; never more splits than groups
+    assert regs.regs_tiles(33, 28672, 4096, 132, (1, 2, 4))[2:] == (64, 1, 4096)  # 896 tiles fill the GPU
+
+
+def test_regs_refuses_what_it_does_not_take() -> None:
+    kn = to_kn(random_int4_weight("zero", 32, 256, 128, torch.Generator().manual_seed(1)))
+    args = (kn.qweight, kn.scales, kn.offsets, 1, 128, 32)
+    assert not regs.regs_supported(torch.float32, 128, 256) and not regs.regs_supported(torch.bfloat16, 32, 256)
+    with pytest.raises(ValueError, match="CUDA"):
+        regs.quant_mma_regs(torch.randn(1, 256, dtype=torch.bfloat16), *args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_regs_compiled_on_a_gpu() -> None:
+    """On a GPU machine: every kind and dtype, ragged row counts (masked token rows), a ragged column tile, K
+    split with the sum in the same launch and in a second one, Llama-8B widths; equal to the reference."""
+    g = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        w = random_int4_weight(kind, 200, 1024, 256, g, min_scale=0.01)
+        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        arrivals = new_arrivals(200, "cuda")
+        for rows in (1, 3, 8, 13, 16, 33, 64):
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(rows, 1024, generator=g).to(dtype).cuda()
+                ref = quant_matmul_ref(x.float(), w)
+                for tiles in ((1, 4, 8), (2, 2, 16), (1, 1, 2)):
+                    fused = _run(w, x, tiles=tiles, arrivals=arrivals)
+                    assert not arrivals.any()
+                    assert _rel(fused, ref) < BOUND[dtype], (kind, rows, dtype, tiles)
+                    assert torch.equal(fused, _run(w, x, tiles=tiles)), (kind, rows, dtype, tiles)
+    for n, k in [(6144, 4096), (4096, 14336)]:
+        w = random_int4_weight("zero", n, k, 128, g, min_scale=0.01)
+        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        for rows in (1, 16, 64):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
+            y = _run(w, x, arrivals=new_arrivals(n, "cuda"))
+            assert _rel(y, quant_matmul_ref(x.float(), w)) < BOUND[torch.bfloat16], (n, k, rows)
