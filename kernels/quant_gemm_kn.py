@@ -37,6 +37,7 @@ from kernels._triton import (
 )
 from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO  # one numbering for both layouts' kernels
 from kernels.quant_mma_kn import mma_supported, quant_mma_kn
+from kernels.quant_mma_regs import quant_mma_regs, regs_supported
 from kernels.split_sum import sum_here, sum_splits
 
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
@@ -66,6 +67,9 @@ DEQUANT_MIN_M = 128
 # GEMM's 4.50 and bf16's 5.17; at 32 rows the GEMM wins (5.13 against 5.85), and at one row the GEMV (2.47 against
 # 3.66) (bench/results/quant_mma_h100.json)
 MMA_MAX_M = 16
+# 1 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take the Gluon kernel whose MMA
+# operands are built in registers (kernels/quant_mma_regs.py), ahead of the GEMV and the tensor-core kernel above
+REGS_ENGINE_MAX_M = 0
 DEQUANT_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_N, warps): 7 tiles within 4 % of each other on the H100
 
 if HAS_TRITON:
@@ -324,13 +328,14 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None,
                   dequant_tiles: tuple[int, int, int] | None = None,
                   arrivals: torch.Tensor | None = None, pairs: bool | None = None,
-                  mma: bool | None = None) -> torch.Tensor:
+                  mma: bool | None = None, regs: bool | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
     `pipeline` (the GEMV loads one iteration ahead), `pairs` (the GEMV's nibble-pair form), `gemm_tiles`, `dense` (several rows:
-    dequantize W once and run a dense matmul; default from DEQUANT_MIN_M), `dequant_tiles` and `mma` (several rows:
-    the tensor-core kernel; default: 2 to MMA_MAX_M rows where it applies).
+    dequantize W once and run a dense matmul; default from DEQUANT_MIN_M), `dequant_tiles`, `mma` (several rows:
+    the tensor-core kernel; default: 2 to MMA_MAX_M rows where it applies) and `regs` (the Gluon kernel of
+    kernels/quant_mma_regs.py; default: 1 to REGS_ENGINE_MAX_M rows where it applies).
 
     `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
     zero again when it returns."""
@@ -349,6 +354,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m == 0:
         return y
     sms = sm_count(x.device)
+    if (m <= REGS_ENGINE_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None else regs:
+        return quant_mma_regs(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)
     if m == 1:
         block_n, nsub, split, warps = kn_gemv_tiles(out_features, k, sms, gemv_tiles)
         step = 32 * nsub

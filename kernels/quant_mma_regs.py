@@ -38,11 +38,11 @@ from kernels.split_sum import sum_splits
 try:  # pragma: no cover - depends on the Triton version
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     HAS_GLUON = HAS_TRITON
 except ImportError:  # pragma: no cover - depends on the Triton version
-    gluon = gl = mma_v2 = None  # type: ignore[assignment]
+    gluon = gl = async_copy = mma_v2 = None  # type: ignore[assignment]
     HAS_GLUON = False
 
 __all__ = ["REGS_MAX_M", "regs_supported", "regs_tiles", "quant_mma_regs"]
@@ -52,7 +52,8 @@ REGS_MAX_M = 64  # token rows one program holds (8 per MMA column tile)
 # (warps, column tiles of 16 per warp, programs per SM) by the largest row count they serve; first guesses from
 # the offline SASS (2.2 instructions per code at T = 4, 133 registers), to be replaced by an H100 sweep
 REGS_TILES: dict[int, tuple[int, int, int]] = {8: (1, 4, 8), 16: (1, 4, 8), 32: (1, 2, 8), 64: (1, 2, 4)}
-REGS_AHEAD = 1  # iterations of words in flight beyond the one being used
+REGS_AHEAD = 1  # iterations of words in flight beyond the one being used (registers)
+REGS_STAGES = 0  # 0: words prefetched into registers; > 1: cp.async ring of that many shared-memory buffers
 _MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
 
 
@@ -79,6 +80,12 @@ def x_layout(warps: int, block_m: int) -> gl.DistributedLinearLayout:
         warp_bases=[[0, 0] for _ in _bits(warps)], block_bases=[], shape=[block_m, 128])
 
 
+def words_shared_layout() -> gl.SwizzledSharedLayout:
+    """[columns, 16 word rows] (one buffer of the ring) with columns contiguous (16-byte cp.async per lane) and each word row's
+    16-byte vectors XOR-swizzled, so the four word rows a quarter-warp reads back hit different banks."""
+    return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[0, 1])
+
+
 if HAS_GLUON:
 
     @gluon.jit
@@ -101,20 +108,47 @@ if HAS_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
+    def _group_step(acc, w, x_ptrs, x_mask, S, Off, N, phys, n_ok, grp, KIND: gl.constexpr, WARPS: gl.constexpr,
+                    T: gl.constexpr, BM: gl.constexpr, FP16: gl.constexpr, mma: gl.constexpr):
+        """acc + one group's 128-element slice of the product: its words w [BN, 16] (WL) against x's slice."""
+        BN: gl.constexpr = 16 * WARPS * T
+        DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
+        MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
+        BIAS: gl.constexpr = 1024.0 if FP16 else 128.0
+        xt = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        # [BN, 16, 2 (p), 2 (h), 2 (c2)]: nibble pairs (0, 4), (1, 5) | (2, 6), (3, 7)
+        a5 = gl.join(gl.join(_pair(w, 0, MAGIC, DT), _pair(w, 4, MAGIC, DT)),
+                     gl.join(_pair(w, 8, MAGIC, DT), _pair(w, 12, MAGIC, DT)))
+        a9 = gl.reshape(a5, [WARPS, 8, T, 2, 4, 4, 2, 2, 2])  # (w, g, i, h', c, t, p, h, c2)
+        a = gl.reshape(gl.permute(a9, [2, 0, 3, 1, 4, 8, 7, 5, 6]), [BN, 128])
+        b6 = gl.reshape(xt, [BM, 4, 4, 2, 2, 2])  # (token, c, t, p, c2, h)
+        b = gl.reshape(gl.permute(b6, [1, 4, 5, 2, 3, 0]), [128, BM])
+        part = mma_v2(gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                                        assert_trivial=True),
+                      gl.convert_layout(b, gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
+                                        assert_trivial=True),
+                      gl.zeros([BN, BM], gl.float32, layout=mma))
+        sum_x = gl.convert_layout(gl.sum(xt.to(gl.float32), axis=1), gl.SliceLayout(0, mma))
+        d = gl.load(S + grp * N + phys, mask=n_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
+        if KIND == 0:  # min: w = d q + m
+            c = gl.load(Off + grp * N + phys, mask=n_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
+        elif KIND == 1:  # zero point: w = d (q - z)
+            c = -gl.load(Off + grp * N + phys, mask=n_ok, other=0).to(gl.float32) * d
+        else:
+            c = gl.zeros_like(d)
+        return acc + gl.expand_dims(d, 1) * part + gl.expand_dims(c - BIAS * d, 1) * gl.expand_dims(sum_x, 0)
+
+    @gluon.jit
     def _regs_kernel(X, QW, S, Off, Y, P, Arrivals, M, N, K, stride_xm, K_PER_SPLIT, NUM_SPLITS,
                      WL: gl.constexpr, XL: gl.constexpr, GROUP: gl.constexpr, KIND: gl.constexpr,
                      WARPS: gl.constexpr, T: gl.constexpr, BM: gl.constexpr, FP16: gl.constexpr,
-                     PDL: gl.constexpr, SUM_HERE: gl.constexpr, AHEAD: gl.constexpr):
+                     PDL: gl.constexpr, SUM_HERE: gl.constexpr, AHEAD: gl.constexpr, STAGES: gl.constexpr,
+                     SMEM: gl.constexpr):
         """One program: a [16 WARPS T columns] tile of Y's columns over one K split, all BM token rows. With the
         split, its fp32 partial goes to P [NUM_SPLITS, M, N]; SUM_HERE: the last program of the column tile to
         arrive sums them into Y and zeroes its counter (else `sum_splits` does, in a second launch)."""
         BN: gl.constexpr = 16 * WARPS * T
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
-        MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
-        BIAS: gl.constexpr = 1024.0 if FP16 else 128.0
         pid_n = gl.program_id(0)
         pid_s = gl.program_id(1)
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WL))
@@ -134,41 +168,45 @@ if HAS_GLUON:
         out_mask = gl.expand_dims(n_ok, 1) & gl.expand_dims(out_tokens < M, 0)
         k_start = pid_s * K_PER_SPLIT
         k_end = gl.minimum(k_start + K_PER_SPLIT, K)
-        # weights are never written during a step: the first tile streams before the PDL wait
-        w = gl.load(q_ptrs + (k_start // 8) * N, mask=q_mask, other=0)
-        if AHEAD == 2:
-            w_ahead = gl.load(q_ptrs + ((k_start + 128) // 8) * N, mask=q_mask & (k_start + 128 < k_end), other=0)
-        if PDL:
-            _pdl_wait()
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-        for k0 in range(k_start, k_end, 128):
-            if AHEAD == 2:  # two iterations' words in flight
-                w_next = w_ahead
-                w_ahead = gl.load(q_ptrs + ((k0 + 256) // 8) * N, mask=q_mask & (k0 + 256 < k_end), other=0)
-            else:
-                w_next = gl.load(q_ptrs + ((k0 + 128) // 8) * N, mask=q_mask & (k0 + 128 < k_end), other=0)
-            xt = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
-            # [BN, 16, 2 (p), 2 (h), 2 (c2)]: nibble pairs (0, 4), (1, 5) | (2, 6), (3, 7)
-            a5 = gl.join(gl.join(_pair(w, 0, MAGIC, DT), _pair(w, 4, MAGIC, DT)),
-                         gl.join(_pair(w, 8, MAGIC, DT), _pair(w, 12, MAGIC, DT)))
-            a9 = gl.reshape(a5, [WARPS, 8, T, 2, 4, 4, 2, 2, 2])  # (w, g, i, h', c, t, p, h, c2)
-            a = gl.reshape(gl.permute(a9, [2, 0, 3, 1, 4, 8, 7, 5, 6]), [BN, 128])
-            b6 = gl.reshape(xt, [BM, 4, 4, 2, 2, 2])  # (token, c, t, p, c2, h)
-            b = gl.reshape(gl.permute(b6, [1, 4, 5, 2, 3, 0]), [128, BM])
-            part = mma_v2(gl.convert_layout(a, a_layout, assert_trivial=True),
-                          gl.convert_layout(b, b_layout, assert_trivial=True),
-                          gl.zeros([BN, BM], gl.float32, layout=mma))
-            sum_x = gl.convert_layout(gl.sum(xt.to(gl.float32), axis=1), gl.SliceLayout(0, mma))
-            grp = k0 // GROUP
-            d = gl.load(S + grp * N + phys, mask=n_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
-            if KIND == 0:  # min: w = d q + m
-                c = gl.load(Off + grp * N + phys, mask=n_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
-            elif KIND == 1:  # zero point: w = d (q - z)
-                c = -gl.load(Off + grp * N + phys, mask=n_ok, other=0).to(gl.float32) * d
-            else:
-                c = gl.zeros_like(d)
-            acc += gl.expand_dims(d, 1) * part + gl.expand_dims(c - BIAS * d, 1) * gl.expand_dims(sum_x, 0)
-            w = w_next
+        # weights are never written during a step: the first tiles stream before the PDL wait
+        if STAGES > 0:  # cp.async into shared memory, STAGES - 1 iterations ahead: each lane copies and later
+            # reads back its own words (one layout for both), so no barrier orders them
+            bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
+            for s in gl.static_range(STAGES - 1):
+                async_copy.async_copy_global_to_shared(bufs.index(s), q_ptrs + ((k_start + 128 * s) // 8) * N,
+                                                       mask=q_mask & (k_start + 128 * s < k_end))
+                async_copy.commit_group()
+            if PDL:
+                _pdl_wait()
+            stage = 0
+            for k0 in range(k_start, k_end, 128):
+                async_copy.wait_group(STAGES - 2)
+                w = bufs.index(stage).load(WL)
+                k_fill = k0 + 128 * (STAGES - 1)
+                async_copy.async_copy_global_to_shared(bufs.index((stage + STAGES - 1) % STAGES),
+                                                       q_ptrs + (k_fill // 8) * N, mask=q_mask & (k_fill < k_end))
+                async_copy.commit_group()
+                acc = _group_step(acc, w, x_ptrs + k0, x_mask, S, Off, N, phys, n_ok, k0 // GROUP, KIND, WARPS,
+                                  T, BM, FP16, mma)
+                stage = (stage + 1) % STAGES
+            async_copy.wait_group(0)
+        else:
+            w = gl.load(q_ptrs + (k_start // 8) * N, mask=q_mask, other=0)
+            if AHEAD == 2:
+                w_ahead = gl.load(q_ptrs + ((k_start + 128) // 8) * N, mask=q_mask & (k_start + 128 < k_end),
+                                  other=0)
+            if PDL:
+                _pdl_wait()
+            for k0 in range(k_start, k_end, 128):
+                if AHEAD == 2:  # two iterations' words in flight
+                    w_next = w_ahead
+                    w_ahead = gl.load(q_ptrs + ((k0 + 256) // 8) * N, mask=q_mask & (k0 + 256 < k_end), other=0)
+                else:
+                    w_next = gl.load(q_ptrs + ((k0 + 128) // 8) * N, mask=q_mask & (k0 + 128 < k_end), other=0)
+                acc = _group_step(acc, w, x_ptrs + k0, x_mask, S, Off, N, phys, n_ok, k0 // GROUP, KIND, WARPS,
+                                  T, BM, FP16, mma)
+                w = w_next
         if NUM_SPLITS == 1:
             gl.store(Y + out_offs, acc.to(Y.dtype.element_ty), mask=out_mask)
         else:
@@ -205,28 +243,34 @@ def regs_tiles(m: int, n: int, k: int, sms: int,
 
 def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                    group_size: int, out_features: int, *, tiles: tuple[int, int, int] | None = None,
-                   arrivals: torch.Tensor | None = None, ahead: int | None = None) -> torch.Tensor:
+                   arrivals: torch.Tensor | None = None, ahead: int | None = None,
+                   stages: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16, M <= REGS_MAX_M) @ W^T -> [M, N] in x's dtype, W in the kn layout (as
     `quant_gemm_kn`). `tiles`: (warps, column tiles per warp, programs per SM) from a sweep. `arrivals`: int32 zeros
     from `kernels.quant_gemm_kn.new_arrivals`, used by one call at a time: the split is then summed in the same
-    launch, and they are zero again when it returns. `ahead`: iterations of words loaded ahead (1 or 2)."""
+    launch, and they are zero again when it returns. `ahead`: iterations of words loaded ahead into registers
+    (1 or 2); `stages` > 1: cp.async into that many shared-memory buffers instead (0: registers)."""
     require_triton("quant_mma_regs")
-    m, k = x.shape
     if not HAS_GLUON:
         raise RuntimeError("quant_mma_regs needs Triton's Gluon (triton.experimental.gluon)")
-    if x.device.type != "cuda":
-        raise ValueError("quant_mma_regs runs on CUDA only (Gluon has no CPU interpreter)")
-    if x.dtype not in _MAGIC or x.stride(-1) != 1:
-        raise ValueError(f"x must be bf16 / fp16 with a contiguous last dim, got {x.dtype} {tuple(x.stride())}")
+    if x.dim() != 2 or x.dtype not in _MAGIC or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] bf16 / fp16 with a contiguous last dim, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m, k = x.shape
     if not 1 <= m <= REGS_MAX_M:
         raise ValueError(f"quant_mma_regs takes 1 to {REGS_MAX_M} rows, got {m}")
     ahead = REGS_AHEAD if ahead is None else ahead
+    stages = REGS_STAGES if stages is None else stages
     if ahead not in (1, 2):
         raise ValueError(f"ahead must be 1 or 2, got {ahead}")
+    if stages == 1 or not 0 <= stages <= 8:
+        raise ValueError(f"stages must be 0 (registers) or 2-8, got {stages}")
     if group_size % GROUP_STEP or k % group_size:
         raise ValueError(f"group_size={group_size} must be a multiple of {GROUP_STEP} dividing K={k}")
     if qweight.dtype != torch.int32 or qweight.shape != (k // 8, out_features) or not qweight.is_contiguous():
         raise ValueError(f"qweight must be contiguous int32 [{k // 8}, {out_features}]")
+    if x.device.type != "cuda":
+        raise ValueError("quant_mma_regs runs on CUDA only (Gluon has no CPU interpreter)")
     warps, per_warp, block_m, split, per_split = regs_tiles(m, out_features, k, sm_count(x.device), tiles)
     tiles_n = triton.cdiv(out_features, 16 * warps * per_warp)
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
@@ -239,7 +283,7 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, offsets, y, partial, arrivals if fused else y, m, out_features, k, x.stride(0),
         per_split, split, WL=words_layout(warps, per_warp), XL=x_layout(warps, block_m), GROUP=group_size,
         KIND=kind, WARPS=warps, T=per_warp, BM=block_m, FP16=x.dtype == torch.float16, PDL=pdl, SUM_HERE=fused,
-        AHEAD=ahead, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+        AHEAD=ahead, STAGES=stages, SMEM=words_shared_layout(), num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     if split > 1 and not fused:
         sum_splits(partial, y)
     return y

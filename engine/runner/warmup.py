@@ -44,7 +44,7 @@ from kernels.moe_gemv import gemv_suits
 from kernels.moe_tiles import select_tiles
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
 from kernels.quant_gemm import GEMV_MAX_M, gemm_tiles, gemv_tiles
-from kernels.quant_gemm_kn import DEQUANT_MIN_M, MMA_MAX_M, kn_gemm_tiles
+from kernels.quant_gemm_kn import DEQUANT_MIN_M, MMA_MAX_M, REGS_ENGINE_MAX_M, kn_gemm_tiles
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -113,6 +113,8 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
         keys = [("kn_gemm", block_m, block_n, block_r, warps, swap, -(-m // block_m), by16)]
         if m <= MMA_MAX_M:  # 16-bit activations over groups of 128 (AWQ / GPTQ) take the tensor-core kernel
             keys.append(("kn_mma", by16))
+    if m <= REGS_ENGINE_MAX_M:  # 16-bit activations over groups of 128: the Gluon kernel, by its padded row
+        keys.append(("kn_regs", max(8, 1 << (m - 1).bit_length()), m == 1))  # count (Triton specializes M == 1)
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
         if m == 1 or (upcast and m <= GEMV_MAX_M):
             keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))
