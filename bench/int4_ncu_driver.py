@@ -1,5 +1,5 @@
 """A process for Nsight Compute to profile (issue 32): the int4 kernels at one row on the Llama-8B gate|up and
-o_proj weights (AWQ-shaped), each launched twice, in this order: quant_mma_regs (tiles from argv, default
+o_proj weights (AWQ-shaped), each launched once, in this order: quant_mma_regs (tiles from argv, default
 (4, 2, 8)), then the kn GEMV of quant_gemm_kn. Run it under ncu, e.g.
 
     ncu --clock-control none -k regex:"_regs_kernel|_kn_gemv_kernel" --section SpeedOfLight \\
@@ -24,8 +24,7 @@ def main() -> None:
     x = torch.randn(1, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
     for one, ov in [(regs_out, {"tiles": tiles}), (kn_out, {})]:
         for w, a in zip(weights, arrivals, strict=True):
-            for _ in range(2):
-                one(w, x, arrivals=a, **ov)
+            one(w, x, arrivals=a, **ov)
     torch.cuda.synchronize()
     print("ran", tiles, flush=True)
 

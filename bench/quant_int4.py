@@ -264,15 +264,16 @@ def part_mma(smoke: bool) -> dict[str, Any]:
     return out
 
 
-# (warps, column tiles per warp, programs per SM, iterations loaded ahead into registers, cp.async stages: 0 =
-# none) swept per batch for kernels/quant_mma_regs.py
-REGS_SWEEP: dict[int, list[tuple[int, int, int, int, int]]] = {
-    1: [(4, 2, 8, 1, 0), (4, 2, 8, 2, 0), (8, 2, 4, 1, 0), (4, 2, 16, 1, 0), (2, 2, 16, 2, 0), (1, 2, 16, 1, 3),
-        (1, 2, 24, 1, 3), (2, 2, 8, 1, 4), (4, 2, 8, 1, 3), (1, 4, 16, 1, 3), (8, 1, 8, 1, 0)],
-    4: [(4, 2, 8, 1, 0), (2, 2, 16, 1, 0), (1, 2, 16, 1, 3)],
-    16: [(2, 2, 8, 1, 0), (2, 2, 8, 2, 0), (4, 2, 4, 1, 0), (1, 2, 16, 1, 3), (2, 2, 8, 1, 3), (4, 1, 8, 1, 0)],
-    32: [(1, 1, 16, 1, 0), (2, 1, 8, 1, 0), (1, 1, 16, 1, 3), (2, 1, 16, 1, 0)],
-    64: [(2, 1, 4, 1, 0), (2, 1, 8, 1, 0), (1, 1, 8, 1, 3)]}
+# (warps, column tiles per warp, programs per SM, iterations loaded ahead into registers, cp.async stages (0 =
+# none), q - z as the MMA operand) swept per batch for kernels/quant_mma_regs.py
+REGS_SWEEP: dict[int, list[tuple[int, int, int, int, int, bool]]] = {
+    1: [(4, 2, 8, 1, 0, False), (4, 2, 8, 1, 0, True), (4, 2, 8, 2, 0, False), (8, 2, 4, 1, 0, False),
+        (1, 2, 24, 1, 3, False), (4, 2, 8, 1, 3, False), (4, 4, 8, 1, 0, True), (8, 1, 8, 1, 0, False)],
+    4: [(4, 2, 8, 1, 0, True), (2, 2, 16, 1, 0, True)],
+    16: [(2, 2, 8, 1, 0, False), (2, 2, 8, 1, 0, True), (2, 2, 8, 2, 0, True), (4, 2, 4, 1, 0, True),
+         (2, 2, 8, 1, 3, True)],
+    32: [(1, 1, 16, 1, 0, True), (2, 1, 8, 1, 0, True), (1, 2, 8, 1, 0, True)],
+    64: [(2, 1, 4, 1, 0, True), (2, 1, 8, 1, 0, True)]}
 
 
 def regs_out(w: KNWeight, x: torch.Tensor, **overrides: Any) -> torch.Tensor:
@@ -309,7 +310,8 @@ def part_regs(smoke: bool) -> dict[str, Any]:
             variants.append(("int4_kn_gemv[64, 4, 16, 2]", kn_out, {"gemv_tiles": (64, 4, 16, 2)}))
         if batch == 16:
             variants.append(("mma[16, 128, 2, 4]", mma_out, {"tiles": (16, 128, 2, 4)}))
-        variants += [(f"regs{list(t)}", regs_out, {"tiles": t[:3], "ahead": t[3], "stages": t[4]}) for t in sweep]
+        variants += [(f"regs{list(t)}", regs_out, {"tiles": t[:3], "ahead": t[3], "stages": t[4], "subz": t[5]})
+                     for t in sweep]
         ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])
         errors = {"bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)}
         for name, one, ov in variants:

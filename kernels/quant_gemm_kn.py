@@ -1,8 +1,10 @@
 """4-bit weight-only GEMV/GEMM on the GPU (Triton) over the kn layout of engine/quant/kn_layout.py: y[M, N] =
 x[M, K] W^T with W's codes packed [K/8, N] (N contiguous), float16 scales and mins / uint8 zeros [K/G, N].
 
-One row (decode at batch 1) takes a GEMV: each thread owns whole output columns, so x is a warp-wide broadcast
-and the group scales load in the accumulator's own layout. A code becomes a float without a conversion: shifted
+One row (decode at batch 1) takes a GEMV: as compiled with N divisible by 16 (Triton's specialization), a lane
+holds 4 adjacent columns of one 32-element sub-block (16-byte word loads), x is a broadcast within each sub-block's
+lanes, and the sub-blocks are summed across lanes once per iteration (4.8 sm_90 loop instructions per code,
+bench/results/int4_regs_sass_offline.json). A code becomes a float without a conversion: shifted
 to bits 19-22 and OR-ed into the bits of 1.0 it reads as v = 1 + q / 16 exactly (one shift and, on CUDA, one
 PTX lop3 that takes both constants; ptxas alone emits two LOP3s, 25 % slower). The group's affine map is
 applied once per 32-element sub-block: with w = d q + c (c = min, -z d, or 0),

@@ -53,6 +53,7 @@ REGS_MAX_M = 64  # token rows one program holds (8 per MMA column tile)
 # the offline SASS (2.2 instructions per code at T = 4, 133 registers), to be replaced by an H100 sweep
 REGS_TILES: dict[int, tuple[int, int, int]] = {8: (1, 4, 8), 16: (1, 4, 8), 32: (1, 2, 8), 64: (1, 2, 4)}
 REGS_AHEAD = 1  # iterations of words in flight beyond the one being used (registers)
+REGS_SUBZ = False  # zero-point / symmetric kinds: q - z as the MMA operand (one packed subtraction per 2 codes)
 REGS_STAGES = 0  # 0: words prefetched into registers; > 1: cp.async ring of that many shared-memory buffers
 _MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
 
@@ -89,15 +90,22 @@ def words_shared_layout() -> gl.SwizzledSharedLayout:
 if HAS_GLUON:
 
     @gluon.jit
-    def _pair(w, SHIFT: gl.constexpr, MAGIC: gl.constexpr, DT: gl.constexpr):
-        """Nibbles SHIFT / 4 and SHIFT / 4 + 4 of each word as 16-bit floats MAGIC + q: (low, high) halves of one
-        lop3's result, which the MMA reads back as that one register."""
+    def _pair(w, SHIFT: gl.constexpr, FP16: gl.constexpr, zz, SUBZ: gl.constexpr):
+        """Nibbles SHIFT / 4 and SHIFT / 4 + 4 of each word as 16-bit floats 128 + q (bf16; fp16: 1024 + q): the
+        (low, high) halves of one lop3's result, which the MMA reads back as that one register. SUBZ: minus zz's
+        pair of 128 + z (1024 + z), one packed subtraction (q - z exactly)."""
+        MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
+        DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
         if SHIFT == 0:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
             moved = w
         else:
             moved = w >> SHIFT
         v = gl.inline_asm_elementwise(f"lop3.b32 $0, $1, 0x000F000F, {MAGIC}, 0xea;", "=r,r", [moved],
                                       dtype=gl.int32, is_pure=True, pack=1)
+        if SUBZ:
+            sub: gl.constexpr = "sub.f16x2" if FP16 else "sub.bf16x2"
+            v = gl.inline_asm_elementwise(f"{sub} $0, $1, $2;", "=r,r,r", [v, zz], dtype=gl.int32, is_pure=True,
+                                          pack=1)
         return gl.join(v.to(gl.int16).to(DT, bitcast=True), (v >> 16).to(gl.int16).to(DT, bitcast=True))
 
     @gluon.jit
@@ -108,17 +116,24 @@ if HAS_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _group_step(acc, w, x_ptrs, x_mask, S, Off, N, phys, n_ok, grp, KIND: gl.constexpr, WARPS: gl.constexpr,
-                    T: gl.constexpr, BM: gl.constexpr, FP16: gl.constexpr, mma: gl.constexpr):
-        """acc + one group's 128-element slice of the product: its words w [BN, 16] (WL) against x's slice."""
+    def _group_step(acc, w, x_ptrs, x_mask, S, Off, N, phys, n_ok, cols, grp, KIND: gl.constexpr,
+                    WARPS: gl.constexpr, T: gl.constexpr, BM: gl.constexpr, FP16: gl.constexpr, mma: gl.constexpr,
+                    SUBZ: gl.constexpr):
+        """acc + one group's 128-element slice of the product: its words w [BN, 16] (WL) against x's slice.
+        SUBZ (zero-point and symmetric kinds): the MMA takes q - z itself (exact in 16 bits), so the product needs
+        no sum of x; else it takes 128 + q and the group's sum of x removes the offset."""
         BN: gl.constexpr = 16 * WARPS * T
-        DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
         MAGIC: gl.constexpr = 0x64006400 if FP16 else 0x43004300
         BIAS: gl.constexpr = 1024.0 if FP16 else 128.0
         xt = gl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SUBZ and KIND == 1:  # MAGIC + z in both halves, per column
+            z = gl.load(Off + grp * N + cols, mask=cols < N, other=0).to(gl.int32)
+            zz = gl.expand_dims((z | (MAGIC & 0xFFFF)) * 65537, 1) + gl.zeros_like(w)
+        else:
+            zz = gl.zeros_like(w) + MAGIC
         # [BN, 16, 2 (p), 2 (h), 2 (c2)]: nibble pairs (0, 4), (1, 5) | (2, 6), (3, 7)
-        a5 = gl.join(gl.join(_pair(w, 0, MAGIC, DT), _pair(w, 4, MAGIC, DT)),
-                     gl.join(_pair(w, 8, MAGIC, DT), _pair(w, 12, MAGIC, DT)))
+        a5 = gl.join(gl.join(_pair(w, 0, FP16, zz, SUBZ), _pair(w, 4, FP16, zz, SUBZ)),
+                     gl.join(_pair(w, 8, FP16, zz, SUBZ), _pair(w, 12, FP16, zz, SUBZ)))
         a9 = gl.reshape(a5, [WARPS, 8, T, 2, 4, 4, 2, 2, 2])  # (w, g, i, h', c, t, p, h, c2)
         a = gl.reshape(gl.permute(a9, [2, 0, 3, 1, 4, 8, 7, 5, 6]), [BN, 128])
         b6 = gl.reshape(xt, [BM, 4, 4, 2, 2, 2])  # (token, c, t, p, c2, h)
@@ -128,8 +143,10 @@ if HAS_GLUON:
                       gl.convert_layout(b, gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                                         assert_trivial=True),
                       gl.zeros([BN, BM], gl.float32, layout=mma))
-        sum_x = gl.convert_layout(gl.sum(xt.to(gl.float32), axis=1), gl.SliceLayout(0, mma))
         d = gl.load(S + grp * N + phys, mask=n_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
+        if SUBZ:
+            return acc + gl.expand_dims(d, 1) * part
+        sum_x = gl.convert_layout(gl.sum(xt.to(gl.float32), axis=1), gl.SliceLayout(0, mma))
         if KIND == 0:  # min: w = d q + m
             c = gl.load(Off + grp * N + phys, mask=n_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
         elif KIND == 1:  # zero point: w = d (q - z)
@@ -143,7 +160,7 @@ if HAS_GLUON:
                      WL: gl.constexpr, XL: gl.constexpr, GROUP: gl.constexpr, KIND: gl.constexpr,
                      WARPS: gl.constexpr, T: gl.constexpr, BM: gl.constexpr, FP16: gl.constexpr,
                      PDL: gl.constexpr, SUM_HERE: gl.constexpr, AHEAD: gl.constexpr, STAGES: gl.constexpr,
-                     SMEM: gl.constexpr):
+                     SMEM: gl.constexpr, SUBZ: gl.constexpr):
         """One program: a [16 WARPS T columns] tile of Y's columns over one K split, all BM token rows. With the
         split, its fp32 partial goes to P [NUM_SPLITS, M, N]; SUM_HERE: the last program of the column tile to
         arrive sums them into Y and zeroes its counter (else `sum_splits` does, in a second launch)."""
@@ -187,8 +204,8 @@ if HAS_GLUON:
                 async_copy.async_copy_global_to_shared(bufs.index((stage + STAGES - 1) % STAGES),
                                                        q_ptrs + (k_fill // 8) * N, mask=q_mask & (k_fill < k_end))
                 async_copy.commit_group()
-                acc = _group_step(acc, w, x_ptrs + k0, x_mask, S, Off, N, phys, n_ok, k0 // GROUP, KIND, WARPS,
-                                  T, BM, FP16, mma)
+                acc = _group_step(acc, w, x_ptrs + k0, x_mask, S, Off, N, phys, n_ok, cols, k0 // GROUP, KIND,
+                                  WARPS, T, BM, FP16, mma, SUBZ)
                 stage = (stage + 1) % STAGES
             async_copy.wait_group(0)
         else:
@@ -204,8 +221,8 @@ if HAS_GLUON:
                     w_ahead = gl.load(q_ptrs + ((k0 + 256) // 8) * N, mask=q_mask & (k0 + 256 < k_end), other=0)
                 else:
                     w_next = gl.load(q_ptrs + ((k0 + 128) // 8) * N, mask=q_mask & (k0 + 128 < k_end), other=0)
-                acc = _group_step(acc, w, x_ptrs + k0, x_mask, S, Off, N, phys, n_ok, k0 // GROUP, KIND, WARPS,
-                                  T, BM, FP16, mma)
+                acc = _group_step(acc, w, x_ptrs + k0, x_mask, S, Off, N, phys, n_ok, cols, k0 // GROUP, KIND,
+                                  WARPS, T, BM, FP16, mma, SUBZ)
                 w = w_next
         if NUM_SPLITS == 1:
             gl.store(Y + out_offs, acc.to(Y.dtype.element_ty), mask=out_mask)
@@ -244,12 +261,13 @@ def regs_tiles(m: int, n: int, k: int, sms: int,
 def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                    group_size: int, out_features: int, *, tiles: tuple[int, int, int] | None = None,
                    arrivals: torch.Tensor | None = None, ahead: int | None = None,
-                   stages: int | None = None) -> torch.Tensor:
+                   stages: int | None = None, subz: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16, M <= REGS_MAX_M) @ W^T -> [M, N] in x's dtype, W in the kn layout (as
     `quant_gemm_kn`). `tiles`: (warps, column tiles per warp, programs per SM) from a sweep. `arrivals`: int32 zeros
     from `kernels.quant_gemm_kn.new_arrivals`, used by one call at a time: the split is then summed in the same
     launch, and they are zero again when it returns. `ahead`: iterations of words loaded ahead into registers
-    (1 or 2); `stages` > 1: cp.async into that many shared-memory buffers instead (0: registers)."""
+    (1 or 2); `stages` > 1: cp.async into that many shared-memory buffers instead (0: registers); `subz`: the
+    zero-point and symmetric kinds subtract z in the MMA operand instead of summing x (default REGS_SUBZ)."""
     require_triton("quant_mma_regs")
     if not HAS_GLUON:
         raise RuntimeError("quant_mma_regs needs Triton's Gluon (triton.experimental.gluon)")
@@ -283,7 +301,8 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, offsets, y, partial, arrivals if fused else y, m, out_features, k, x.stride(0),
         per_split, split, WL=words_layout(warps, per_warp), XL=x_layout(warps, block_m), GROUP=group_size,
         KIND=kind, WARPS=warps, T=per_warp, BM=block_m, FP16=x.dtype == torch.float16, PDL=pdl, SUM_HERE=fused,
-        AHEAD=ahead, STAGES=stages, SMEM=words_shared_layout(), num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+        AHEAD=ahead, STAGES=stages, SMEM=words_shared_layout(), SUBZ=(REGS_SUBZ if subz is None else subz) and kind != 0,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     if split > 1 and not fused:
         sum_splits(partial, y)
     return y

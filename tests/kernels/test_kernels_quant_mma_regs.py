@@ -52,7 +52,8 @@ def test_regs_refuses_what_it_does_not_take() -> None:
 def test_regs_compiled_on_a_gpu() -> None:
     """On a GPU machine: every kind and dtype, ragged row counts (masked token rows), a ragged column tile, K
     split with the sum in the same launch and in a second one, words prefetched into registers (1 or 2
-    iterations ahead) or through a cp.async ring, Llama-8B widths; equal to the reference."""
+    iterations ahead) or through a cp.async ring, q - z as the operand or the sum of x, Llama-8B widths (the
+    engine's defaults); equal to the reference."""
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
         w = random_int4_weight(kind, 200, 1024, 256, g, min_scale=0.01)
@@ -63,7 +64,7 @@ def test_regs_compiled_on_a_gpu() -> None:
                 x = torch.randn(rows, 1024, generator=g).to(dtype).cuda()
                 ref = quant_matmul_ref(x.float(), w)
                 for kw in ({"tiles": (1, 4, 8)}, {"tiles": (2, 2, 16), "ahead": 2}, {"tiles": (1, 1, 2), "stages": 3},
-                           {"tiles": (4, 2, 8), "stages": 4}):
+                           {"tiles": (4, 2, 8), "stages": 4, "subz": True}, {"tiles": (2, 1, 4), "subz": True}):
                     fused = _run(w, x, arrivals=arrivals, **kw)
                     assert not arrivals.any()
                     assert _rel(fused, ref) < BOUND[dtype], (kind, rows, dtype, kw)
