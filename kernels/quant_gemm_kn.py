@@ -70,8 +70,10 @@ DEQUANT_MIN_M = 128
 # 3.66) (bench/results/quant_mma_h100.json)
 MMA_MAX_M = 16
 # 1 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take the Gluon kernel whose MMA
-# operands are built in registers (kernels/quant_mma_regs.py), ahead of the GEMV and the tensor-core kernel above
-REGS_ENGINE_MAX_M = 0
+# operands are built in registers (kernels/quant_mma_regs.py), ahead of the GEMV, the tensor-core kernel and the
+# GEMM above: H100, the decode step's AWQ-shaped weights, 2.15 / 2.70 / 3.11 / 4.43 ms at 1 / 4 / 16 / 32 rows
+# against 2.48 / 3.49 / 3.85 / 5.07 (bench/results/quant_regs_h100.json run 2); at 64 rows the GEMM stays faster
+REGS_ENGINE_MAX_M = 32
 DEQUANT_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_N, warps): 7 tiles within 4 % of each other on the H100
 
 if HAS_TRITON:

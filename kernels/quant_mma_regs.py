@@ -49,12 +49,13 @@ __all__ = ["REGS_MAX_M", "regs_supported", "regs_tiles", "quant_mma_regs"]
 
 GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
 REGS_MAX_M = 64  # token rows one program holds (8 per MMA column tile)
-# (warps, column tiles of 16 per warp, programs per SM) by the largest row count they serve; first guesses from
-# the offline SASS (2.2 instructions per code at T = 4, 133 registers), to be replaced by an H100 sweep
-REGS_TILES: dict[int, tuple[int, int, int]] = {8: (1, 4, 8), 16: (1, 4, 8), 32: (1, 2, 8), 64: (1, 2, 4)}
-REGS_AHEAD = 1  # iterations of words in flight beyond the one being used (registers)
-REGS_SUBZ = False  # zero-point / symmetric kinds: q - z as the MMA operand (one packed subtraction per 2 codes)
-REGS_STAGES = 0  # 0: words prefetched into registers; > 1: cp.async ring of that many shared-memory buffers
+# (warps, column tiles of 16 per warp, programs per SM, cp.async stages: 0 = words prefetched into registers) by
+# the padded row count they serve: the H100 sweeps' best over the Llama-8B decode step's AWQ-shaped weights
+# (bench/results/quant_regs_h100.json run 2: 2.15 ms at 1 row, 2.70 at 4, 3.11 at 16, 4.43 at 32); 64 rows is
+# slower than the kn GEMM (12.0 vs 8.1 ms), so the engine stops at 32 (kernels/quant_gemm_kn.py REGS_ENGINE_MAX_M)
+REGS_TILES: dict[int, tuple[int, int, int, int]] = {8: (4, 2, 8, 0), 16: (2, 2, 8, 3), 32: (1, 2, 8, 0), 64: (1, 2, 4, 0)}
+REGS_AHEAD = 1  # iterations of words in registers beyond the one in use (2: 2.79 vs 2.15 ms at one row)
+REGS_SUBZ = True  # zero-point / symmetric kinds: q - z as the MMA operand (3.25 vs 3.33 ms at 16 rows)
 _MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
 
 
@@ -250,7 +251,7 @@ def regs_tiles(m: int, n: int, k: int, sms: int,
     """(warps, T, BM, split, K per split): BM the token rows padded to a multiple of 8 (a power of two), K split
     in whole iterations until about `programs per SM` programs are in flight."""
     block_m = max(8, 1 << (m - 1).bit_length())
-    warps, per_warp, per_sm = tiles or REGS_TILES[next(t for t in sorted(REGS_TILES) if block_m <= t)]
+    warps, per_warp, per_sm = tiles or REGS_TILES[next(t for t in sorted(REGS_TILES) if block_m <= t)][:3]
     tiles_n = -(-n // (16 * warps * per_warp))
     iters = k // GROUP_STEP
     split = max(1, min(iters, (per_sm * sms) // tiles_n))
@@ -266,7 +267,8 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     `quant_gemm_kn`). `tiles`: (warps, column tiles per warp, programs per SM) from a sweep. `arrivals`: int32 zeros
     from `kernels.quant_gemm_kn.new_arrivals`, used by one call at a time: the split is then summed in the same
     launch, and they are zero again when it returns. `ahead`: iterations of words loaded ahead into registers
-    (1 or 2); `stages` > 1: cp.async into that many shared-memory buffers instead (0: registers); `subz`: the
+    (1 or 2); `stages` > 1: cp.async into that many shared-memory buffers instead (0: registers; default: the row
+    count's REGS_TILES entry, 0 with `tiles`); `subz`: the
     zero-point and symmetric kinds subtract z in the MMA operand instead of summing x (default REGS_SUBZ)."""
     require_triton("quant_mma_regs")
     if not HAS_GLUON:
@@ -278,7 +280,9 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if not 1 <= m <= REGS_MAX_M:
         raise ValueError(f"quant_mma_regs takes 1 to {REGS_MAX_M} rows, got {m}")
     ahead = REGS_AHEAD if ahead is None else ahead
-    stages = REGS_STAGES if stages is None else stages
+    if stages is None:  # the row count's table entry; none with tiles from a sweep
+        block_m = max(8, 1 << (x.shape[0] - 1).bit_length())
+        stages = REGS_TILES[next(t for t in sorted(REGS_TILES) if block_m <= t)][3] if tiles is None else 0
     if ahead not in (1, 2):
         raise ValueError(f"ahead must be 1 or 2, got {ahead}")
     if stages == 1 or not 0 <= stages <= 8:
