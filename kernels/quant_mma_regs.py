@@ -7,7 +7,10 @@ a lop3 and an FMA each, plus x's widening and sums) and the plain-Triton tensor-
 stages x through shared memory with a barrier before each of its eight MMAs per iteration. Here nothing goes
 through shared memory: Gluon's explicit layouts let each thread load exactly the words and x elements that its
 mma.sync fragments hold, so the layout conversions to the MMA operands are trivial (asserted at compile time).
-Offline sm_90 SASS (Triton 3.6): 2.2 loop instructions per code at 1-8 rows, no LDS / STS.
+Offline sm_90 SASS (Triton 3.6): 2.2-2.8 loop instructions per code at 1-8 rows, no LDS / STS. On an H100 it runs
+the Llama-8B decode step's AWQ-shaped weights in 2.15 ms at one row (GEMV 2.48) and 3.11 at 16 (3.85); one row is
+now bound by memory latency (Nsight Compute: 56 % of the DRAM peak, 62 % of warp cycles waiting on loads), not
+issue (bench/results/quant_regs_h100.json).
 
 The mapping (m16n8k16, operand A = a tile of W's output columns, B = x^T, the swapped product Y^T = W X^T):
 - An iteration is one group's 128-element slice of K: 16 word rows of the kn layout, 8 codes each.
@@ -19,8 +22,10 @@ The mapping (m16n8k16, operand A = a tile of W's output columns, B = x^T, the sw
   permutation (reshape + permute of the loaded tile) gives the B operand.
 - A thread's 2 T MMA rows are 2 T adjacent output columns (16-byte word loads): logical MMA row
   16 (W i + w) + 8 h' + g is column ((w * 8 + g) T + i) 2 + h' of the program's tile.
-- The group's affine map w = d q + c is applied after the products, as in quant_mma_kn: with v = 128 + q,
-  sum_k w_k x_k = d sum_k v_k x_k + (c - 128 d) sum_k x_k, in fp32 (the products of v and x are exact).
+- The group's scale is applied after the products, in fp32. Zero-point and symmetric weights enter the MMA as
+  q - z (one packed sub.bf16x2 / f16x2 per register, exact), so sum_k w_k x_k = d sum_k (q_k - z) x_k. The min kind
+  (w = d q + m) takes v = 128 + q and the group's sum of x: d sum_k v_k x_k + (m - 128 d) sum_k x_k (the products
+  of v and x are exact, as in quant_mma_kn).
 - K splits across programs until about `programs per SM` are in flight; with the caller's arrival counters the
   last program of a column tile to arrive sums the fp32 partials in split order (kernels/split_sum.py's scheme).
 
