@@ -198,12 +198,11 @@ def step_each(one: Callable[..., torch.Tensor], weights: list[list[KNWeight]], x
             one(w, xs[w.in_features], arrivals=arrivals[i][j], **overrides)
 
 
-def part_mma(smoke: bool) -> dict[str, Any]:
-    """The tensor-core int4 kernel (kernels/quant_mma_kn.py) over the decode step's AWQ-shaped weights, beside
-    bf16 (cuBLAS), the engine's bf16 GEMV (batch 1) and today's kn path (GEMV / GEMM / dense), tiles swept per
-    batch; its error against the reference first, paired (PTX) and not, and each timed variant's (`rel_err`)."""
-
-    dev = "cpu" if smoke else "cuda"
+def awq_step(dev: str, smoke: bool) -> tuple[torch.Generator, list[tuple[int, int]], list[list[QuantWeight]],
+                                               list[list[KNWeight]], list[list[torch.Tensor]],
+                                               list[list[torch.Tensor]], str]:
+    """The decode step's weights for the int4 kernels' sweeps: (generator, shapes, layer 0's canonical AWQ-shaped
+    weights for the checks, every layer's kn weights, bf16 weights, arrival counters, the workload line)."""
     hidden, inter, layers = (128, 256, 2) if smoke else (HIDDEN, INTER, LAYERS)
     shapes = [(hidden + 2 * (hidden // 4), hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
     g = torch.Generator(device=dev).manual_seed(3)
@@ -212,10 +211,20 @@ def part_mma(smoke: bool) -> dict[str, Any]:
     del int4[1:]  # (the canonical copies of layer 0 only, for the check)
     bf16 = [[torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
             for _ in range(layers)]
-    arrivals = arrivals_for(kn)
-    out: dict[str, Any] = {"workload": f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), "
-                                       "AWQ-shaped int4 (zero points, group 128) vs bf16, one CUDA graph per step",
-                           "check": [], "cases": []}
+    workload = (f"decode-step weight GEMMs, {layers} layers x {shapes} (distinct weights), AWQ-shaped int4 (zero "
+                "points, group 128) vs bf16, one CUDA graph per step")
+    return g, shapes, int4, kn, bf16, arrivals_for(kn), workload
+
+
+def part_mma(smoke: bool) -> dict[str, Any]:
+    """The tensor-core int4 kernel (kernels/quant_mma_kn.py) over the decode step's AWQ-shaped weights, beside
+    bf16 (cuBLAS), the engine's bf16 GEMV (batch 1) and today's kn path (GEMV / GEMM / dense), tiles swept per
+    batch; its error against the reference first, paired (PTX) and not, and each timed variant's (`rel_err`)."""
+
+    dev = "cpu" if smoke else "cuda"
+    hidden, inter = (128, 256) if smoke else (HIDDEN, INTER)
+    g, _, int4, kn, bf16, arrivals, workload = awq_step(dev, smoke)
+    out: dict[str, Any] = {"workload": workload, "check": [], "cases": []}
     w0 = kn[0][2]
     for rows in (1, 16, 64):
         x = torch.randn(rows, hidden, generator=g, device=dev).to(torch.bfloat16)
@@ -292,17 +301,8 @@ def part_regs(smoke: bool) -> dict[str, Any]:
     if smoke:
         raise ValueError("the regs part needs a GPU: Gluon kernels have no CPU interpreter")
     dev = "cuda"
-    shapes = [(HIDDEN + 2 * (HIDDEN // 4), HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    g = torch.Generator(device=dev).manual_seed(3)
-    int4 = [[awq_weight(n, k, dev, g) for n, k in shapes] for _ in range(LAYERS)]
-    kn = [[to_kn(w) for w in ws] for ws in int4]
-    del int4[1:]  # (the canonical copies of layer 0 only, for the check)
-    bf16 = [[torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
-            for _ in range(LAYERS)]
-    arrivals = arrivals_for(kn)
-    out: dict[str, Any] = {"workload": f"decode-step weight GEMMs, {LAYERS} layers x {shapes} (distinct weights), "
-                                       "AWQ-shaped int4 (zero points, group 128) vs bf16, one CUDA graph per step",
-                           "cases": []}
+    g, shapes, int4, kn, bf16, arrivals, workload = awq_step(dev, False)
+    out: dict[str, Any] = {"workload": workload, "cases": []}
     for batch, sweep in REGS_SWEEP.items():
         xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in (HIDDEN, INTER)}
         variants: list[tuple[str, Callable[..., torch.Tensor], dict[str, Any]]] = [("int4_kn", kn_out, {})]
