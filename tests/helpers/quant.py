@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from engine.quant.group_quant import QuantWeight, fp16_bits, pack_int4
+from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4
+from engine.quant.kn_layout import to_kn
 
 
 def random_int4_weight(kind: str, n: int, k: int, group: int, g: torch.Generator,
@@ -20,3 +23,14 @@ def random_int4_weight(kind: str, n: int, k: int, group: int, g: torch.Generator
         return QuantWeight(4, kind, group, n, k, pack_int4(q), scales,
                            zeros=torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8))
     return QuantWeight(4, kind, group, n, k, pack_int4(q), scales)
+
+
+def run_kn(kernel: Callable[..., torch.Tensor], w: QuantWeight, x: torch.Tensor, **kw: object) -> torch.Tensor:
+    """An int4 kernel of the kn layout's signature on w (repacked) and x."""
+    kn = to_kn(w)
+    return kernel(x, kn.qweight, kn.scales, kn.offsets, KINDS.index(w.kind), w.group_size, w.out_features, **kw)
+
+
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref|| in fp32 (ref: an fp32 reference)."""
+    return float((y.float() - ref).norm() / ref.norm())

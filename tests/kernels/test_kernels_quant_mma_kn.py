@@ -14,7 +14,7 @@ from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4, q
 from engine.quant.kn_layout import to_kn
 from kernels.quant_gemm_kn import new_arrivals
 from tests.helpers.interpreter import interpreter_cases_test
-from tests.helpers.quant import random_int4_weight
+from tests.helpers.quant import random_int4_weight, rel_error, run_kn
 
 test_quant_mma_kn_under_interpreter = interpreter_cases_test(__file__, at_least=20, at_most=40, timeout=900)
 
@@ -26,13 +26,10 @@ def _weight(kind: str, n: int, k: int, group: int, g: torch.Generator) -> QuantW
 
 
 def _run(w: QuantWeight, x: torch.Tensor, **kw: object) -> torch.Tensor:
-    kn = to_kn(w)
-    return mma.quant_mma_kn(x, kn.qweight, kn.scales, kn.offsets, KINDS.index(w.kind), w.group_size,
-                            w.out_features, **kw)
+    return run_kn(mma.quant_mma_kn, w, x, **kw)
 
 
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref).norm() / ref.norm())
+_rel = rel_error
 
 
 @pytest.mark.triton_interpreter

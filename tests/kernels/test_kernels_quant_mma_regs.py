@@ -12,19 +12,16 @@ import kernels.quant_mma_regs as regs
 from engine.quant.group_quant import KINDS, QuantWeight, quant_matmul_ref
 from engine.quant.kn_layout import to_kn
 from kernels.quant_gemm_kn import new_arrivals
-from tests.helpers.quant import random_int4_weight
+from tests.helpers.quant import random_int4_weight, rel_error, run_kn
 
 BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
 
 
 def _run(w: QuantWeight, x: torch.Tensor, **kw: object) -> torch.Tensor:
-    kn = to_kn(w)
-    return regs.quant_mma_regs(x, kn.qweight, kn.scales, kn.offsets, KINDS.index(w.kind), w.group_size,
-                               w.out_features, **kw)
+    return run_kn(regs.quant_mma_regs, w, x, **kw)
 
 
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref).norm() / ref.norm())
+_rel = rel_error
 
 
 def test_regs_tiles_pad_rows_and_split_whole_groups() -> None:
