@@ -354,12 +354,13 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                          f"{tuple(qweight.shape)}")
     if kind not in (KIND_MIN, KIND_ZERO, KIND_SYM):
         raise ValueError(f"unsupported kind {kind}")
+    if m and ((m <= REGS_ENGINE_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None
+              else regs):
+        return quant_mma_regs(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     sms = sm_count(x.device)
-    if (m <= REGS_ENGINE_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None else regs:
-        return quant_mma_regs(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)
     if m == 1:
         block_n, nsub, split, warps = kn_gemv_tiles(out_features, k, sms, gemv_tiles)
         step = 32 * nsub

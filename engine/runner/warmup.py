@@ -113,8 +113,8 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
         keys = [("kn_gemm", block_m, block_n, block_r, warps, swap, -(-m // block_m), by16)]
         if m <= MMA_MAX_M:  # 16-bit activations over groups of 128 (AWQ / GPTQ) take the tensor-core kernel
             keys.append(("kn_mma", by16))
-    if m <= REGS_ENGINE_MAX_M:  # 16-bit activations over groups of 128: the Gluon kernel, by its padded row
-        keys.append(("kn_regs", max(8, 1 << (m - 1).bit_length()), m == 1))  # count (Triton specializes M == 1)
+    if m <= REGS_ENGINE_MAX_M:  # 16-bit activations over groups of 128 take the Gluon kernel, compiled per padded
+        keys.append(("kn_regs", max(8, 1 << (m - 1).bit_length()), m == 1))  # row count (and M == 1, specialized)
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
         if m == 1 or (upcast and m <= GEMV_MAX_M):
             keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))
