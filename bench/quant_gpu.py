@@ -15,6 +15,8 @@ with random weights (`--load-format dummy`):
 - int4:  the decode step's weight GEMMs, int4 vs bf16 (bench/quant_int4.py).
 - mma:   the same step with AWQ-shaped weights through the tensor-core int4 kernel (kernels/quant_mma_kn.py), tiles
          swept per batch, beside bf16 and the kn GEMV / GEMM (bench/quant_int4.py's part_mma).
+- profile: batch-1 decode of the bf16 and int4 engines under torch.profiler: host time per step, GPU busy / idle
+         time and the kernels that fill it (part_profile).
 - regs:  the same step through the Gluon kernel whose MMA operands are built in registers
          (kernels/quant_mma_regs.py), tiles swept at 1-64 rows, beside bf16 and the engine's path (part_regs).
 
@@ -61,7 +63,7 @@ from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128  # Llama-3.1-8B
-PARTS = ("e2e", "kv", "int4", "mma", "regs")
+PARTS = ("e2e", "kv", "int4", "mma", "regs", "profile")
 MODULE = "bench.quant_gpu"
 
 
@@ -78,6 +80,15 @@ def e2e_one(job: dict[str, Any]) -> dict[str, Any]:
     if "check_dtype" in job:
         return e2e_gguf_check(job) if job.get("quantization") == "gguf" else e2e_check(job)
     from kvflow import LLM, SamplingParams
+
+    if "profile" in job:  # one prompt's decode under torch.profiler (bench/tp_gpu.py's summaries)
+        from bench.tp_gpu import profiled_throughput
+
+        llm = LLM(**job["engine"])
+        try:
+            return profiled_throughput(llm, **job["profile"])
+        finally:
+            llm.close()
     from kvflow.benchmarks.throughput import random_prompts
 
     started = time.perf_counter()
@@ -277,6 +288,27 @@ def part_e2e(args: argparse.Namespace) -> dict[str, Any]:
     return {"file": str(path), **({"error": "see the file's runs[-1].errors / check"} if failed else {})}
 
 
+def part_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Batch-1 decode of bf16 and int4 engines (one prompt, 512 in / 128 out; each in a fresh process) under
+    torch.profiler, CUDA kernels only: per decode step the host seconds in the runner, and the GPU's busy and idle
+    time with the kernels that fill it. Where an int4 GEMV gain goes in the engine. Traces are not kept."""
+    model, (in_len, out_len) = ("tiny-llama", (16, 8)) if args.smoke else ("llama-3.1-8b", (512, 128))
+    base = {"model": model, "load_format": "dummy", "max_model_len": in_len + out_len + 16}
+    base |= {"device": "cpu", "kv_cache_memory_bytes": 16 << 20} if args.smoke else {"dtype": "bfloat16"}
+    out: dict[str, Any] = {"workload": f"{model} dummy weights, 1 x {in_len} in / {out_len} out, temperature 1.0, "
+                                       "engine defaults, each mode in a fresh process, torch.profiler (CUDA activity)"}
+    with tempfile.TemporaryDirectory(prefix="quant-profile-") as traces:
+        for mode in ("bf16", "int4"):
+            job = {"engine": base | E2E_MODES[mode],
+                   "profile": {"num_prompts": 1, "input_len": in_len, "output_len": out_len,
+                               "trace": os.path.join(traces, f"{mode}.trace.json.gz")}}
+            out[mode] = run_jobs(MODULE, [job], 300)[0]
+            print("profile", mode, out[mode], flush=True)
+    if any("error" in out[m] for m in ("bf16", "int4")):
+        out["error"] = "a profiled engine failed: see its record"
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- fp8 KV
 def kv_row(ctx: int, batch: int, dims: tuple[int, int, int, int], g: torch.Generator, smoke: bool,
            with_error: bool) -> dict[str, Any]:
@@ -330,6 +362,8 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         return part_mma(args.smoke)
     if part == "regs":
         return part_regs(args.smoke)
+    if part == "profile":
+        return part_profile(args)
     return part_kv(args.smoke)
 
 
