@@ -67,7 +67,7 @@ DEQUANT_MIN_M = 128
 # 2 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 (AWQ / GPTQ) take the tensor-core
 # kernel (kernels/quant_mma_kn.py): H100, the decode step's AWQ-shaped weights at 16 rows, 3.81 ms against this
 # GEMM's 4.50 and bf16's 5.17; at 32 rows the GEMM wins (5.13 against 5.85), and at one row the GEMV (2.47 against
-# 3.66) (bench/results/quant_mma_h100.json)
+# 3.66) (bench/results/quant_mma_h100.json). Where Gluon is present the kernel below takes these rows instead.
 MMA_MAX_M = 16
 # 1 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take the Gluon kernel whose MMA
 # operands are built in registers (kernels/quant_mma_regs.py), ahead of the GEMV, the tensor-core kernel and the

@@ -35,9 +35,12 @@ Reference: `engine.quant.group_quant.quant_matmul_ref` of `engine.quant.kn_layou
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels._triton import HAS_TRITON, require_triton, sm_count, triton, use_pdl
+from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO
 from kernels.split_sum import sum_splits
 
 try:  # pragma: no cover - depends on the Triton version
@@ -50,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the Triton version
     gluon = gl = async_copy = mma_v2 = None  # type: ignore[assignment]
     HAS_GLUON = False
 
-__all__ = ["REGS_MAX_M", "regs_supported", "regs_tiles", "quant_mma_regs"]
+__all__ = ["REGS_MAX_M", "regs_block_m", "regs_supported", "regs_tiles", "quant_mma_regs"]
 
 GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
 REGS_MAX_M = 64  # token rows one program holds (8 per MMA column tile)
@@ -61,7 +64,17 @@ REGS_MAX_M = 64  # token rows one program holds (8 per MMA column tile)
 REGS_TILES: dict[int, tuple[int, int, int, int]] = {8: (4, 2, 8, 0), 16: (2, 2, 8, 3), 32: (1, 2, 8, 0), 64: (1, 2, 4, 0)}
 REGS_AHEAD = 1  # iterations of words in registers beyond the one in use (2: 2.79 vs 2.15 ms at one row)
 REGS_SUBZ = True  # zero-point / symmetric kinds: q - z as the MMA operand (3.25 vs 3.33 ms at 16 rows)
-_MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
+_DTYPES = (torch.bfloat16, torch.float16)  # the activations whose bits hold a code as 128 + q (1024 + q)
+
+
+def regs_block_m(m: int) -> int:
+    """The token rows a program holds for m rows: m padded to a power of two, at least one MMA column tile (8)."""
+    return max(8, 1 << (m - 1).bit_length())
+
+
+def _table_entry(block_m: int) -> tuple[int, int, int, int]:
+    """REGS_TILES' entry for a padded row count."""
+    return REGS_TILES[next(t for t in sorted(REGS_TILES) if block_m <= t)]
 
 
 def _bits(n: int) -> list[int]:
@@ -69,6 +82,7 @@ def _bits(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length() - 1)]
 
 
+@functools.cache  # (a launch argument: built once per tile, not per call)
 def words_layout(warps: int, tiles: int) -> gl.DistributedLinearLayout:
     """[16 warps tiles columns, 16 word rows]: a lane's 2 T adjacent columns in registers (16-byte loads), lane
     bits 0-1 the word row within 4, bits 2-4 the column group g; registers again for word rows 4 and 8."""
@@ -78,6 +92,7 @@ def words_layout(warps: int, tiles: int) -> gl.DistributedLinearLayout:
         warp_bases=[[16 * tiles * b, 0] for b in _bits(warps)], block_bases=[], shape=[16 * warps * tiles, 16])
 
 
+@functools.cache
 def x_layout(warps: int, block_m: int) -> gl.DistributedLinearLayout:
     """[BM tokens, 128 elements of K]: 8 contiguous elements per lane and word row (one 16-byte load), lane bits
     0-1 the word row within 4, bits 2-4 the token; every warp holds the whole tile."""
@@ -87,9 +102,11 @@ def x_layout(warps: int, block_m: int) -> gl.DistributedLinearLayout:
         warp_bases=[[0, 0] for _ in _bits(warps)], block_bases=[], shape=[block_m, 128])
 
 
+@functools.cache
 def words_shared_layout() -> gl.SwizzledSharedLayout:
-    """[columns, 16 word rows] (one buffer of the ring) with columns contiguous (16-byte cp.async per lane) and each word row's
-    16-byte vectors XOR-swizzled, so the four word rows a quarter-warp reads back hit different banks."""
+    """[columns, 16 word rows] (one buffer of the ring) with columns contiguous (16-byte cp.async per lane) and
+    each word row's 16-byte vectors XOR-swizzled, so the four word rows a quarter-warp reads back hit different
+    banks."""
     return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[0, 1])
 
 
@@ -248,15 +265,15 @@ if HAS_GLUON:
 
 def regs_supported(dtype: torch.dtype, group_size: int, k: int) -> bool:
     """Whether the kernel applies: bf16 / fp16 activations, groups of a multiple of 128, Gluon present."""
-    return HAS_GLUON and dtype in _MAGIC and group_size % GROUP_STEP == 0 and k % group_size == 0
+    return HAS_GLUON and dtype in _DTYPES and group_size % GROUP_STEP == 0 and k % group_size == 0
 
 
 def regs_tiles(m: int, n: int, k: int, sms: int,
                tiles: tuple[int, int, int] | None = None) -> tuple[int, int, int, int, int]:
     """(warps, T, BM, split, K per split): BM the token rows padded to a multiple of 8 (a power of two), K split
     in whole iterations until about `programs per SM` programs are in flight."""
-    block_m = max(8, 1 << (m - 1).bit_length())
-    warps, per_warp, per_sm = tiles or REGS_TILES[next(t for t in sorted(REGS_TILES) if block_m <= t)][:3]
+    block_m = regs_block_m(m)
+    warps, per_warp, per_sm = tiles or _table_entry(block_m)[:3]
     tiles_n = -(-n // (16 * warps * per_warp))
     iters = k // GROUP_STEP
     split = max(1, min(iters, (per_sm * sms) // tiles_n))
@@ -273,12 +290,12 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     from `kernels.quant_gemm_kn.new_arrivals`, used by one call at a time: the split is then summed in the same
     launch, and they are zero again when it returns. `ahead`: iterations of words loaded ahead into registers
     (1 or 2); `stages` > 1: cp.async into that many shared-memory buffers instead (0: registers; default: the row
-    count's REGS_TILES entry, 0 with `tiles`); `subz`: the
-    zero-point and symmetric kinds subtract z in the MMA operand instead of summing x (default REGS_SUBZ)."""
+    count's REGS_TILES entry, 0 with `tiles`); `subz`: the zero-point and symmetric kinds subtract z in the MMA
+    operand instead of summing x (default REGS_SUBZ)."""
     require_triton("quant_mma_regs")
     if not HAS_GLUON:
         raise RuntimeError("quant_mma_regs needs Triton's Gluon (triton.experimental.gluon)")
-    if x.dim() != 2 or x.dtype not in _MAGIC or x.stride(-1) != 1:
+    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] bf16 / fp16 with a contiguous last dim, got {x.dtype} "
                          f"{tuple(x.shape)}")
     m, k = x.shape
@@ -286,12 +303,13 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"quant_mma_regs takes 1 to {REGS_MAX_M} rows, got {m}")
     ahead = REGS_AHEAD if ahead is None else ahead
     if stages is None:  # the row count's table entry; none with tiles from a sweep
-        block_m = max(8, 1 << (x.shape[0] - 1).bit_length())
-        stages = REGS_TILES[next(t for t in sorted(REGS_TILES) if block_m <= t)][3] if tiles is None else 0
+        stages = _table_entry(regs_block_m(m))[3] if tiles is None else 0
     if ahead not in (1, 2):
         raise ValueError(f"ahead must be 1 or 2, got {ahead}")
     if stages == 1 or not 0 <= stages <= 8:
         raise ValueError(f"stages must be 0 (registers) or 2-8, got {stages}")
+    if kind not in (KIND_MIN, KIND_ZERO, KIND_SYM):
+        raise ValueError(f"unsupported kind {kind}")
     if group_size % GROUP_STEP or k % group_size:
         raise ValueError(f"group_size={group_size} must be a multiple of {GROUP_STEP} dividing K={k}")
     if qweight.dtype != torch.int32 or qweight.shape != (k // 8, out_features) or not qweight.is_contiguous():
@@ -300,9 +318,9 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError("quant_mma_regs runs on CUDA only (Gluon has no CPU interpreter)")
     warps, per_warp, block_m, split, per_split = regs_tiles(m, out_features, k, sm_count(x.device), tiles)
     tiles_n = triton.cdiv(out_features, 16 * warps * per_warp)
-    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < tiles_n):
         raise ValueError(f"arrivals must be int32 with at least {tiles_n} entries")
+    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     fused = split > 1 and arrivals is not None
     partial = y if split == 1 else torch.empty(split, m, out_features, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x.device)
@@ -310,7 +328,8 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, offsets, y, partial, arrivals if fused else y, m, out_features, k, x.stride(0),
         per_split, split, WL=words_layout(warps, per_warp), XL=x_layout(warps, block_m), GROUP=group_size,
         KIND=kind, WARPS=warps, T=per_warp, BM=block_m, FP16=x.dtype == torch.float16, PDL=pdl, SUM_HERE=fused,
-        AHEAD=ahead, STAGES=stages, SMEM=words_shared_layout(), SUBZ=(REGS_SUBZ if subz is None else subz) and kind != 0,
+        AHEAD=ahead, STAGES=stages, SMEM=words_shared_layout(),
+        SUBZ=(REGS_SUBZ if subz is None else subz) and kind != KIND_MIN,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     if split > 1 and not fused:
         sum_splits(partial, y)

@@ -45,6 +45,7 @@ from kernels.moe_tiles import select_tiles
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
 from kernels.quant_gemm import GEMV_MAX_M, gemm_tiles, gemv_tiles
 from kernels.quant_gemm_kn import DEQUANT_MIN_M, MMA_MAX_M, REGS_ENGINE_MAX_M, kn_gemm_tiles
+from kernels.quant_mma_regs import regs_block_m
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -114,7 +115,7 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
         if m <= MMA_MAX_M:  # 16-bit activations over groups of 128 (AWQ / GPTQ) take the tensor-core kernel
             keys.append(("kn_mma", by16))
     if m <= REGS_ENGINE_MAX_M:  # 16-bit activations over groups of 128 take the Gluon kernel, compiled per padded
-        keys.append(("kn_regs", max(8, 1 << (m - 1).bit_length()), m == 1))  # row count (and M == 1, specialized)
+        keys.append(("kn_regs", regs_block_m(m), m == 1))  # row count (and M == 1, specialized)
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
         if m == 1 or (upcast and m <= GEMV_MAX_M):
             keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))

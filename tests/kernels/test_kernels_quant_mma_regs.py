@@ -38,7 +38,8 @@ def test_regs_refuses_what_it_does_not_take() -> None:
     with pytest.raises(ValueError, match="CUDA"):
         regs.quant_mma_regs(x, *args)
     for bad, match in [({"x": torch.randn(1, 256)}, "bf16 / fp16"), ({"x": torch.randn(65, 256).bfloat16()}, "rows"),
-                       ({"stages": 1}, "stages"), ({"ahead": 3}, "ahead"), ({"group_size": 64}, "group_size")]:
+                       ({"stages": 1}, "stages"), ({"ahead": 3}, "ahead"), ({"group_size": 64}, "group_size"),
+                       ({"kind": 5}, "kind")]:
         kw = {"x": x, "qweight": kn.qweight, "scales": kn.scales, "offsets": kn.offsets, "kind": 1,
               "group_size": 128, "out_features": 32} | bad
         with pytest.raises(ValueError, match=match):
