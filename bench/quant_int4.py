@@ -345,3 +345,68 @@ def part_regs(smoke: bool) -> dict[str, Any]:
         print("regs", row, flush=True)
         out["cases"].append(row)
     return out
+
+
+# (warpgroups per program, column tiles of 64 per warpgroup, token rows per program, programs per SM, x loaded an
+# iteration ahead) swept per batch for kernels/quant_wgmma.py
+WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool]]] = {
+    16: [(2, 1, 16, 4, False), (4, 1, 16, 2, False)],
+    32: [(2, 1, 32, 4, False), (4, 1, 32, 2, False), (1, 1, 32, 4, False)],
+    64: [(1, 1, 64, 4, False), (2, 1, 64, 2, False), (2, 1, 64, 2, True), (2, 1, 64, 3, False), (4, 1, 64, 1, False)],
+    128: [(2, 1, 128, 1, False), (2, 1, 64, 2, False), (2, 1, 64, 2, True), (4, 1, 64, 1, False),
+          (1, 1, 128, 2, False)],
+    256: [(2, 1, 128, 1, False), (2, 1, 64, 2, False), (2, 1, 64, 2, True), (4, 1, 64, 1, False)],
+    1024: [(2, 1, 128, 1, False), (2, 1, 64, 2, False)]}
+
+
+def wgmma_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None,
+              **overrides: Any) -> torch.Tensor:
+    from kernels.quant_wgmma import quant_wgmma
+
+    return quant_wgmma(x, w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size, w.out_features,
+                       **overrides)
+
+
+def part_wgmma(smoke: bool) -> dict[str, Any]:
+    """Hopper's wgmma int4 kernel (kernels/quant_wgmma.py) over the decode step's AWQ-shaped weights at 32-256
+    rows, tiles swept per batch, beside bf16 (cuBLAS), the engine's path (`int4_kn`: the kernel's default tiles where
+    it applies), the kn GEMM (below 128 rows) or the dense dequantization (from 128); each variant's output
+    (layer 0's gate|up) against the reference first. CUDA sm_90 only."""
+    if smoke:
+        raise ValueError("the wgmma part needs a Hopper GPU: Gluon kernels have no CPU interpreter")
+    dev = "cuda"
+    g, _, int4, kn, bf16, arrivals, workload = awq_step(dev, False)
+    out: dict[str, Any] = {"workload": workload, "cases": []}
+    for batch, sweep in WGMMA_SWEEP.items():
+        xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in (HIDDEN, INTER)}
+        variants: list[tuple[str, Callable[..., torch.Tensor], dict[str, Any]]] = [("int4_kn", kn_out, {})]
+        if batch <= 64:
+            variants.append(("regs", regs_out, {}))  # (the engine's path through 32 rows)
+        variants += [("int4_gemm" if batch < 128 else "int4_dense", kn_out,
+                      {"wgmma": False, "regs": False, "dense": batch >= 128})]
+        variants += [(f"wgmma{list(t)}", wgmma_out, {"tiles": t[:4], "x_ahead": t[4]}) for t in sweep]
+        ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])
+        errors = {"bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)}
+        row: dict[str, Any] = {"batch": batch, "rel_err": errors}
+        for name, one, ov in variants:
+            try:
+                errors[name] = rel_err(one(kn[0][2], xs[HIDDEN], arrivals=arrivals[0][2], **ov).float(), ref)
+            except Exception as exc:  # a tile that fails to compile or launch: recorded, the sweep goes on
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        steps = [("bf16", functools.partial(step_bf16, bf16, xs))]
+        steps += [(name, functools.partial(step_each, one, kn, xs, arrivals, **ov)) for name, one, ov in variants
+                  if f"{name}_error" not in row]
+        for name, fn in steps:
+            try:
+                row[f"{name}_ms"] = round(wall_seconds(capture_graph(fn).replay, 20, True) * 1e3, 3)
+            except Exception as exc:
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        timed = [k for k in row if k.startswith("wgmma") and k.endswith("_ms")]
+        if timed:
+            best = min(timed, key=row.get)
+            row["best_wgmma"] = best.removesuffix("_ms")
+            row["best_wgmma_vs_bf16"] = round(row["bf16_ms"] / row[best], 3)
+            row["best_wgmma_vs_int4_kn"] = round(row["int4_kn_ms"] / row[best], 3)
+        print("wgmma", row, flush=True)
+        out["cases"].append(row)
+    return out

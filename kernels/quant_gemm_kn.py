@@ -40,6 +40,7 @@ from kernels._triton import (
 from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO  # one numbering for both layouts' kernels
 from kernels.quant_mma_kn import mma_supported, quant_mma_kn
 from kernels.quant_mma_regs import quant_mma_regs, regs_supported
+from kernels.quant_wgmma import quant_wgmma, wgmma_supported
 from kernels.split_sum import sum_here, sum_splits
 
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
@@ -74,6 +75,10 @@ MMA_MAX_M = 16
 # GEMM above: H100, the decode step's AWQ-shaped weights, 2.15 / 2.70 / 3.11 / 4.43 ms at 1 / 4 / 16 / 32 rows
 # against 2.48 / 3.49 / 3.85 / 5.07 (bench/results/quant_regs_h100.json run 2); at 64 rows the GEMM stays faster
 REGS_ENGINE_MAX_M = 32
+# Above that, up to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take Hopper's wgmma
+# kernel (kernels/quant_wgmma.py) on sm_90 GPUs, ahead of the GEMM and the dense dequantization. Not routed (equal to
+# REGS_ENGINE_MAX_M) until its output is checked on a GPU: tests/kernels/test_kernels_quant_wgmma.py
+WGMMA_ENGINE_MAX_M = REGS_ENGINE_MAX_M
 DEQUANT_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_N, warps): 7 tiles within 4 % of each other on the H100
 
 if HAS_TRITON:
@@ -332,14 +337,15 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None,
                   dequant_tiles: tuple[int, int, int] | None = None,
                   arrivals: torch.Tensor | None = None, pairs: bool | None = None,
-                  mma: bool | None = None, regs: bool | None = None) -> torch.Tensor:
+                  mma: bool | None = None, regs: bool | None = None, wgmma: bool | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
     `pipeline` (the GEMV loads one iteration ahead), `pairs` (the GEMV's nibble-pair form), `gemm_tiles`, `dense` (several rows:
     dequantize W once and run a dense matmul; default from DEQUANT_MIN_M), `dequant_tiles`, `mma` (several rows:
     the tensor-core kernel; default: 2 to MMA_MAX_M rows where it applies) and `regs` (the Gluon kernel of
-    kernels/quant_mma_regs.py; default: 1 to REGS_ENGINE_MAX_M rows where it applies).
+    kernels/quant_mma_regs.py; default: 1 to REGS_ENGINE_MAX_M rows where it applies) and `wgmma` (Hopper's kernel of
+    kernels/quant_wgmma.py; default: REGS_ENGINE_MAX_M + 1 to WGMMA_ENGINE_MAX_M rows where it applies).
 
     `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
     zero again when it returns."""
@@ -357,6 +363,9 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m and ((m <= REGS_ENGINE_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None
               else regs):
         return quant_mma_regs(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)
+    if m and ((REGS_ENGINE_MAX_M < m <= WGMMA_ENGINE_MAX_M and x.is_cuda
+               and wgmma_supported(x.dtype, group_size, k, x.device)) if wgmma is None else wgmma):
+        return quant_wgmma(x, qweight, scales, offsets, kind, group_size, out_features)
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -44,8 +44,15 @@ from kernels.moe_gemv import gemv_suits
 from kernels.moe_tiles import select_tiles
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
 from kernels.quant_gemm import GEMV_MAX_M, gemm_tiles, gemv_tiles
-from kernels.quant_gemm_kn import DEQUANT_MIN_M, MMA_MAX_M, REGS_ENGINE_MAX_M, kn_gemm_tiles
+from kernels.quant_gemm_kn import (
+    DEQUANT_MIN_M,
+    MMA_MAX_M,
+    REGS_ENGINE_MAX_M,
+    WGMMA_ENGINE_MAX_M,
+    kn_gemm_tiles,
+)
 from kernels.quant_mma_regs import regs_block_m
+from kernels.quant_wgmma import wgmma_tiles
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -116,6 +123,9 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
             keys.append(("kn_mma", by16))
     if m <= REGS_ENGINE_MAX_M:  # 16-bit activations over groups of 128 take the Gluon kernel, compiled per padded
         keys.append(("kn_regs", regs_block_m(m), m == 1))  # row count (and M == 1, specialized)
+    elif m <= WGMMA_ENGINE_MAX_M:  # on sm_90, Hopper's kernel: compiled per tile, row tile and split or not
+        groups, per_group, block_m, split, _ = wgmma_tiles(m, n, k, _NOMINAL_SMS)
+        keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, by16))
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
         if m == 1 or (upcast and m <= GEMV_MAX_M):
             keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))
