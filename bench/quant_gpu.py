@@ -19,7 +19,7 @@ with random weights (`--load-format dummy`):
          time and the kernels that fill it (part_profile).
 - regs:  the same step through the Gluon kernel whose MMA operands are built in registers
          (kernels/quant_mma_regs.py), tiles swept at 1-64 rows, beside bf16 and the engine's path (part_regs).
-- wgmma: the same step through Hopper's wgmma kernel (kernels/quant_wgmma.py), tiles swept at 32-256 rows
+- wgmma: the same step through Hopper's wgmma kernel (kernels/quant_wgmma.py), tiles swept at 16-1024 rows
          (part_wgmma).
 
 The w8a8_layers part (each decoder linear, Fp8Linear vs bf16; the activation quantization, Triton vs torch) was

@@ -348,15 +348,17 @@ def part_regs(smoke: bool) -> dict[str, Any]:
 
 
 # (warpgroups per program, column tiles of 64 per warpgroup, token rows per program, programs per SM, x loaded an
-# iteration ahead) swept per batch for kernels/quant_wgmma.py
-WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool]]] = {
-    16: [(2, 1, 16, 4, False), (4, 1, 16, 2, False)],
-    32: [(2, 1, 32, 4, False), (4, 1, 32, 2, False), (1, 1, 32, 4, False)],
-    64: [(1, 1, 64, 4, False), (2, 1, 64, 2, False), (2, 1, 64, 2, True), (2, 1, 64, 3, False), (4, 1, 64, 1, False)],
-    128: [(2, 1, 128, 1, False), (2, 1, 64, 2, False), (2, 1, 64, 2, True), (4, 1, 64, 1, False),
-          (1, 1, 128, 2, False)],
-    256: [(2, 1, 128, 1, False), (2, 1, 64, 2, False), (2, 1, 64, 2, True), (4, 1, 64, 1, False)],
-    1024: [(2, 1, 128, 1, False), (2, 1, 64, 2, False)]}
+# iteration ahead, asynchronous MMA from shared memory) swept per batch for kernels/quant_wgmma.py
+_SYNC, _ASYNC = (False, False), (False, True)  # (x ahead, overlap)
+WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool, bool]]] = {
+    16: [(2, 1, 16, 4, *_SYNC), (4, 1, 16, 2, *_SYNC)],
+    32: [(2, 1, 32, 4, *_SYNC), (4, 1, 32, 2, *_SYNC), (1, 1, 32, 4, *_SYNC)],
+    64: [(1, 1, 64, 4, *_SYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (2, 1, 64, 2, *_ASYNC), (2, 1, 64, 3, *_SYNC),
+         (4, 1, 64, 1, *_SYNC)],
+    128: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (4, 1, 64, 1, *_SYNC),
+          (1, 1, 128, 2, *_SYNC)],
+    256: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, *_ASYNC), (4, 1, 64, 1, *_SYNC)],
+    1024: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC)]}
 
 
 def wgmma_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None,
@@ -384,7 +386,8 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
             variants.append(("regs", regs_out, {}))  # (the engine's path through 32 rows)
         variants += [("int4_gemm" if batch < 128 else "int4_dense", kn_out,
                       {"wgmma": False, "regs": False, "dense": batch >= 128})]
-        variants += [(f"wgmma{list(t)}", wgmma_out, {"tiles": t[:4], "x_ahead": t[4]}) for t in sweep]
+        variants += [(f"wgmma{list(t)}", wgmma_out, {"tiles": t[:4], "x_ahead": t[4], "overlap": t[5]})
+                     for t in sweep]
         ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])
         errors = {"bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)}
         row: dict[str, Any] = {"batch": batch, "rel_err": errors}

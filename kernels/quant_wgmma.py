@@ -45,6 +45,7 @@ if HAS_GLUON:  # pragma: no cover - depends on the Triton version
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
+        warpgroup_mma_wait,
     )
 
 __all__ = ["WGMMA_TILES", "wgmma_supported", "wgmma_tiles", "quant_wgmma"]
@@ -54,6 +55,7 @@ GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
 # row count they serve: a first guess, replaced by the H100 sweep's best (bench/quant_gpu.py --parts wgmma)
 WGMMA_TILES: dict[int, tuple[int, int, int, int]] = {64: (2, 1, 64, 2), 128: (2, 1, 128, 1), 256: (2, 1, 128, 1)}
 WGMMA_X_AHEAD = False  # (more registers and byte moves: a sweep option until timed)
+WGMMA_OVERLAP = False  # (a sweep option until timed)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -143,7 +145,7 @@ if HAS_GLUON:
                       XS: gl.constexpr, GROUP: gl.constexpr, KIND: gl.constexpr, WARPS: gl.constexpr,
                       T: gl.constexpr, BM: gl.constexpr,
                       FP16: gl.constexpr, PDL: gl.constexpr, SPLIT: gl.constexpr, EVEN_N: gl.constexpr,
-                      XPRE: gl.constexpr):
+                      XPRE: gl.constexpr, ASYNC: gl.constexpr):
         """One program: a [16 WARPS T columns] tile of Y's columns (64 T per warpgroup), BM token rows, one K
         split (SPLIT: its fp32 partial to Y [splits, M, N]). Its warpgroups share x's shared buffers."""
         BN: gl.constexpr = 16 * WARPS * T
@@ -161,7 +163,13 @@ if HAS_GLUON:
         tokens = gl.minimum(pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
         x_ptrs = (X + gl.expand_dims(tokens.to(gl.int64) * stride_xm, 1)
                   + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0))
-        bufs = gl.allocate_shared_memory(X.dtype.element_ty, [2, BM, 128], XS)
+        # ASYNC: the MMA reads A from shared memory too and runs under the next iteration's work; a buffer is
+        # rewritten three iterations after its MMA, which every warpgroup has waited for by then (each waits
+        # until at most one of its MMAs is in flight, before the next barrier)
+        STAGES: gl.constexpr = 3 if ASYNC else 2
+        bufs = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES, BM, 128], XS)
+        if ASYNC:
+            a_bufs = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES, BN, 128], XS)
         k_start = pid_s * K_PER_SPLIT
         k_end = gl.minimum(k_start + K_PER_SPLIT, K)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
@@ -186,11 +194,20 @@ if HAS_GLUON:
             else:
                 _store_x(buf, gl.load(x_ptrs + k0), BM)
             a = _operand(w, S, Off, k0 // GROUP, N, cols, KIND, WARPS, T, FP16, mma)
+            if ASYNC:
+                a_buf = a_bufs.index(stage)
+                a_buf.store(a)
             fence_async_shared()
             gl.thread_barrier()  # every warp's slice of x is in the buffer before the warpgroup's MMA reads it
-            acc = warpgroup_mma(a, buf.permute((1, 0)), acc)
+            if ASYNC:
+                acc = warpgroup_mma(a_buf, buf.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+            else:
+                acc = warpgroup_mma(a, buf.permute((1, 0)), acc)
             w = w_next
-            stage = 1 - stage
+            stage = (stage + 1) % STAGES
+        if ASYNC:
+            acc = warpgroup_mma_wait(0, deps=[acc])
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         phys = pid_n * BN + ((((rows // 16) % WARPS) * 8 + rows % 8) * T + rows // (16 * WARPS)) * 2 + (rows // 8) % 2
         out_tokens = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
@@ -225,10 +242,13 @@ def wgmma_tiles(m: int, n: int, k: int, sms: int,
 
 def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                 group_size: int, out_features: int, *,
-                tiles: tuple[int, int, int, int] | None = None, x_ahead: bool | None = None) -> torch.Tensor:
+                tiles: tuple[int, int, int, int] | None = None, x_ahead: bool | None = None,
+                overlap: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (as `quant_gemm_kn`). `tiles`:
     (warpgroups per program, column tiles of 64 per warpgroup, token rows per program, programs per SM) from a
-    sweep; `x_ahead`: x's next slice is loaded into registers an iteration ahead (default WGMMA_X_AHEAD)."""
+    sweep; `x_ahead`: x's next slice is loaded into registers an iteration ahead (default WGMMA_X_AHEAD); `overlap`:
+    the dequantized weights go through shared memory too and each MMA runs asynchronously under the next
+    iteration (default WGMMA_OVERLAP)."""
     require_triton("quant_wgmma")
     if not HAS_GLUON:
         raise RuntimeError("quant_wgmma needs Triton's Gluon (triton.experimental.gluon)")
@@ -261,6 +281,7 @@ def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
         WL=words_layout(warps, per_group), XL=x_stage_layout(warps), XS=x_shared_layout(), GROUP=group_size,
         KIND=kind, WARPS=warps, T=per_group, BM=block_m, FP16=x.dtype == torch.float16, PDL=pdl, SPLIT=split > 1,
         EVEN_N=out_features % (16 * warps * per_group) == 0, XPRE=WGMMA_X_AHEAD if x_ahead is None else x_ahead,
+        ASYNC=WGMMA_OVERLAP if overlap is None else overlap,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         sum_splits(partial, y)

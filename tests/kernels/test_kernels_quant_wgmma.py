@@ -44,7 +44,7 @@ def test_wgmma_refuses_what_it_does_not_take() -> None:
 def test_wgmma_compiled_on_a_hopper_gpu() -> None:
     """On an H100 / H200: every kind and dtype, ragged row counts (masked token rows, several row tiles), a ragged
     column tile, K split (a second launch sums) or not, one to four warpgroups a program, x loaded an
-    iteration ahead or not, Llama-8B widths; equal to the reference, and for zero-point
+    iteration ahead or not, the MMA synchronous or overlapped (A through shared memory), Llama-8B widths; equal to the reference, and for zero-point
     weights the operand is the dense 16-bit weight itself (equal to x @ dequantized-and-rounded W^T in fp32)."""
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
@@ -54,10 +54,12 @@ def test_wgmma_compiled_on_a_hopper_gpu() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 x = torch.randn(rows, 1024, generator=g).to(dtype).cuda()
                 ref = quant_matmul_ref(x.float(), w)
-                for tiles, x_ahead in (((1, 1, 64, 4), False), ((1, 2, 64, 2), False), ((2, 1, 128, 1), False),
-                                       ((4, 1, 32, 16), False), ((2, 1, 64, 2), True)):
-                    y = run_kn(wg.quant_wgmma, w, x, tiles=tiles, x_ahead=x_ahead)
-                    assert rel_error(y, ref) < BOUND[dtype], (kind, rows, dtype, tiles, x_ahead)
+                for tiles, x_ahead, overlap in (((1, 1, 64, 4), False, False), ((1, 2, 64, 2), False, False),
+                                                ((2, 1, 128, 1), False, False), ((4, 1, 32, 16), False, False),
+                                                ((2, 1, 64, 2), True, False), ((2, 1, 64, 2), False, True),
+                                                ((1, 1, 64, 1), True, True)):
+                    y = run_kn(wg.quant_wgmma, w, x, tiles=tiles, x_ahead=x_ahead, overlap=overlap)
+                    assert rel_error(y, ref) < BOUND[dtype], (kind, rows, dtype, tiles, x_ahead, overlap)
                 if kind == "zero":
                     dense = dequantize(w).to(dtype).float()
                     assert rel_error(run_kn(wg.quant_wgmma, w, x), x.float() @ dense.t()) < 2e-3, (rows, dtype)
