@@ -48,24 +48,24 @@ if HAS_GLUON:  # pragma: no cover - depends on the Triton version
         warpgroup_mma_wait,
     )
 
-__all__ = ["WGMMA_TILES", "wgmma_supported", "wgmma_tiles", "quant_wgmma"]
+__all__ = ["WGMMA_TILES", "wgmma_entry", "wgmma_supported", "wgmma_tiles", "quant_wgmma"]
 
 GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
-# (warpgroups per program, column tiles of 64 per warpgroup, padded token rows per program, programs per SM) by the
-# row count they serve: a first guess, replaced by the H100 sweep's best (bench/quant_gpu.py --parts wgmma)
-WGMMA_TILES: dict[int, tuple[int, int, int, int]] = {64: (2, 1, 64, 2), 128: (2, 1, 128, 1), 256: (2, 1, 128, 1)}
-WGMMA_X_AHEAD = False  # (more registers and byte moves: a sweep option until timed)
-WGMMA_OVERLAP = False  # (a sweep option until timed)
+# (warpgroups per program, column tiles of 64 per warpgroup, padded token rows per program, programs per SM, x
+# loaded an iteration ahead, asynchronous MMA) by the row count they serve: a first guess, replaced by the H100
+# sweep's best (bench/quant_gpu.py --parts wgmma)
+WGMMA_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
+    64: (2, 1, 64, 2, False, False), 128: (2, 1, 128, 1, False, False), 256: (2, 1, 128, 1, False, False)}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def wgmma_block_m(m: int, block_m: int | None = None) -> int:
     """The token rows a program holds: m padded to a power of two (at least 16), at most the table's entry."""
     padded = max(16, 1 << (m - 1).bit_length())
-    return min(padded, block_m or _table_entry(m)[2])
+    return min(padded, block_m or wgmma_entry(m)[2])
 
 
-def _table_entry(m: int) -> tuple[int, int, int, int]:
+def wgmma_entry(m: int) -> tuple[int, int, int, int, bool, bool]:
     """WGMMA_TILES' entry for m rows (the last one past the table)."""
     return WGMMA_TILES[next((t for t in sorted(WGMMA_TILES) if m <= t), max(WGMMA_TILES))]
 
@@ -231,7 +231,7 @@ def wgmma_tiles(m: int, n: int, k: int, sms: int,
                 tiles: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int, int]:
     """(warpgroups, T, BM, split, K per split): 64 T columns per warpgroup and BM token rows per program, K split
     in whole iterations until about `programs per SM` programs are in flight."""
-    groups, per_group, block_m, per_sm = tiles or _table_entry(m)
+    groups, per_group, block_m, per_sm = tiles or wgmma_entry(m)[:4]
     block_m = wgmma_block_m(m, block_m)
     programs = -(-m // block_m) * -(-n // (64 * groups * per_group))
     iters = k // GROUP_STEP
@@ -246,9 +246,9 @@ def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
                 overlap: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (as `quant_gemm_kn`). `tiles`:
     (warpgroups per program, column tiles of 64 per warpgroup, token rows per program, programs per SM) from a
-    sweep; `x_ahead`: x's next slice is loaded into registers an iteration ahead (default WGMMA_X_AHEAD); `overlap`:
-    the dequantized weights go through shared memory too and each MMA runs asynchronously under the next
-    iteration (default WGMMA_OVERLAP)."""
+    sweep; `x_ahead`: x's next slice is loaded into registers an iteration ahead; `overlap`: the dequantized
+    weights go through shared memory too and each MMA runs asynchronously under the next iteration (defaults: the
+    row count's WGMMA_TILES entry; off with `tiles`)."""
     require_triton("quant_wgmma")
     if not HAS_GLUON:
         raise RuntimeError("quant_wgmma needs Triton's Gluon (triton.experimental.gluon)")
@@ -272,6 +272,7 @@ def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
     if m == 0:
         return y
     groups, per_group, block_m, split, per_split = wgmma_tiles(m, out_features, k, sm_count(x.device), tiles)
+    flags = wgmma_entry(m)[4:] if tiles is None else (False, False)
     warps = 4 * groups
     partial = y if split == 1 else torch.empty(split, m, out_features, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x.device)
@@ -280,8 +281,8 @@ def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
         x, qweight, scales, offsets, partial, m, out_features, k, x.stride(0), per_split,
         WL=words_layout(warps, per_group), XL=x_stage_layout(warps), XS=x_shared_layout(), GROUP=group_size,
         KIND=kind, WARPS=warps, T=per_group, BM=block_m, FP16=x.dtype == torch.float16, PDL=pdl, SPLIT=split > 1,
-        EVEN_N=out_features % (16 * warps * per_group) == 0, XPRE=WGMMA_X_AHEAD if x_ahead is None else x_ahead,
-        ASYNC=WGMMA_OVERLAP if overlap is None else overlap,
+        EVEN_N=out_features % (16 * warps * per_group) == 0, XPRE=flags[0] if x_ahead is None else x_ahead,
+        ASYNC=flags[1] if overlap is None else overlap,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         sum_splits(partial, y)

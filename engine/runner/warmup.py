@@ -52,7 +52,7 @@ from kernels.quant_gemm_kn import (
     kn_gemm_tiles,
 )
 from kernels.quant_mma_regs import regs_block_m
-from kernels.quant_wgmma import wgmma_tiles
+from kernels.quant_wgmma import wgmma_entry, wgmma_tiles
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -123,9 +123,9 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
             keys.append(("kn_mma", by16))
     if m <= REGS_ENGINE_MAX_M:  # 16-bit activations over groups of 128 take the Gluon kernel, compiled per padded
         keys.append(("kn_regs", regs_block_m(m), m == 1))  # row count (and M == 1, specialized)
-    elif m <= WGMMA_ENGINE_MAX_M:  # on sm_90, Hopper's kernel: compiled per tile, row tile and split or not
+    elif m <= WGMMA_ENGINE_MAX_M:  # on sm_90, Hopper's kernel: compiled per tile, row tile, split or not and options
         groups, per_group, block_m, split, _ = wgmma_tiles(m, n, k, _NOMINAL_SMS)
-        keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, by16))
+        keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, *wgmma_entry(m)[4:], by16))
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
         if m == 1 or (upcast and m <= GEMV_MAX_M):
             keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))

@@ -21,7 +21,7 @@ def test_wgmma_tiles_pad_rows_and_split_whole_groups() -> None:
     assert wg.wgmma_tiles(64, 4096, 4096, 132, (1, 1, 64, 4)) == (1, 1, 64, 8, 512)  # 64 tiles x 8 splits
     assert wg.wgmma_tiles(13, 4096, 512, 132, (2, 1, 64, 4))[2:4] == (16, 4)  # 16 rows; no more splits than groups
     assert wg.wgmma_tiles(256, 28672, 4096, 132, (2, 1, 128, 1))[2:] == (128, 1, 4096)  # 448 programs fill the GPU
-    assert wg.wgmma_block_m(200) == wg._table_entry(200)[2]  # past a program's rows: several row tiles
+    assert wg.wgmma_block_m(200) == wg.wgmma_entry(200)[2]  # past a program's rows: several row tiles
 
 
 def test_wgmma_refuses_what_it_does_not_take() -> None:
