@@ -72,13 +72,19 @@ DEQUANT_MIN_M = 128
 MMA_MAX_M = 16
 # 1 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take the Gluon kernel whose MMA
 # operands are built in registers (kernels/quant_mma_regs.py), ahead of the GEMV, the tensor-core kernel and the
-# GEMM above: H100, the decode step's AWQ-shaped weights, 2.15 / 2.70 / 3.11 / 4.43 ms at 1 / 4 / 16 / 32 rows
-# against 2.48 / 3.49 / 3.85 / 5.07 (bench/results/quant_regs_h100.json run 2); at 64 rows the GEMM stays faster
-REGS_ENGINE_MAX_M = 32
+# GEMM above: H100, the decode step's AWQ-shaped weights, 2.15 / 2.70 / 3.11 ms at 1 / 4 / 16 rows against 2.48 /
+# 3.49 / 3.85 (bench/results/quant_regs_h100.json run 2); from 17 rows the wgmma kernel below is faster where it
+# applies (H200: 3.22 ms at 32 rows against 4.34; at 16, 3.34 against 2.84)
+REGS_ENGINE_MAX_M = 16
 # Above that, up to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take Hopper's wgmma
-# kernel (kernels/quant_wgmma.py) on sm_90 GPUs, ahead of the GEMM and the dense dequantization. Not routed (equal to
-# REGS_ENGINE_MAX_M) until its output is checked on a GPU: tests/kernels/test_kernels_quant_wgmma.py
-WGMMA_ENGINE_MAX_M = REGS_ENGINE_MAX_M
+# kernel (kernels/quant_wgmma.py) on sm_90 GPUs, ahead of the GEMM and the dense dequantization: H200, the decode
+# step's AWQ-shaped weights, 3.22 / 4.19 / 7.07 ms at 32 / 64 / 128 rows against 4.34 (quant_mma_regs) / 7.90 (GEMM)
+# / 10.47 (dequantization + cuBLAS); at 256 rows the dense path wins (10.48 against 12.24)
+# (bench/results/quant_wgmma_h200.json)
+WGMMA_ENGINE_MAX_M = 128
+# Where the wgmma kernel does not apply (not sm_90), quant_mma_regs takes up to this many rows (its H100 sweep's
+# 4.43 ms at 32 rows against the GEMM's 5.07; at 64 the GEMM is faster)
+REGS_FALLBACK_MAX_M = 32
 DEQUANT_TILES = (16, 128, 4)  # (BLOCK_R, BLOCK_N, warps): 7 tiles within 4 % of each other on the H100
 
 if HAS_TRITON:
@@ -344,8 +350,9 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     `pipeline` (the GEMV loads one iteration ahead), `pairs` (the GEMV's nibble-pair form), `gemm_tiles`, `dense` (several rows:
     dequantize W once and run a dense matmul; default from DEQUANT_MIN_M), `dequant_tiles`, `mma` (several rows:
     the tensor-core kernel; default: 2 to MMA_MAX_M rows where it applies) and `regs` (the Gluon kernel of
-    kernels/quant_mma_regs.py; default: 1 to REGS_ENGINE_MAX_M rows where it applies) and `wgmma` (Hopper's kernel of
-    kernels/quant_wgmma.py; default: REGS_ENGINE_MAX_M + 1 to WGMMA_ENGINE_MAX_M rows where it applies).
+    kernels/quant_mma_regs.py; default: the rows up to REGS_FALLBACK_MAX_M that the wgmma kernel does not take)
+    and `wgmma` (Hopper's kernel of kernels/quant_wgmma.py; default: REGS_ENGINE_MAX_M + 1 to WGMMA_ENGINE_MAX_M rows
+    where it applies).
 
     `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
     zero again when it returns."""
@@ -360,12 +367,14 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                          f"{tuple(qweight.shape)}")
     if kind not in (KIND_MIN, KIND_ZERO, KIND_SYM):
         raise ValueError(f"unsupported kind {kind}")
-    if m and ((m <= REGS_ENGINE_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None
+    if wgmma is None:  # (an explicit regs=True keeps the regs kernel)
+        wgmma = (regs is not True and REGS_ENGINE_MAX_M < m <= WGMMA_ENGINE_MAX_M and x.is_cuda
+                 and wgmma_supported(x.dtype, group_size, k, x.device))
+    if m and wgmma:
+        return quant_wgmma(x, qweight, scales, offsets, kind, group_size, out_features)
+    if m and ((m <= REGS_FALLBACK_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None
               else regs):
         return quant_mma_regs(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)
-    if m and ((REGS_ENGINE_MAX_M < m <= WGMMA_ENGINE_MAX_M and x.is_cuda
-               and wgmma_supported(x.dtype, group_size, k, x.device)) if wgmma is None else wgmma):
-        return quant_wgmma(x, qweight, scales, offsets, kind, group_size, out_features)
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m == 0:
         return y

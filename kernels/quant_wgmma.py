@@ -2,7 +2,7 @@
 y[M, N] = x[M, K] W^T for bf16 / fp16 activations, groups of a multiple of 128 (AWQ / GPTQ), tens to hundreds of
 token rows (batched decode).
 
-Why: kernels/quant_mma_regs.py builds both mma.sync operands in registers, which wins at 1-32 rows but makes every
+Why: kernels/quant_mma_regs.py builds both mma.sync operands in registers, which wins at 1-16 rows but makes every
 warp hold and reload the whole x tile; at 64 rows x is 4x the weight bytes each warp reads (from L2) and 128
 registers a thread, and the kernel falls to 0.68x bf16. Here a program's warpgroups share x through shared
 memory: the wgmma reads its B operand (x^T, [128, BM]) from there, and its A operand (the dequantized weights,
@@ -52,10 +52,12 @@ __all__ = ["WGMMA_TILES", "wgmma_entry", "wgmma_supported", "wgmma_tiles", "quan
 
 GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
 # (warpgroups per program, column tiles of 64 per warpgroup, padded token rows per program, programs per SM, x
-# loaded an iteration ahead, asynchronous MMA) by the row count they serve: a first guess, replaced by the H100
-# sweep's best (bench/quant_gpu.py --parts wgmma)
+# loaded an iteration ahead, asynchronous MMA) by the row count they serve: the H200 sweep's best over the
+# Llama-8B decode step's AWQ-shaped weights (bench/results/quant_wgmma_h200.json: 3.22 / 4.19 / 7.07 ms at
+# 32 / 64 / 128 rows against 4.34 / 7.90 / 10.47 for the engine's path before it); x ahead and the asynchronous
+# MMA were slower at every batch
 WGMMA_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (2, 1, 64, 2, False, False), 128: (2, 1, 128, 1, False, False), 256: (2, 1, 128, 1, False, False)}
+    32: (1, 1, 32, 4, False, False), 64: (2, 1, 64, 2, False, False), 128: (2, 1, 64, 2, False, False)}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 

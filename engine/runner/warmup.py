@@ -48,6 +48,7 @@ from kernels.quant_gemm_kn import (
     DEQUANT_MIN_M,
     MMA_MAX_M,
     REGS_ENGINE_MAX_M,
+    REGS_FALLBACK_MAX_M,
     WGMMA_ENGINE_MAX_M,
     kn_gemm_tiles,
 )
@@ -121,9 +122,12 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
         keys = [("kn_gemm", block_m, block_n, block_r, warps, swap, -(-m // block_m), by16)]
         if m <= MMA_MAX_M:  # 16-bit activations over groups of 128 (AWQ / GPTQ) take the tensor-core kernel
             keys.append(("kn_mma", by16))
-    if m <= REGS_ENGINE_MAX_M:  # 16-bit activations over groups of 128 take the Gluon kernel, compiled per padded
-        keys.append(("kn_regs", regs_block_m(m), m == 1))  # row count (and M == 1, specialized)
-    elif m <= WGMMA_ENGINE_MAX_M:  # on sm_90, Hopper's kernel: compiled per tile, row tile, split or not and options
+    # 16-bit activations over groups of 128: the Gluon regs kernel (compiled per padded row count, and M == 1
+    # specialized) up to REGS_FALLBACK_MAX_M rows, on sm_90 only up to REGS_ENGINE_MAX_M; past that Hopper's wgmma
+    # kernel (compiled per tile, row tile, split or not and options)
+    if m <= REGS_FALLBACK_MAX_M:
+        keys.append(("kn_regs", regs_block_m(m), m == 1))
+    if REGS_ENGINE_MAX_M < m <= WGMMA_ENGINE_MAX_M:
         groups, per_group, block_m, split, _ = wgmma_tiles(m, n, k, _NOMINAL_SMS)
         keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, *wgmma_entry(m)[4:], by16))
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
