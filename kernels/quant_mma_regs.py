@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the Triton version
     gluon = gl = async_copy = mma_v2 = None  # type: ignore[assignment]
     HAS_GLUON = False
 
-__all__ = ["REGS_MAX_M", "regs_block_m", "regs_supported", "regs_tiles", "quant_mma_regs"]
+__all__ = ["REGS_MAX_M", "check_gluon_kn_args", "regs_block_m", "regs_supported", "regs_tiles", "quant_mma_regs"]
 
 GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
 REGS_MAX_M = 64  # token rows one program holds (8 per MMA column tile)
@@ -282,6 +282,27 @@ def regs_tiles(m: int, n: int, k: int, sms: int,
     return warps, per_warp, block_m, -(-k // per_split), per_split
 
 
+def check_gluon_kn_args(name: str, x: torch.Tensor, qweight: torch.Tensor, kind: int, group_size: int,
+                        out_features: int) -> tuple[int, int]:
+    """(M, K) of a Gluon int4 kernel's call over the kn layout, or ValueError naming what it does not take: bf16 /
+    fp16 x [M, K] with a contiguous last dim, a known kind, groups of a multiple of 128 dividing K, int32 codes
+    [K / 8, N]."""
+    require_triton(name)
+    if not HAS_GLUON:
+        raise RuntimeError(f"{name} needs Triton's Gluon (triton.experimental.gluon)")
+    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] bf16 / fp16 with a contiguous last dim, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m, k = x.shape
+    if kind not in (KIND_MIN, KIND_ZERO, KIND_SYM):
+        raise ValueError(f"unsupported kind {kind}")
+    if group_size % GROUP_STEP or k % group_size:
+        raise ValueError(f"group_size={group_size} must be a multiple of {GROUP_STEP} dividing K={k}")
+    if qweight.dtype != torch.int32 or qweight.shape != (k // 8, out_features) or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be contiguous int32 [{k // 8}, {out_features}]")
+    return m, k
+
+
 def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                    group_size: int, out_features: int, *, tiles: tuple[int, int, int] | None = None,
                    arrivals: torch.Tensor | None = None, ahead: int | None = None,
@@ -293,13 +314,7 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     (1 or 2); `stages` > 1: cp.async into that many shared-memory buffers instead (0: registers; default: the row
     count's REGS_TILES entry, 0 with `tiles`); `subz`: the zero-point and symmetric kinds subtract z in the MMA
     operand instead of summing x (default REGS_SUBZ)."""
-    require_triton("quant_mma_regs")
-    if not HAS_GLUON:
-        raise RuntimeError("quant_mma_regs needs Triton's Gluon (triton.experimental.gluon)")
-    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(-1) != 1:
-        raise ValueError(f"x must be [M, K] bf16 / fp16 with a contiguous last dim, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    m, k = x.shape
+    m, k = check_gluon_kn_args("quant_mma_regs", x, qweight, kind, group_size, out_features)
     if not 1 <= m <= REGS_MAX_M:
         raise ValueError(f"quant_mma_regs takes 1 to {REGS_MAX_M} rows, got {m}")
     ahead = REGS_AHEAD if ahead is None else ahead
@@ -309,12 +324,6 @@ def quant_mma_regs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"ahead must be 1 or 2, got {ahead}")
     if stages == 1 or not 0 <= stages <= 8:
         raise ValueError(f"stages must be 0 (registers) or 2-8, got {stages}")
-    if kind not in (KIND_MIN, KIND_ZERO, KIND_SYM):
-        raise ValueError(f"unsupported kind {kind}")
-    if group_size % GROUP_STEP or k % group_size:
-        raise ValueError(f"group_size={group_size} must be a multiple of {GROUP_STEP} dividing K={k}")
-    if qweight.dtype != torch.int32 or qweight.shape != (k // 8, out_features) or not qweight.is_contiguous():
-        raise ValueError(f"qweight must be contiguous int32 [{k // 8}, {out_features}]")
     if x.device.type != "cuda":
         raise ValueError("quant_mma_regs runs on CUDA only (Gluon has no CPU interpreter)")
     warps, per_warp, block_m, split, per_split = regs_tiles(m, out_features, k, sm_count(x.device), tiles)

@@ -34,9 +34,8 @@ import functools
 
 import torch
 
-from kernels._triton import require_triton, sm_count, triton, use_pdl
-from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO
-from kernels.quant_mma_regs import HAS_GLUON, words_layout
+from kernels._triton import sm_count, triton, use_pdl
+from kernels.quant_mma_regs import HAS_GLUON, check_gluon_kn_args, words_layout
 from kernels.split_sum import sum_splits
 
 if HAS_GLUON:  # pragma: no cover - depends on the Triton version
@@ -251,19 +250,7 @@ def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
     sweep; `x_ahead`: x's next slice is loaded into registers an iteration ahead; `overlap`: the dequantized
     weights go through shared memory too and each MMA runs asynchronously under the next iteration (defaults: the
     row count's WGMMA_TILES entry; off with `tiles`)."""
-    require_triton("quant_wgmma")
-    if not HAS_GLUON:
-        raise RuntimeError("quant_wgmma needs Triton's Gluon (triton.experimental.gluon)")
-    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(-1) != 1:
-        raise ValueError(f"x must be [M, K] bf16 / fp16 with a contiguous last dim, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    m, k = x.shape
-    if kind not in (KIND_MIN, KIND_ZERO, KIND_SYM):
-        raise ValueError(f"unsupported kind {kind}")
-    if group_size % GROUP_STEP or k % group_size:
-        raise ValueError(f"group_size={group_size} must be a multiple of {GROUP_STEP} dividing K={k}")
-    if qweight.dtype != torch.int32 or qweight.shape != (k // 8, out_features) or not qweight.is_contiguous():
-        raise ValueError(f"qweight must be contiguous int32 [{k // 8}, {out_features}]")
+    m, k = check_gluon_kn_args("quant_wgmma", x, qweight, kind, group_size, out_features)
     if tiles is not None and (len(tiles) != 4 or tiles[0] not in (1, 2, 4) or tiles[1] not in (1, 2)
                               or tiles[2] not in (16, 32, 64, 128, 256) or tiles[3] < 1):
         raise ValueError(f"tiles must be (1, 2 or 4 warpgroups, 1 or 2 column tiles each, 16-256 rows a power of "
