@@ -273,6 +273,26 @@ def part_mma(smoke: bool) -> dict[str, Any]:
     return out
 
 
+def time_steps(row: dict[str, Any], steps: list[tuple[str, Callable[[], None]]]) -> None:
+    """row[name_ms]: each step captured in a CUDA graph and replayed (20 runs); a step that fails to compile or
+    launch is recorded as row[name_error] and the sweep goes on."""
+    for name, fn in steps:
+        try:
+            row[f"{name}_ms"] = round(wall_seconds(capture_graph(fn).replay, 20, True) * 1e3, 3)
+        except Exception as exc:
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def mark_best(row: dict[str, Any], prefix: str) -> None:
+    """best_<prefix>: the fastest timed variant named <prefix>..., and its speed against bf16 and int4_kn."""
+    timed = [k for k in row if k.startswith(prefix) and k.endswith("_ms")]
+    if timed:
+        best = min(timed, key=row.get)
+        row[f"best_{prefix}"] = best.removesuffix("_ms")
+        row[f"best_{prefix}_vs_bf16"] = round(row["bf16_ms"] / row[best], 3)
+        row[f"best_{prefix}_vs_int4_kn"] = round(row["int4_kn_ms"] / row[best], 3)
+
+
 # (warps, column tiles per warp, programs per SM, iterations loaded ahead into registers, cp.async stages (0 =
 # none), q - z as the MMA operand) swept per batch for kernels/quant_mma_regs.py
 REGS_SWEEP: dict[int, list[tuple[int, int, int, int, int, bool]]] = {
@@ -321,17 +341,8 @@ def part_regs(smoke: bool) -> dict[str, Any]:
             steps.append(("bf16_engine", functools.partial(step_bf16_engine, bf16, xs)))
         steps += [(name, functools.partial(step_each, one, kn, xs, arrivals, **ov)) for name, one, ov in variants]
         row: dict[str, Any] = {"batch": batch, "rel_err": errors}
-        for name, fn in steps:
-            try:
-                row[f"{name}_ms"] = round(wall_seconds(capture_graph(fn).replay, 20, True) * 1e3, 3)
-            except Exception as exc:  # a tile that fails to compile or launch: recorded, the sweep goes on
-                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        timed = [k for k in row if k.startswith("regs") and k.endswith("_ms")]
-        if timed:
-            best = min(timed, key=row.get)
-            row["best_regs"] = best.removesuffix("_ms")
-            row["best_regs_vs_bf16"] = round(row["bf16_ms"] / row[best], 3)
-            row["best_regs_vs_int4_kn"] = round(row["int4_kn_ms"] / row[best], 3)
+        time_steps(row, steps)
+        mark_best(row, "regs")
         if batch == 1:  # each weight shape alone (its 32 layers): where the step's time goes
             best_ov = next(ov for name, _, ov in variants if name == row.get("best_regs"))
             for i, (n, k) in enumerate(shapes):
@@ -353,16 +364,19 @@ _SYNC, _ASYNC = (False, False), (False, True)  # (x ahead, overlap)
 WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool, bool]]] = {
     16: [(2, 1, 16, 4, *_SYNC), (4, 1, 16, 2, *_SYNC)],
     32: [(2, 1, 32, 4, *_SYNC), (4, 1, 32, 2, *_SYNC), (1, 1, 32, 4, *_SYNC)],
-    64: [(1, 1, 64, 4, *_SYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (2, 1, 64, 2, *_ASYNC), (2, 1, 64, 3, *_SYNC),
-         (4, 1, 64, 1, *_SYNC)],
-    128: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (4, 1, 64, 1, *_SYNC),
-          (1, 1, 128, 2, *_SYNC)],
-    256: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, *_ASYNC), (4, 1, 64, 1, *_SYNC)],
+    64: [(1, 1, 64, 4, *_SYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (2, 1, 64, 2, *_ASYNC),
+         (2, 1, 64, 3, *_SYNC), (4, 1, 64, 1, *_SYNC)],
+    128: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False),
+          (4, 1, 64, 1, *_SYNC), (1, 1, 128, 2, *_SYNC)],
+    256: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, *_ASYNC),
+          (4, 1, 64, 1, *_SYNC)],
     1024: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC)]}
 
 
 def wgmma_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None,
               **overrides: Any) -> torch.Tensor:
+    """`arrivals` is taken for step_each's signature and not used: the wgmma kernel sums a split in a second
+    launch."""
     from kernels.quant_wgmma import quant_wgmma
 
     return quant_wgmma(x, w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size, w.out_features,
@@ -370,7 +384,7 @@ def wgmma_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None
 
 
 def part_wgmma(smoke: bool) -> dict[str, Any]:
-    """Hopper's wgmma int4 kernel (kernels/quant_wgmma.py) over the decode step's AWQ-shaped weights at 32-256
+    """Hopper's wgmma int4 kernel (kernels/quant_wgmma.py) over the decode step's AWQ-shaped weights at 16-1024
     rows, tiles swept per batch, beside bf16 (cuBLAS), the engine's path (`int4_kn`: the kernel's default tiles where
     it applies), the kn GEMM (below 128 rows) or the dense dequantization (from 128); each variant's output
     (layer 0's gate|up) against the reference first. CUDA sm_90 only."""
@@ -399,17 +413,8 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
         steps = [("bf16", functools.partial(step_bf16, bf16, xs))]
         steps += [(name, functools.partial(step_each, one, kn, xs, arrivals, **ov)) for name, one, ov in variants
                   if f"{name}_error" not in row]
-        for name, fn in steps:
-            try:
-                row[f"{name}_ms"] = round(wall_seconds(capture_graph(fn).replay, 20, True) * 1e3, 3)
-            except Exception as exc:
-                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        timed = [k for k in row if k.startswith("wgmma") and k.endswith("_ms")]
-        if timed:
-            best = min(timed, key=row.get)
-            row["best_wgmma"] = best.removesuffix("_ms")
-            row["best_wgmma_vs_bf16"] = round(row["bf16_ms"] / row[best], 3)
-            row["best_wgmma_vs_int4_kn"] = round(row["int4_kn_ms"] / row[best], 3)
+        time_steps(row, steps)
+        mark_best(row, "wgmma")
         print("wgmma", row, flush=True)
         out["cases"].append(row)
     return out

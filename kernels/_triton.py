@@ -108,8 +108,16 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.cache
-def _device_supports_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def cuda_major(device: torch.device) -> int:
+    """The compute capability's major version of a CUDA device (0 for others), cached per device: kernels choose
+    by it on every call."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def use_pdl(device: torch.device) -> bool:
@@ -121,7 +129,7 @@ def use_pdl(device: torch.device) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return cuda_major(device) >= 9
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:

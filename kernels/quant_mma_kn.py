@@ -1,6 +1,6 @@
 """4-bit weight-only GEMM on tensor cores over the kn layout (engine/quant/kn_layout.py), for bf16 / fp16
 activations and groups of a multiple of 128: y[M, N] = x[M, K] W^T. The engine runs it at 2-16 rows where
-kernels/quant_mma_regs.py (faster, 1-32 rows) does not apply: a Triton without Gluon.
+kernels/quant_mma_regs.py (faster) and kernels/quant_wgmma.py do not apply: a Triton without Gluon.
 
 Why: the CUDA-core kernels (kernels/quant_gemm_kn.py) spend ~7 (GEMV) to ~11 (GEMM) instructions per 4-bit code
 (shifts, masks, an int-to-float conversion or x's widening, FMAs) and are bound by instruction issue. Here the

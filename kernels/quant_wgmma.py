@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from kernels._triton import sm_count, triton, use_pdl
+from kernels._triton import cuda_major, sm_count, triton, use_pdl
 from kernels.quant_mma_regs import HAS_GLUON, check_gluon_kn_args, words_layout
 from kernels.split_sum import sum_splits
 
@@ -231,7 +231,7 @@ def wgmma_supported(dtype: torch.dtype, group_size: int, k: int, device: torch.d
     CUDA device) compute capability 9.x (wgmma is Hopper's)."""
     if not (HAS_GLUON and dtype in _DTYPES and group_size % GROUP_STEP == 0 and k % group_size == 0):
         return False
-    return device is None or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
+    return device is None or cuda_major(device) == 9
 
 
 def wgmma_tiles(m: int, n: int, k: int, sms: int,

@@ -43,9 +43,10 @@ def test_wgmma_refuses_what_it_does_not_take() -> None:
 @pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU (wgmma)")
 def test_wgmma_compiled_on_a_hopper_gpu() -> None:
     """On an H100 / H200: every kind and dtype, ragged row counts (masked token rows, several row tiles), a ragged
-    column tile, K split (a second launch sums) or not, one to four warpgroups a program, x loaded an
-    iteration ahead or not, the MMA synchronous or overlapped (A through shared memory), Llama-8B widths; equal to the reference, and for zero-point
-    weights the operand is the dense 16-bit weight itself (equal to x @ dequantized-and-rounded W^T in fp32)."""
+    column tile, K split (a second launch sums) or not, one to four warpgroups a program, x loaded an iteration
+    ahead or not, the MMA synchronous or overlapped (A through shared memory), Llama-8B widths; equal to the
+    reference, and for zero-point weights the operand is the dense 16-bit weight itself (equal to x @
+    dequantized-and-rounded W^T in fp32)."""
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
         w = random_int4_weight(kind, 200, 1024, 256, g, min_scale=0.01)
