@@ -365,12 +365,29 @@ WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool, bool]]] = {
     16: [(2, 1, 16, 4, *_SYNC), (4, 1, 16, 2, *_SYNC)],
     32: [(2, 1, 32, 4, *_SYNC), (4, 1, 32, 2, *_SYNC), (1, 1, 32, 4, *_SYNC)],
     64: [(1, 1, 64, 4, *_SYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (2, 1, 64, 2, *_ASYNC),
-         (2, 1, 64, 3, *_SYNC), (4, 1, 64, 1, *_SYNC)],
+         (2, 1, 64, 3, *_SYNC), (4, 1, 64, 1, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
     128: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False),
-          (4, 1, 64, 1, *_SYNC), (1, 1, 128, 2, *_SYNC)],
+          (4, 1, 64, 1, *_SYNC), (1, 1, 128, 2, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
     256: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, *_ASYNC),
-          (4, 1, 64, 1, *_SYNC)],
+          (4, 1, 64, 1, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
     1024: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC)]}
+
+
+# (columns per program, warps, x stages, programs per SM) swept per batch for kernels/quant_wgmma_smem.py
+SMEM_SWEEP: dict[int, list[tuple[int, int, int, int]]] = {
+    64: [(128, 4, 4, 2), (256, 4, 4, 1)],
+    128: [(128, 8, 4, 1), (128, 8, 3, 2), (256, 8, 4, 1), (128, 4, 4, 2)],
+    256: [(256, 8, 4, 1), (128, 8, 4, 1), (128, 8, 3, 2), (256, 8, 5, 1), (256, 8, 3, 1)],
+    1024: [(256, 8, 4, 1), (128, 8, 3, 2), (128, 8, 4, 1)]}
+
+
+def smem_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None,
+             **overrides: Any) -> torch.Tensor:
+    """`arrivals` is taken for step_each's signature and not used (a split is summed in a second launch)."""
+    from kernels.quant_wgmma_smem import quant_wgmma_smem
+
+    return quant_wgmma_smem(x, w.qweight, w.scales, w.offsets, KINDS.index(w.kind), w.group_size,
+                            w.out_features, **overrides)
 
 
 def wgmma_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None,
@@ -402,6 +419,7 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
                       {"wgmma": False, "regs": False, "dense": batch >= 128})]
         variants += [(f"wgmma{list(t)}", wgmma_out, {"tiles": t[:4], "x_ahead": t[4], "overlap": t[5]})
                      for t in sweep]
+        variants += [(f"smem{list(t)}", smem_out, {"tiles": t}) for t in SMEM_SWEEP.get(batch, [])]
         ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])
         errors = {"bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)}
         row: dict[str, Any] = {"batch": batch, "rel_err": errors}
@@ -415,6 +433,7 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
                   if f"{name}_error" not in row]
         time_steps(row, steps)
         mark_best(row, "wgmma")
+        mark_best(row, "smem")
         print("wgmma", row, flush=True)
         out["cases"].append(row)
     return out

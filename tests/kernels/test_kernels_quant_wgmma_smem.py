@@ -1,0 +1,68 @@
+"""kernels/quant_wgmma_smem.py: Hopper's int4 GEMM with x by TMA as the MMA's A operand and the weights dequantized
+into shared memory as its B. Gluon has no CPU interpreter, so the kernel itself runs only on an sm_90 GPU; here on
+any machine: its tile choice and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
+
+import kernels.quant_wgmma_smem as sm
+from engine.quant.group_quant import KINDS, QuantWeight, dequantize, quant_matmul_ref
+from engine.quant.kn_layout import to_kn
+from tests.helpers.quant import random_int4_weight, rel_error, run_kn
+
+BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_smem_tiles_split_whole_iterations() -> None:
+    # 2 row tiles x 16 column tiles = 32 programs; 132 SMs at one a SM: 4 splits of 16 iterations (64 k each)
+    assert sm.smem_tiles(256, 4096, 4096, 132, (256, 8, 4, 1)) == (256, 8, 4, 4, 16)
+    assert sm.smem_tiles(256, 28672, 4096, 132, (256, 8, 4, 1))[3] == 1  # 224 programs fill the GPU
+    assert sm.smem_tiles(300, 128, 128, 132, (128, 4, 3, 2))[3:] == (2, 1)  # no more splits than iterations
+
+
+def test_smem_refuses_what_it_does_not_take() -> None:
+    kn = to_kn(random_int4_weight("zero", 32, 256, 128, torch.Generator().manual_seed(1)))
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    for bad, match in [({}, "capability 9"), ({"x": torch.randn(4, 256)}, "bf16 / fp16"),
+                       ({"group_size": 64}, "group_size"), ({"kind": 5}, "kind"),
+                       ({"tiles": (64, 8, 4, 1)}, "tiles"), ({"tiles": (256, 2, 4, 1)}, "tiles"),
+                       ({"tiles": (256, 8, 6, 1)}, "tiles"), ({"tiles": (256, 8, 4)}, "tiles"),
+                       ({"qweight": kn.qweight[:16]}, "qweight")]:
+        kw = {"x": x, "qweight": kn.qweight, "scales": kn.scales, "offsets": kn.offsets, "kind": 1,
+              "group_size": 128, "out_features": 32} | bad
+        with pytest.raises(ValueError, match=match):
+            sm.quant_wgmma_smem(**kw)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU (wgmma, TMA)")
+def test_smem_compiled_on_a_hopper_gpu() -> None:
+    """On an H100 / H200: every kind and dtype, ragged row counts (TMA's zero rows past M, several row tiles), a
+    ragged column tile, K split (a second launch sums) or not, 128 / 256 columns, one or two warpgroups, 3-5 x
+    stages, Llama-8B widths; equal to the reference, and for zero-point weights equal to x @ the dense 16-bit
+    weight (the operand is that weight bit for bit)."""
+    g = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        w = random_int4_weight(kind, 200, 1024, 256, g, min_scale=0.01)
+        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        for rows in (1, 40, 128, 300):
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(rows, 1024, generator=g).to(dtype).cuda()
+                ref = quant_matmul_ref(x.float(), w)
+                for tiles in ((256, 8, 4, 1), (128, 8, 3, 2), (128, 4, 4, 16), (256, 4, 5, 1), (128, 8, 4, 64)):
+                    y = run_kn(sm.quant_wgmma_smem, w, x, tiles=tiles)
+                    assert rel_error(y, ref) < BOUND[dtype], (kind, rows, dtype, tiles)
+                if kind == "zero":
+                    dense = dequantize(w).to(dtype).float()
+                    y = run_kn(sm.quant_wgmma_smem, w, x)
+                    assert rel_error(y, x.float() @ dense.t()) < 2e-3, (rows, dtype)
+    for n, k in [(6144, 4096), (4096, 14336)]:
+        w = random_int4_weight("zero", n, k, 128, g, min_scale=0.01)
+        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        for rows in (128, 256, 1000):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
+            y = run_kn(sm.quant_wgmma_smem, w, x)
+            assert rel_error(y, quant_matmul_ref(x.float(), w)) < BOUND[torch.bfloat16], (n, k, rows)
