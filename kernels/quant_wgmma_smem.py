@@ -13,10 +13,11 @@ waits on its own MMA and on x's L2 latency, and x is read once per 128 weight co
   up to 256 columns share each x tile (instruction N = BN);
 - the MMA is asynchronous: iteration i's dequantization runs while MMA i - 1 is in flight.
 
-Hazards (written invariants): the dequantized tile of iteration i is stored into buffer i % 3, last read by MMA
-i - 3, which every warpgroup waited for (wait(1) after issuing MMA i - 2) before the barrier of iteration i - 1.
-x's TMA for iteration i + S - 2 is issued after iteration i's barrier into the slot of iteration i - 2, whose MMA
-every warpgroup waited for before that barrier.
+Hazards (written invariants): each iteration starts with a block barrier, which every warpgroup reaches after
+its wait (at most one MMA in flight) of the iteration before, so MMA i - 2 is done there. Past it, iteration i
+stores its dequantized tile into buffer i % 2 and issues x's TMA for iteration i + S - 2 into the slot of iteration
+i - 2: both last read by MMA i - 2. A second barrier (after a proxy fence) orders the tile's stores before MMA i.
+Two barriers an iteration: Gluon's shared-memory analysis inserts none beside them (offline SASS).
 
 An iteration is half a group (64 k): 8 word rows. Each code becomes fp32 d (128 + q) + (c - 128 d) = d q + c
 exactly (kernels/quant_wgmma.py's `_nibble`), rounded once to the activations' dtype: the operand is the dense
@@ -55,7 +56,6 @@ if HAS_GLUON:  # pragma: no cover - depends on the Triton version
 __all__ = ["SMEM_TILES", "smem_tiles", "quant_wgmma_smem"]
 
 K_STEP = 64  # K elements per iteration: 8 word rows, half a group; x's TMA box is [BM, 64] (128-byte rows)
-B_BUFS = 3  # dequantized weight tiles in flight (see the hazards above)
 # (columns per program BN, warps (64 token rows per warpgroup), x stages S, programs per SM) by the row count they
 # serve; first guesses, to be replaced by a sweep's best (bench/quant_gpu.py --parts wgmma)
 SMEM_TILES: dict[int, tuple[int, int, int, int]] = {256: (256, 8, 4, 1), 1 << 20: (256, 8, 4, 1)}
@@ -131,7 +131,7 @@ if HAS_GLUON:
         n_it = it_end - it_start
 
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, 64], x_desc.layout)
-        b_bufs = gl.allocate_shared_memory(x_desc.dtype, [3, BN, 64], x_desc.layout)
+        b_bufs = gl.allocate_shared_memory(x_desc.dtype, [2, BN, 64], x_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
@@ -152,15 +152,17 @@ if HAS_GLUON:
             it = it_start + i
             it_next = gl.minimum(it + 1, it_end - 1)  # (the last iteration loads itself again)
             w_next = gl.load(q_ptrs + it_next * 8 * N)
-            b_buf = b_bufs.index(i % 3)
-            b_buf.store(_dequant_tile(w, S, Off, (it * 64) // GROUP, N, cols, KIND, BN, TL, FP16))
-            fence_async_shared()
-            gl.thread_barrier()  # the whole tile is stored; every warpgroup is past MMA i - 2 (its wait below)
-            ahead = i + AHEAD
+            tile = _dequant_tile(w, S, Off, (it * 64) // GROUP, N, cols, KIND, BN, TL, FP16)
+            gl.thread_barrier()  # every warpgroup is past iteration i - 1's wait: MMA i - 2 is done
+            ahead = i + AHEAD  # (its slot is iteration i - 2's)
             slot = ahead % STAGES
             mbarrier.expect(bars.index(slot), x_desc.block_type.nbytes, pred=ahead < n_it)
             tma.async_copy_global_to_shared(x_desc, [m0, (it_start + ahead) * 64], bars.index(slot),
                                             x_bufs.index(slot), pred=ahead < n_it)
+            b_buf = b_bufs.index(i % 2)  # (last read by MMA i - 2)
+            b_buf.store(tile)
+            fence_async_shared()
+            gl.thread_barrier()  # the whole tile is stored before the MMA reads it
             mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1)
             acc = warpgroup_mma(x_bufs.index(i % STAGES), b_buf.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])
