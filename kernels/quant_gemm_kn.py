@@ -41,6 +41,7 @@ from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO  # one numbering fo
 from kernels.quant_mma_kn import mma_supported, quant_mma_kn
 from kernels.quant_mma_regs import quant_mma_regs, regs_supported
 from kernels.quant_wgmma import quant_wgmma, wgmma_supported
+from kernels.quant_wgmma_smem import quant_wgmma_smem, smem_applies
 from kernels.split_sum import sum_here, sum_splits
 
 __all__ = ["quant_gemm_kn", "kn_gemv_tiles", "kn_gemm_tiles", "dequantize_kn", "new_arrivals"]
@@ -82,6 +83,11 @@ REGS_ENGINE_MAX_M = 16
 # / 10.47 (dequantization + cuBLAS); at 256 rows the dense path wins (10.48 against 12.24)
 # (bench/results/quant_wgmma_h200.json)
 WGMMA_ENGINE_MAX_M = 128
+# Past that, on the same terms, Hopper's kernel with both MMA operands in shared memory (kernels/quant_wgmma_smem.py:
+# x by TMA, the weights dequantized once per 128 token rows and up to 256 columns) can replace the dense
+# dequantization + cuBLAS. Not run on a GPU yet (written in a session that was lent none), so not the default:
+# `quant_gemm_kn(smem=True)`; `bench/quant_gpu.py --parts wgmma` times it beside the dense path from 64 rows
+SMEM_ENGINE = False
 # Where the wgmma kernel does not apply (not sm_90), quant_mma_regs takes up to this many rows (its H100 sweep's
 # 4.43 ms at 32 rows against the GEMM's 5.07; at 64 the GEMM is faster)
 REGS_FALLBACK_MAX_M = 32
@@ -343,7 +349,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   gemm_tiles: tuple[int, int, int, int, bool] | None = None, dense: bool | None = None,
                   dequant_tiles: tuple[int, int, int] | None = None,
                   arrivals: torch.Tensor | None = None, pairs: bool | None = None,
-                  mma: bool | None = None, regs: bool | None = None, wgmma: bool | None = None) -> torch.Tensor:
+                  mma: bool | None = None, regs: bool | None = None, wgmma: bool | None = None,
+                  smem: bool | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (int32 codes [K/8, N],
     scales int16 [K/G, N], offsets: mins int16 / zeros uint8 [K/G, N], any tensor for the symmetric kind).
     The keyword arguments override the defaults, for sweeps: `gemv_tiles`, `asm` (PTX lop3; default: on CUDA),
@@ -352,7 +359,7 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     the tensor-core kernel; default: 2 to MMA_MAX_M rows where it applies) and `regs` (the Gluon kernel of
     kernels/quant_mma_regs.py; default: the rows up to REGS_FALLBACK_MAX_M that the wgmma kernel does not take)
     and `wgmma` (Hopper's kernel of kernels/quant_wgmma.py; default: REGS_ENGINE_MAX_M + 1 to WGMMA_ENGINE_MAX_M rows
-    where it applies).
+    where it applies) and `smem` (kernels/quant_wgmma_smem.py; default: more rows than that, where it applies).
 
     `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
     zero again when it returns."""
@@ -372,6 +379,11 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                  and wgmma_supported(x.dtype, group_size, k, x.device))
     if m and wgmma:
         return quant_wgmma(x, qweight, scales, offsets, kind, group_size, out_features)
+    if smem is None:
+        smem = (SMEM_ENGINE and m > WGMMA_ENGINE_MAX_M and x.is_cuda and regs is not True and dense is not True
+                and wgmma_supported(x.dtype, group_size, k, x.device) and smem_applies(x))
+    if m and smem:
+        return quant_wgmma_smem(x, qweight, scales, offsets, kind, group_size, out_features)
     if m and ((m <= REGS_FALLBACK_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None
               else regs):
         return quant_mma_regs(x, qweight, scales, offsets, kind, group_size, out_features, arrivals=arrivals)

@@ -49,11 +49,13 @@ from kernels.quant_gemm_kn import (
     MMA_MAX_M,
     REGS_ENGINE_MAX_M,
     REGS_FALLBACK_MAX_M,
+    SMEM_ENGINE,
     WGMMA_ENGINE_MAX_M,
     kn_gemm_tiles,
 )
 from kernels.quant_mma_regs import regs_block_m
 from kernels.quant_wgmma import wgmma_entry, wgmma_tiles
+from kernels.quant_wgmma_smem import smem_tiles
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -130,6 +132,9 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
     if REGS_ENGINE_MAX_M < m <= WGMMA_ENGINE_MAX_M:
         groups, per_group, block_m, split, _ = wgmma_tiles(m, n, k, _NOMINAL_SMS)
         keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, *wgmma_entry(m)[4:], by16))
+    elif m > WGMMA_ENGINE_MAX_M and SMEM_ENGINE:
+        block_n, warps, stages, split, _ = smem_tiles(m, n, k, _NOMINAL_SMS)
+        keys.append(("kn_smem", block_n, warps, stages, split > 1, by16))
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
         if m == 1 or (upcast and m <= GEMV_MAX_M):
             keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))
