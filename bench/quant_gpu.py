@@ -19,8 +19,10 @@ with random weights (`--load-format dummy`):
          time and the kernels that fill it (part_profile).
 - regs:  the same step through the Gluon kernel whose MMA operands are built in registers
          (kernels/quant_mma_regs.py), tiles swept at 1-64 rows, beside bf16 and the engine's path (part_regs).
-- wgmma: the same step through Hopper's wgmma kernel (kernels/quant_wgmma.py), tiles swept at 16-1024 rows
-         (part_wgmma).
+- wgmma: the same step through Hopper's wgmma kernels (kernels/quant_wgmma.py; kernels/quant_wgmma_smem.py once
+         its GPU test passed), tiles swept at 16-1024 rows (part_wgmma).
+- tests: the int4 kernels' GPU tests (tests/kernels/test_kernels_quant_{mma_regs,wgmma,wgmma_smem}.py), pytest in a
+         subprocess with a time limit: passed only if none failed or skipped.
 
 The w8a8_layers part (each decoder linear, Fp8Linear vs bf16; the activation quantization, Triton vs torch) was
 retired: it runs at `git checkout be1a1ae`. The w8a8 part (fp8 W8A8 / fp8 KV engine throughput beside bf16, KV
@@ -60,12 +62,21 @@ from bench.harness.jobs import answer_job, run_jobs  # noqa: E402
 from bench.harness.records import RESULTS, device_slug, gpu_name, write_json  # noqa: E402
 from bench.harness.runs import first_divergence, output_tokens, step_until_done, timed_generate  # noqa: E402
 from bench.harness.timing import wall_seconds  # noqa: E402
-from bench.quant_int4 import graph_ms, part_int4, part_mma, part_regs, part_wgmma, rel_err  # noqa: E402
+from bench.quant_int4 import (  # noqa: E402
+    GPU_KERNEL_TESTS,
+    gpu_tests,
+    graph_ms,
+    part_int4,
+    part_mma,
+    part_regs,
+    part_wgmma,
+    rel_err,
+)
 from kernels.fp8_kv import quantize_fp8  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 32, 8, 128  # Llama-3.1-8B
-PARTS = ("e2e", "kv", "int4", "mma", "regs", "wgmma", "profile")
+PARTS = ("e2e", "kv", "int4", "mma", "regs", "wgmma", "profile", "tests")
 MODULE = "bench.quant_gpu"
 
 
@@ -368,6 +379,10 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         return part_wgmma(args.smoke)
     if part == "profile":
         return part_profile(args)
+    if part == "tests":
+        if args.smoke:
+            raise ValueError("the tests part runs the int4 kernels' GPU tests: it needs a Hopper GPU")
+        return gpu_tests(GPU_KERNEL_TESTS, 420)
     return part_kv(args.smoke)
 
 

@@ -9,6 +9,8 @@ at `git checkout be1a1ae`."""
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -400,16 +402,36 @@ def wgmma_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None
                        **overrides)
 
 
+GPU_KERNEL_TESTS = ("tests/kernels/test_kernels_quant_mma_regs.py", "tests/kernels/test_kernels_quant_wgmma.py",
+                    "tests/kernels/test_kernels_quant_wgmma_smem.py")
+
+
+def gpu_tests(files: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+    """pytest over `files` in a subprocess (a hung kernel costs the timeout, not the run): its summary line, and
+    `passed` when every test passed and none was skipped (their GPU tests skip off a Hopper GPU)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"files": list(files), "passed": False, "summary": f"timed out after {timeout_s:.0f} s"}
+    lines = proc.stdout.strip().splitlines() or [""]
+    return {"files": list(files), "passed": proc.returncode == 0 and "skipped" not in lines[-1],
+            "summary": lines[-1], **({} if proc.returncode == 0 else {"output_tail": proc.stdout[-3000:]})}
+
+
 def part_wgmma(smoke: bool) -> dict[str, Any]:
-    """Hopper's wgmma int4 kernel (kernels/quant_wgmma.py) over the decode step's AWQ-shaped weights at 16-1024
-    rows, tiles swept per batch, beside bf16 (cuBLAS), the engine's path (`int4_kn`: the kernel's default tiles where
-    it applies), the kn GEMM (below 128 rows) or the dense dequantization (from 128); each variant's output
-    (layer 0's gate|up) against the reference first. CUDA sm_90 only."""
+    """Hopper's wgmma int4 kernels over the decode step's AWQ-shaped weights at 16-1024 rows, tiles swept per batch:
+    kernels/quant_wgmma.py (`wgmma[...]`) and, after its GPU test passed (a wrong or hung kernel is not timed),
+    kernels/quant_wgmma_smem.py (`smem[...]`), beside bf16 (cuBLAS), the engine's path (`int4_kn`), the kn GEMM
+    (below 128 rows) or the dense dequantization (from 128); each variant's output (layer 0's gate|up) against the
+    reference first. CUDA sm_90 only."""
     if smoke:
         raise ValueError("the wgmma part needs a Hopper GPU: Gluon kernels have no CPU interpreter")
     dev = "cuda"
+    smem_test = gpu_tests(GPU_KERNEL_TESTS[2:], 300)
+    print("wgmma smem test", smem_test, flush=True)
     g, _, int4, kn, bf16, arrivals, workload = awq_step(dev, False)
-    out: dict[str, Any] = {"workload": workload, "cases": []}
+    out: dict[str, Any] = {"workload": workload, "smem_test": smem_test, "cases": []}
     for batch, sweep in WGMMA_SWEEP.items():
         xs = {n: torch.randn(batch, n, generator=g, device=dev).to(torch.bfloat16) for n in (HIDDEN, INTER)}
         variants: list[tuple[str, Callable[..., torch.Tensor], dict[str, Any]]] = [("int4_kn", kn_out, {})]
@@ -419,7 +441,8 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
                       {"wgmma": False, "regs": False, "dense": batch >= 128})]
         variants += [(f"wgmma{list(t)}", wgmma_out, {"tiles": t[:4], "x_ahead": t[4], "overlap": t[5]})
                      for t in sweep]
-        variants += [(f"smem{list(t)}", smem_out, {"tiles": t}) for t in SMEM_SWEEP.get(batch, [])]
+        if smem_test["passed"]:
+            variants += [(f"smem{list(t)}", smem_out, {"tiles": t}) for t in SMEM_SWEEP.get(batch, [])]
         ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])
         errors = {"bf16_rounding": rel_err(ref.to(torch.bfloat16).float(), ref)}
         row: dict[str, Any] = {"batch": batch, "rel_err": errors}
