@@ -220,10 +220,16 @@ if HAS_GLUON:
         out_tokens = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         out_offs = gl.expand_dims(out_tokens.to(gl.int64) * N, 0) + gl.expand_dims(phys, 1)
         out_mask = gl.expand_dims(phys < N, 1) & gl.expand_dims(out_tokens < M, 0)
+        _store_out(Y, acc, out_offs, out_mask, pid_s, M, N, SPLIT)
+
+    @gluon.jit
+    def _store_out(Y, acc, offs, mask, pid_s, M, N, SPLIT: gl.constexpr):
+        """A program's output tile at Y + offs: its fp32 partial of K split pid_s (SPLIT: Y is [splits, M, N]) or
+        the product in Y's dtype."""
         if SPLIT:
-            gl.store(Y + pid_s.to(gl.int64) * M * N + out_offs, acc, mask=out_mask)
+            gl.store(Y + pid_s.to(gl.int64) * M * N + offs, acc, mask=mask)
         else:
-            gl.store(Y + out_offs, acc.to(Y.dtype.element_ty), mask=out_mask)
+            gl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 def wgmma_supported(dtype: torch.dtype, group_size: int, k: int, device: torch.device | None = None) -> bool:

@@ -51,7 +51,7 @@ if HAS_GLUON:  # pragma: no cover - depends on the Triton version
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.quant_wgmma import _affine, _word_elements
+    from kernels.quant_wgmma import _affine, _store_out, _word_elements
 
 __all__ = ["SMEM_TILES", "smem_tiles", "quant_wgmma_smem"]
 
@@ -174,10 +174,7 @@ if HAS_GLUON:
         out_cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
         out_offs = gl.expand_dims(tokens.to(gl.int64) * N, 1) + gl.expand_dims(out_cols, 0)
         out_mask = gl.expand_dims(tokens < M, 1) & gl.expand_dims(out_cols < N, 0)
-        if SPLIT:
-            gl.store(Y + pid_s.to(gl.int64) * M * N + out_offs, acc, mask=out_mask)
-        else:
-            gl.store(Y + out_offs, acc.to(Y.dtype.element_ty), mask=out_mask)
+        _store_out(Y, acc, out_offs, out_mask, pid_s, M, N, SPLIT)
 
 
 def smem_tiles(m: int, n: int, k: int, sms: int,

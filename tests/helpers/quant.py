@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from engine.quant.group_quant import KINDS, QuantWeight, fp16_bits, pack_int4
@@ -34,3 +35,16 @@ def run_kn(kernel: Callable[..., torch.Tensor], w: QuantWeight, x: torch.Tensor,
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     """||y - ref|| / ||ref|| in fp32 (ref: an fp32 reference)."""
     return float((y.float() - ref).norm() / ref.norm())
+
+
+def assert_hopper_kn_refusals(kernel: Callable[..., torch.Tensor], bad_tiles: list[object]) -> None:
+    """`kernel` (a Hopper-only int4 kernel of the kn layout's signature) raises ValueError naming what it does not
+    take: a CPU device, fp32 x, groups of 64, an unknown kind, a short qweight, and each of `bad_tiles`."""
+    kn = to_kn(random_int4_weight("zero", 32, 256, 128, torch.Generator().manual_seed(1)))
+    cases = [({}, "capability 9"), ({"x": torch.randn(4, 256)}, "bf16 / fp16"), ({"group_size": 64}, "group_size"),
+             ({"kind": 5}, "kind"), ({"qweight": kn.qweight[:16]}, "qweight")]
+    for bad, match in cases + [({"tiles": tiles}, "tiles") for tiles in bad_tiles]:
+        kw = {"x": torch.randn(4, 256, dtype=torch.bfloat16), "qweight": kn.qweight, "scales": kn.scales,
+              "offsets": kn.offsets, "kind": 1, "group_size": 128, "out_features": 32} | bad
+        with pytest.raises(ValueError, match=match):
+            kernel(**kw)

@@ -10,8 +10,7 @@ import triton  # noqa: F401  (a test dependency: missing triton must fail, not s
 
 import kernels.quant_wgmma as wg
 from engine.quant.group_quant import KINDS, QuantWeight, dequantize, quant_matmul_ref
-from engine.quant.kn_layout import to_kn
-from tests.helpers.quant import random_int4_weight, rel_error, run_kn
+from tests.helpers.quant import assert_hopper_kn_refusals, random_int4_weight, rel_error, run_kn
 
 BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -25,19 +24,9 @@ def test_wgmma_tiles_pad_rows_and_split_whole_groups() -> None:
 
 
 def test_wgmma_refuses_what_it_does_not_take() -> None:
-    kn = to_kn(random_int4_weight("zero", 32, 256, 128, torch.Generator().manual_seed(1)))
     assert not wg.wgmma_supported(torch.float32, 128, 256) and not wg.wgmma_supported(torch.bfloat16, 64, 256)
     assert not wg.wgmma_supported(torch.bfloat16, 128, 256, torch.device("cpu"))
-    x = torch.randn(4, 256, dtype=torch.bfloat16)
-    for bad, match in [({}, "capability 9"), ({"x": torch.randn(4, 256)}, "bf16 / fp16"),
-                       ({"group_size": 64}, "group_size"), ({"kind": 5}, "kind"),
-                       ({"tiles": (3, 1, 64, 4)}, "tiles"), ({"tiles": (1, 1, 48, 4)}, "tiles"),
-                       ({"tiles": (1, 64, 4)}, "tiles"),
-                       ({"qweight": kn.qweight[:16]}, "qweight")]:
-        kw = {"x": x, "qweight": kn.qweight, "scales": kn.scales, "offsets": kn.offsets, "kind": 1,
-              "group_size": 128, "out_features": 32} | bad
-        with pytest.raises(ValueError, match=match):
-            wg.quant_wgmma(**kw)
+    assert_hopper_kn_refusals(wg.quant_wgmma, [(3, 1, 64, 4), (1, 1, 48, 4), (1, 64, 4)])
 
 
 @pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU (wgmma)")

@@ -10,8 +10,7 @@ import triton  # noqa: F401  (a test dependency: missing triton must fail, not s
 
 import kernels.quant_wgmma_smem as sm
 from engine.quant.group_quant import KINDS, QuantWeight, dequantize, quant_matmul_ref
-from engine.quant.kn_layout import to_kn
-from tests.helpers.quant import random_int4_weight, rel_error, run_kn
+from tests.helpers.quant import assert_hopper_kn_refusals, random_int4_weight, rel_error, run_kn
 
 BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -25,17 +24,7 @@ def test_smem_tiles_split_whole_iterations() -> None:
 
 
 def test_smem_refuses_what_it_does_not_take() -> None:
-    kn = to_kn(random_int4_weight("zero", 32, 256, 128, torch.Generator().manual_seed(1)))
-    x = torch.randn(4, 256, dtype=torch.bfloat16)
-    for bad, match in [({}, "capability 9"), ({"x": torch.randn(4, 256)}, "bf16 / fp16"),
-                       ({"group_size": 64}, "group_size"), ({"kind": 5}, "kind"),
-                       ({"tiles": (64, 8, 4, 1)}, "tiles"), ({"tiles": (256, 2, 4, 1)}, "tiles"),
-                       ({"tiles": (256, 8, 6, 1)}, "tiles"), ({"tiles": (256, 8, 4)}, "tiles"),
-                       ({"qweight": kn.qweight[:16]}, "qweight")]:
-        kw = {"x": x, "qweight": kn.qweight, "scales": kn.scales, "offsets": kn.offsets, "kind": 1,
-              "group_size": 128, "out_features": 32} | bad
-        with pytest.raises(ValueError, match=match):
-            sm.quant_wgmma_smem(**kw)
+    assert_hopper_kn_refusals(sm.quant_wgmma_smem, [(64, 8, 4, 1), (256, 2, 4, 1), (256, 8, 6, 1), (256, 8, 4)])
 
 
 @pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU (wgmma, TMA)")
