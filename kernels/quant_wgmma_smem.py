@@ -17,14 +17,15 @@ Hazards (written invariants): each iteration starts with a block barrier, which 
 its wait (at most one MMA in flight) of the iteration before, so MMA i - 2 is done there. Past it, iteration i
 stores its dequantized tile into buffer i % 2 and issues x's TMA for iteration i + S - 2 into the slot of iteration
 i - 2: both last read by MMA i - 2. A second barrier (after a proxy fence) orders the tile's stores before MMA i.
-Two barriers an iteration: Gluon's shared-memory analysis inserts none beside them (offline SASS).
+Gluon's shared-memory analysis adds one barrier of its own (between the mbarrier's expect and the TMA issue).
 
-An iteration is half a group (64 k): 8 word rows. Each code becomes fp32 d (128 + q) + (c - 128 d) = d q + c
-exactly (kernels/quant_wgmma.py's `_nibble`), rounded once to the activations' dtype: the operand is the dense
-checkpoint's 16-bit weight bit for bit. K splits across programs until about `programs per SM` are in flight;
-the fp32 partials are summed by a second launch (kernels/split_sum.py).
+An iteration is half a group (64 k): 8 word rows. Each code, moved to bits 12-15 or 16-19 (`_word_code`), becomes
+fp32 d (2^11 + q) + (c - 2048 d) or d (2^7 + q) + (c - 128 d) = d q + c exactly, rounded once to the activations'
+dtype: the operand is the dense checkpoint's 16-bit weight bit for bit (zero-point and symmetric weights). K splits
+across programs until about `programs per SM` are in flight; the fp32 partials are summed by a second launch
+(kernels/split_sum.py).
 
-Needs CUDA on sm_90 (wgmma, TMA; Gluon has no CPU interpreter): tests/kernels/test_kernels_quant_wgmma.py checks
+Needs CUDA on sm_90 (wgmma, TMA; Gluon has no CPU interpreter): tests/kernels/test_kernels_quant_wgmma_smem.py checks
 it on a GPU machine. Reference: `engine.quant.group_quant.quant_matmul_ref` of `engine.quant.kn_layout.from_kn(w)`.
 """
 
