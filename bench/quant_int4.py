@@ -427,6 +427,8 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
     reference first. CUDA sm_90 only."""
     if smoke:
         raise ValueError("the wgmma part needs a Hopper GPU: Gluon kernels have no CPU interpreter")
+    from kernels.quant_wgmma import wgmma_entry
+
     dev = "cuda"
     smem_test = gpu_tests(GPU_KERNEL_TESTS[2:], 300)
     print("wgmma smem test", smem_test, flush=True)
@@ -441,6 +443,9 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
                       {"wgmma": False, "regs": False, "dense": batch >= 128})]
         variants += [(f"wgmma{list(t)}", wgmma_out, {"tiles": t[:4], "x_ahead": t[4], "overlap": t[5]})
                      for t in sweep]
+        entry = wgmma_entry(batch)  # its default tile with the codes placed by three operations a word
+        variants += [(f"wgmma_codes3{list(entry)}", wgmma_out,
+                      {"tiles": entry[:4], "x_ahead": entry[4], "overlap": entry[5], "codes3": True})]
         if smem_test["passed"]:
             variants += [(f"smem{list(t)}", smem_out, {"tiles": t}) for t in SMEM_SWEEP.get(batch, [])]
         ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])

@@ -61,6 +61,9 @@ GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
 # MMA were slower at every batch
 WGMMA_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     32: (1, 1, 32, 4, False, False), 64: (2, 1, 64, 2, False, False), 128: (2, 1, 64, 2, False, False)}
+# Each word's codes placed by three operations (`_word_codes`: -10 % loop instructions offline at 64 rows, the same
+# operand) instead of a shift each: not timed on a GPU yet, so not the default; the wgmma sweep times both
+WGMMA_CODES3 = False
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -111,6 +114,58 @@ if HAS_GLUON:
                        gl.join(_nibble(w, 2 + P, d, c), _nibble(w, 6 + P, d, c)))
 
     @gluon.jit
+    def _code(u, P: gl.constexpr, d, c):
+        """The code at bits 4P..4P+3 of u (P = 3 or 4) as fp32 d q + c: OR-ed into the bits of 2^(23 - 4P) (one lop3)
+        it reads as 2^(23 - 4P) + q exactly, and c here is already less 2^(23 - 4P) d (one FMA)."""
+        if P == 3:
+            v = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x0000F000, 0x45000000, 0xea;", "=r,r", [u],
+                                          dtype=gl.int32, is_pure=True, pack=1)
+        else:
+            v = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F0000, 0x43000000, 0xea;", "=r,r", [u],
+                                          dtype=gl.int32, is_pure=True, pack=1)
+        return v.to(gl.float32, bitcast=True) * d + c
+
+    @gluon.jit
+    def _word_code(w, lo, mid, hi, J: gl.constexpr, d, c3, c4):
+        """Code J of each word, read at bits 12-15 (P = 3) or 16-19 (P = 4) of: lo = w << 12 (codes 0, 1), mid = w
+        with bytes 1 and 2 swapped (codes 5, 2), w (codes 3, 4), hi = w >> 12 (codes 6, 7). Three operations a word
+        instead of a shift for 7 of its 8 codes; the mantissa ends at bit 22, so a code at bits 20-23 must move."""
+        if J == 0:
+            return _code(lo, 3, d, c3)
+        elif J == 1:
+            return _code(lo, 4, d, c4)
+        elif J == 2:
+            return _code(mid, 4, d, c4)
+        elif J == 3:
+            return _code(w, 3, d, c3)
+        elif J == 4:
+            return _code(w, 4, d, c4)
+        elif J == 5:
+            return _code(mid, 3, d, c3)
+        elif J == 6:
+            return _code(hi, 3, d, c3)
+        else:
+            return _code(hi, 4, d, c4)
+
+    @gluon.jit
+    def _word_half(w, lo, mid, hi, d, c3, c4, P: gl.constexpr):
+        """[.., 2 (a), 2 (b)]: code 4 a + 2 b + P of each word."""
+        return gl.join(gl.join(_word_code(w, lo, mid, hi, P, d, c3, c4), _word_code(w, lo, mid, hi, 4 + P, d, c3, c4)),
+                       gl.join(_word_code(w, lo, mid, hi, 2 + P, d, c3, c4),
+                               _word_code(w, lo, mid, hi, 6 + P, d, c3, c4)))
+
+    @gluon.jit
+    def _word_codes(w, d, c4):
+        """[.., 2 (a), 2 (b), 2 (p)]: code 4 a + 2 b + p of each word as fp32 d q + c (c4 = c - 128 d, `_affine`),
+        three operations a word to place its codes (`_word_code`)."""
+        c3 = c4 - 1920.0 * d  # c - 2048 d: exact for zero-point and symmetric weights (d (z + 2048) fits fp32)
+        lo = w << 12
+        hi = w >> 12
+        mid = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x3120;", "=r,r", [w], dtype=gl.int32, is_pure=True,
+                                        pack=1)
+        return gl.join(_word_half(w, lo, mid, hi, d, c3, c4, 0), _word_half(w, lo, mid, hi, d, c3, c4, 1))
+
+    @gluon.jit
     def _affine(S, Off, offs, KIND: gl.constexpr):
         """(d, c - 128 d) of a row of group entries as fp32, for w = d v + (c - 128 d) with v = 128 + q."""
         d = gl.load(S + offs).to(gl.float16, bitcast=True).to(gl.float32)
@@ -124,7 +179,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _operand(w, S, Off, grp, N, cols, KIND: gl.constexpr, WARPS: gl.constexpr, T: gl.constexpr,
-                 FP16: gl.constexpr, mma: gl.constexpr):
+                 FP16: gl.constexpr, mma: gl.constexpr, CODES3: gl.constexpr):
         """The dequantized [16 WARPS T, 128] A operand of one group's words w (words_layout(WARPS, T))."""
         BN: gl.constexpr = 16 * WARPS * T
         d, c = _affine(S, Off, grp * N + cols, KIND)
@@ -133,7 +188,10 @@ if HAS_GLUON:
         # [BN, 16, 2 (c2), 2 (h), 2 (p)]: element 4 c2 + 2 h + p of each word, pairs (p) adjacent, so one
         # conversion packs an MMA register
         DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
-        a5 = gl.join(_word_elements(w, d, c, 0), _word_elements(w, d, c, 1)).to(DT)
+        if CODES3:  # (the same elements in the same order, three operations a word instead of seven shifts)
+            a5 = _word_codes(w, d, c).to(DT)
+        else:
+            a5 = gl.join(_word_elements(w, d, c, 0), _word_elements(w, d, c, 1)).to(DT)
         a9 = gl.reshape(a5, [WARPS, 8, T, 2, 4, 4, 2, 2, 2])  # (w, g, i, h', c, t, c2, h, p)
         a = gl.reshape(gl.permute(a9, [2, 0, 3, 1, 4, 6, 7, 5, 8]), [BN, 128])
         return gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
@@ -150,7 +208,7 @@ if HAS_GLUON:
                       XS: gl.constexpr, GROUP: gl.constexpr, KIND: gl.constexpr, WARPS: gl.constexpr,
                       T: gl.constexpr, BM: gl.constexpr,
                       FP16: gl.constexpr, PDL: gl.constexpr, SPLIT: gl.constexpr, EVEN_N: gl.constexpr,
-                      XPRE: gl.constexpr, ASYNC: gl.constexpr):
+                      XPRE: gl.constexpr, ASYNC: gl.constexpr, CODES3: gl.constexpr):
         """One program: a [16 WARPS T columns] tile of Y's columns (64 T per warpgroup), BM token rows, one K
         split (SPLIT: its fp32 partial to Y [splits, M, N]). Its warpgroups share x's shared buffers."""
         BN: gl.constexpr = 16 * WARPS * T
@@ -200,7 +258,7 @@ if HAS_GLUON:
                 xt = x_next
             else:
                 _store_x(buf, gl.load(x_ptrs + k0), BM)
-            a = _operand(w, S, Off, k0 // GROUP, N, cols, KIND, WARPS, T, FP16, mma)
+            a = _operand(w, S, Off, k0 // GROUP, N, cols, KIND, WARPS, T, FP16, mma, CODES3)
             if ASYNC:
                 a_buf = a_bufs.index(stage)
                 a_buf.store(a)
@@ -256,12 +314,13 @@ def wgmma_tiles(m: int, n: int, k: int, sms: int,
 def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, kind: int,
                 group_size: int, out_features: int, *,
                 tiles: tuple[int, int, int, int] | None = None, x_ahead: bool | None = None,
-                overlap: bool | None = None) -> torch.Tensor:
+                overlap: bool | None = None, codes3: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (as `quant_gemm_kn`). `tiles`:
     (warpgroups per program, column tiles of 64 per warpgroup, token rows per program, programs per SM) from a
     sweep; `x_ahead`: x's next slice is loaded into registers an iteration ahead; `overlap`: the dequantized
     weights go through shared memory too and each MMA runs asynchronously under the next iteration (defaults: the
-    row count's WGMMA_TILES entry; off with `tiles`)."""
+    row count's WGMMA_TILES entry; off with `tiles`); `codes3`: each word's codes placed by three operations
+    (`_word_codes`) instead of a shift each (default WGMMA_CODES3)."""
     m, k = check_gluon_kn_args("quant_wgmma", x, qweight, kind, group_size, out_features)
     if tiles is not None and (len(tiles) != 4 or tiles[0] not in (1, 2, 4) or tiles[1] not in (1, 2)
                               or tiles[2] not in (16, 32, 64, 128, 256) or tiles[3] < 1):
@@ -283,7 +342,7 @@ def quant_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
         WL=words_layout(warps, per_group), XL=x_stage_layout(warps), XS=x_shared_layout(), GROUP=group_size,
         KIND=kind, WARPS=warps, T=per_group, BM=block_m, FP16=x.dtype == torch.float16, PDL=pdl, SPLIT=split > 1,
         EVEN_N=out_features % (16 * warps * per_group) == 0, XPRE=flags[0] if x_ahead is None else x_ahead,
-        ASYNC=flags[1] if overlap is None else overlap,
+        ASYNC=flags[1] if overlap is None else overlap, CODES3=WGMMA_CODES3 if codes3 is None else codes3,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         sum_splits(partial, y)

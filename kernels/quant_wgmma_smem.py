@@ -52,7 +52,7 @@ if HAS_GLUON:  # pragma: no cover - depends on the Triton version
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.quant_wgmma import _affine, _store_out
+    from kernels.quant_wgmma import _affine, _store_out, _word_codes
 
 __all__ = ["SMEM_TILES", "smem_tiles", "quant_wgmma_smem"]
 
@@ -95,47 +95,6 @@ def tile_layout(warps: int, bn: int) -> gl.BlockedLayout:
 
 if HAS_GLUON:
     @gluon.jit
-    def _code(u, P: gl.constexpr, d, c):
-        """The code at bits 4P..4P+3 of u (P = 3 or 4) as fp32 d q + c: OR-ed into the bits of 2^(23 - 4P) (one lop3)
-        it reads as 2^(23 - 4P) + q exactly, and c here is already less 2^(23 - 4P) d (one FMA)."""
-        if P == 3:
-            v = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x0000F000, 0x45000000, 0xea;", "=r,r", [u],
-                                          dtype=gl.int32, is_pure=True, pack=1)
-        else:
-            v = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F0000, 0x43000000, 0xea;", "=r,r", [u],
-                                          dtype=gl.int32, is_pure=True, pack=1)
-        return v.to(gl.float32, bitcast=True) * d + c
-
-    @gluon.jit
-    def _word_code(w, lo, mid, hi, J: gl.constexpr, d, c3, c4):
-        """Code J of each word, read at bits 12-15 (P = 3) or 16-19 (P = 4) of: lo = w << 12 (codes 0, 1), mid = w
-        with bytes 1 and 2 swapped (codes 5, 2), w (codes 3, 4), hi = w >> 12 (codes 6, 7). Three operations a word
-        instead of a shift for 7 of its 8 codes; the mantissa ends at bit 22, so a code at bits 20-23 must move."""
-        if J == 0:
-            return _code(lo, 3, d, c3)
-        elif J == 1:
-            return _code(lo, 4, d, c4)
-        elif J == 2:
-            return _code(mid, 4, d, c4)
-        elif J == 3:
-            return _code(w, 3, d, c3)
-        elif J == 4:
-            return _code(w, 4, d, c4)
-        elif J == 5:
-            return _code(mid, 3, d, c3)
-        elif J == 6:
-            return _code(hi, 3, d, c3)
-        else:
-            return _code(hi, 4, d, c4)
-
-    @gluon.jit
-    def _word_half(w, lo, mid, hi, d, c3, c4, P: gl.constexpr):
-        """[.., 2 (a), 2 (b)]: code 4 a + 2 b + P of each word."""
-        return gl.join(gl.join(_word_code(w, lo, mid, hi, P, d, c3, c4), _word_code(w, lo, mid, hi, 4 + P, d, c3, c4)),
-                       gl.join(_word_code(w, lo, mid, hi, 2 + P, d, c3, c4),
-                               _word_code(w, lo, mid, hi, 6 + P, d, c3, c4)))
-
-    @gluon.jit
     def _dequant_tile(w, S, Off, grp, N, cols, KIND: gl.constexpr, BN: gl.constexpr, TL: gl.constexpr,
                       FP16: gl.constexpr):
         """Words [BN, 8] (one per word row) -> [BN, 64] codes in K's natural order: element (n, 8 r + j) is code j
@@ -143,13 +102,8 @@ if HAS_GLUON:
         d, c4 = _affine(S, Off, grp * N + cols, KIND)  # c4 = c - 128 d
         d = gl.expand_dims(d, 1)
         c4 = gl.expand_dims(c4, 1)
-        c3 = c4 - 1920.0 * d  # c - 2048 d: exact for zero-point and symmetric weights (d (z + 2048) fits fp32)
-        lo = w << 12
-        hi = w >> 12
-        mid = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x3120;", "=r,r", [w], dtype=gl.int32, is_pure=True,
-                                        pack=1)
         # [BN, 8, 2, 2, 2]: code 4 a + 2 b + p of each word at (.., a, b, p)
-        codes = gl.join(_word_half(w, lo, mid, hi, d, c3, c4, 0), _word_half(w, lo, mid, hi, d, c3, c4, 1))
+        codes = _word_codes(w, d, c4)
         DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
         tile = gl.reshape(codes, [BN, 64]).to(DT)
         return gl.convert_layout(tile, TL, assert_trivial=True)

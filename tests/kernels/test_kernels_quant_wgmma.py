@@ -33,7 +33,8 @@ def test_wgmma_refuses_what_it_does_not_take() -> None:
 def test_wgmma_compiled_on_a_hopper_gpu() -> None:
     """On an H100 / H200: every kind and dtype, ragged row counts (masked token rows, several row tiles), a ragged
     column tile, K split (a second launch sums) or not, one to four warpgroups a program, x loaded an iteration
-    ahead or not, the MMA synchronous or overlapped (A through shared memory), Llama-8B widths; equal to the
+    ahead or not, the MMA synchronous or overlapped (A through shared memory), codes placed by shifts or by three
+    operations a word (the same output but for min-kind rounding), Llama-8B widths; equal to the
     reference, and for zero-point weights the operand is the dense 16-bit weight itself (equal to x @
     dequantized-and-rounded W^T in fp32)."""
     g = torch.Generator().manual_seed(0)
@@ -50,6 +51,12 @@ def test_wgmma_compiled_on_a_hopper_gpu() -> None:
                                                 ((1, 1, 64, 1), True, True)):
                     y = run_kn(wg.quant_wgmma, w, x, tiles=tiles, x_ahead=x_ahead, overlap=overlap)
                     assert rel_error(y, ref) < BOUND[dtype], (kind, rows, dtype, tiles, x_ahead, overlap)
+                for tiles in ((2, 1, 64, 2), (1, 2, 32, 4)):  # codes placed by three operations a word
+                    y = run_kn(wg.quant_wgmma, w, x, tiles=tiles, codes3=True)
+                    if kind == "min":  # (c - 2048 d may round where c - 128 d did not)
+                        assert rel_error(y, ref) < BOUND[dtype], (kind, rows, dtype, tiles)
+                    else:  # the same operand, bit for bit
+                        assert torch.equal(y, run_kn(wg.quant_wgmma, w, x, tiles=tiles, codes3=False)), (kind, rows)
                 if kind == "zero":
                     dense = dequantize(w).to(dtype).float()
                     assert rel_error(run_kn(wg.quant_wgmma, w, x), x.float() @ dense.t()) < 2e-3, (rows, dtype)
