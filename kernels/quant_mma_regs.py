@@ -41,7 +41,7 @@ import torch
 
 from kernels._triton import HAS_TRITON, require_triton, sm_count, triton, use_pdl
 from kernels.quant_gemm import KIND_MIN, KIND_SYM, KIND_ZERO
-from kernels.split_sum import sum_splits
+from kernels.split_sum import SUM_BATCH, sum_splits
 
 try:  # pragma: no cover - depends on the Triton version
     from triton.experimental import gluon
@@ -257,9 +257,14 @@ if HAS_GLUON:
                 arrived = gl.atomic_add(Arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
                 if arrived == NUM_SPLITS - 1:
                     total = gl.zeros([BN, BM], gl.float32, layout=mma)
-                    for split in range(NUM_SPLITS):  # L2 reads: other SMs wrote them
-                        total += gl.load(P + split * M * N + out_offs, mask=out_mask, other=0.0,
-                                         cache_modifier=".cg")
+                    # L2 reads (other SMs wrote them), SUM_BATCH splits' loads in flight together: the tail costs
+                    # NUM_SPLITS / SUM_BATCH L2 latencies, not NUM_SPLITS; the sum stays in split order
+                    for first in range(0, NUM_SPLITS, SUM_BATCH):
+                        for j in gl.static_range(SUM_BATCH):
+                            live = first + j < NUM_SPLITS
+                            part = gl.load(P + (first + j) * M * N + out_offs, mask=out_mask & live, other=0.0,
+                                           cache_modifier=".cg")
+                            total = gl.where(live, total + part, total)
                     gl.store(Y + out_offs, total.to(Y.dtype.element_ty), mask=out_mask)
                     gl.atomic_xchg(Arrivals + pid_n, 0)
 

@@ -87,11 +87,14 @@ def test_kn_gemv_matches_reference(kind: str, group: int, pairs: bool, monkeypat
 
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("kind", KINDS)
-def test_kn_gemv_sums_its_splits_in_the_same_launch(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tiles", [(32, 4, 6, 1), (32, 1, 24, 1)])
+def test_kn_gemv_sums_its_splits_in_the_same_launch(kind: str, tiles: tuple[int, int, int, int],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """With `arrivals`, the last program of each column tile sums the K split's partials: same result as the
-    separate sum (same order), counters back to zero, so the next call (a CUDA graph replay) starts clean."""
+    separate sum (same order), counters back to zero, so the next call (a CUDA graph replay) starts clean. 2 column
+    tiles; K split 3 ways, or 12 (more than SUM_BATCH: two batches of loads, the second masked past the last)."""
     monkeypatch.setattr(kn_kernels, "sm_count", lambda device: 1)
-    tiles = (32, 4, 6, 1)  # 2 column tiles, K split 3 ways (see test_kn_gemv_matches_reference)
+    assert kn_kernels.kn_gemv_tiles(40, 768, 1, tiles)[2] in (3, 12)
     g = torch.Generator().manual_seed(40 + KINDS.index(kind))
     w = _weight(kind, 40, 768, 32, g)
     kn = to_kn(w)
