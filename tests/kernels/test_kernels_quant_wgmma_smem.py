@@ -10,6 +10,7 @@ import triton  # noqa: F401  (a test dependency: missing triton must fail, not s
 
 import kernels.quant_wgmma_smem as sm
 from engine.quant.group_quant import KINDS, QuantWeight, dequantize, quant_matmul_ref
+from engine.quant.kn_layout import to_kn
 from tests.helpers.quant import assert_hopper_kn_refusals, random_int4_weight, rel_error, run_kn
 
 BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
@@ -25,6 +26,15 @@ def test_smem_tiles_split_whole_iterations() -> None:
 
 def test_smem_refuses_what_it_does_not_take() -> None:
     assert_hopper_kn_refusals(sm.quant_wgmma_smem, [(64, 8, 4, 1), (256, 2, 4, 1), (256, 8, 6, 1), (256, 8, 4)])
+
+
+def test_quant_gemm_kn_routes_to_it_when_asked_and_refuses_clearly_off_hopper() -> None:
+    from kernels.quant_gemm_kn import quant_gemm_kn
+
+    kn = to_kn(random_int4_weight("zero", 32, 256, 128, torch.Generator().manual_seed(2)))
+    x = torch.randn(300, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="capability 9"):
+        quant_gemm_kn(x, kn.qweight, kn.scales, kn.offsets, 1, 128, 32, smem=True)
 
 
 @pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 GPU (wgmma, TMA)")
