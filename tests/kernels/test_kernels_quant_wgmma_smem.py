@@ -11,6 +11,7 @@ import triton  # noqa: F401  (a test dependency: missing triton must fail, not s
 import kernels.quant_wgmma_smem as sm
 from engine.quant.group_quant import KINDS, QuantWeight, dequantize, quant_matmul_ref
 from engine.quant.kn_layout import to_kn
+from kernels.quant_gemm_kn import quant_gemm_kn
 from tests.helpers.quant import assert_hopper_kn_refusals, random_int4_weight, rel_error, run_kn
 
 BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
@@ -29,8 +30,6 @@ def test_smem_refuses_what_it_does_not_take() -> None:
 
 
 def test_quant_gemm_kn_routes_to_it_when_asked_and_refuses_clearly_off_hopper() -> None:
-    from kernels.quant_gemm_kn import quant_gemm_kn
-
     kn = to_kn(random_int4_weight("zero", 32, 256, 128, torch.Generator().manual_seed(2)))
     x = torch.randn(300, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="capability 9"):
