@@ -130,22 +130,8 @@ if HAS_GLUON:
         """Code J of each word, read at bits 12-15 (P = 3) or 16-19 (P = 4) of: lo = w << 12 (codes 0, 1), mid = w
         with bytes 1 and 2 swapped (codes 5, 2), w (codes 3, 4), hi = w >> 12 (codes 6, 7). Three operations a word
         instead of a shift for 7 of its 8 codes; the mantissa ends at bit 22, so a code at bits 20-23 must move."""
-        if J == 0:
-            return _code(lo, 3, d, c3)
-        elif J == 1:
-            return _code(lo, 4, d, c4)
-        elif J == 2:
-            return _code(mid, 4, d, c4)
-        elif J == 3:
-            return _code(w, 3, d, c3)
-        elif J == 4:
-            return _code(w, 4, d, c4)
-        elif J == 5:
-            return _code(mid, 3, d, c3)
-        elif J == 6:
-            return _code(hi, 3, d, c3)
-        else:
-            return _code(hi, 4, d, c4)
+        P: gl.constexpr = (3, 4, 4, 3, 4, 3, 3, 4)[J]
+        return _code((lo, lo, mid, w, w, mid, hi, hi)[J], P, d, (c3, c4)[P - 3])
 
     @gluon.jit
     def _word_half(w, lo, mid, hi, d, c3, c4, P: gl.constexpr):
