@@ -48,3 +48,8 @@ def assert_hopper_kn_refusals(kernel: Callable[..., torch.Tensor], bad_tiles: li
               "offsets": kn.offsets, "kind": 1, "group_size": 128, "out_features": 32} | bad
         with pytest.raises(ValueError, match=match):
             kernel(**kw)
+
+
+def on_cuda(w: QuantWeight) -> QuantWeight:
+    """The same weight with its tensors on the GPU (the Hopper kernels' tests)."""
+    return QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})

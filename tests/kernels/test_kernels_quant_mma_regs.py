@@ -12,7 +12,7 @@ import kernels.quant_mma_regs as regs
 from engine.quant.group_quant import KINDS, QuantWeight, quant_matmul_ref
 from engine.quant.kn_layout import to_kn
 from kernels.quant_gemm_kn import new_arrivals
-from tests.helpers.quant import random_int4_weight, rel_error, run_kn
+from tests.helpers.quant import on_cuda, random_int4_weight, rel_error, run_kn
 
 BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
 
@@ -55,7 +55,7 @@ def test_regs_compiled_on_a_gpu() -> None:
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
         w = random_int4_weight(kind, 200, 1024, 256, g, min_scale=0.01)
-        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        w = on_cuda(w)
         arrivals = new_arrivals(200, "cuda")
         for rows in (1, 13, 64):
             for dtype in (torch.bfloat16, torch.float16):
@@ -69,7 +69,7 @@ def test_regs_compiled_on_a_gpu() -> None:
                     assert torch.equal(fused, _run(w, x, **kw)), (kind, rows, dtype, kw)
     for n, k in [(6144, 4096), (4096, 14336)]:
         w = random_int4_weight("zero", n, k, 128, g, min_scale=0.01)
-        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        w = on_cuda(w)
         for rows in (1, 16, 64):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
             y = _run(w, x, arrivals=new_arrivals(n, "cuda"))

@@ -9,10 +9,10 @@ import torch
 import triton  # noqa: F401  (a test dependency: missing triton must fail, not skip)
 
 import kernels.quant_wgmma_smem as sm
-from engine.quant.group_quant import KINDS, QuantWeight, dequantize, quant_matmul_ref
+from engine.quant.group_quant import KINDS, dequantize, quant_matmul_ref
 from engine.quant.kn_layout import to_kn
 from kernels.quant_gemm_kn import quant_gemm_kn
-from tests.helpers.quant import assert_hopper_kn_refusals, random_int4_weight, rel_error, run_kn
+from tests.helpers.quant import assert_hopper_kn_refusals, on_cuda, random_int4_weight, rel_error, run_kn
 
 BOUND = {torch.bfloat16: 4e-3, torch.float16: 5e-4}
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -45,7 +45,7 @@ def test_smem_compiled_on_a_hopper_gpu() -> None:
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
         w = random_int4_weight(kind, 200, 1024, 256, g, min_scale=0.01)
-        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        w = on_cuda(w)
         for rows in (1, 40, 128, 300):
             for dtype in (torch.bfloat16, torch.float16):
                 x = torch.randn(rows, 1024, generator=g).to(dtype).cuda()
@@ -59,7 +59,7 @@ def test_smem_compiled_on_a_hopper_gpu() -> None:
                     assert rel_error(y, x.float() @ dense.t()) < 2e-3, (rows, dtype)
     for n, k in [(6144, 4096), (4096, 14336)]:
         w = random_int4_weight("zero", n, k, 128, g, min_scale=0.01)
-        w = QuantWeight(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v) for f, v in vars(w).items()})
+        w = on_cuda(w)
         for rows in (128, 256, 1000):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
             y = run_kn(sm.quant_wgmma_smem, w, x)
