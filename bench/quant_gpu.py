@@ -20,7 +20,7 @@ with random weights (`--load-format dummy`):
 - regs:  the same step through the Gluon kernel whose MMA operands are built in registers
          (kernels/quant_mma_regs.py), tiles swept at 1-64 rows, beside bf16 and the engine's path (part_regs).
 - wgmma: the same step through Hopper's wgmma kernels (kernels/quant_wgmma.py; kernels/quant_wgmma_smem.py once
-         its GPU test passed), tiles swept at 16-1024 rows (part_wgmma).
+         its GPU test passed), tiles swept at 8-1024 rows (part_wgmma).
 - tests: the int4 kernels' GPU tests (tests/kernels/test_kernels_quant_{mma_regs,wgmma,wgmma_smem}.py), pytest in a
          subprocess with a time limit: passed only if none failed or skipped.
 

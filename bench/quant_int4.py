@@ -364,22 +364,29 @@ def part_regs(smoke: bool) -> dict[str, Any]:
 # iteration ahead, asynchronous MMA from shared memory) swept per batch for kernels/quant_wgmma.py
 _SYNC, _ASYNC = (False, False), (False, True)  # (x ahead, overlap)
 WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool, bool]]] = {
+    8: [(1, 1, 16, 4, *_SYNC)],
+    12: [],
     16: [(2, 1, 16, 4, *_SYNC), (4, 1, 16, 2, *_SYNC)],
     32: [(2, 1, 32, 4, *_SYNC), (4, 1, 32, 2, *_SYNC), (1, 1, 32, 4, *_SYNC)],
     64: [(1, 1, 64, 4, *_SYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (2, 1, 64, 2, *_ASYNC),
          (2, 1, 64, 3, *_SYNC), (4, 1, 64, 1, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
+    96: [(2, 1, 64, 2, *_SYNC)],
     128: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False),
           (4, 1, 64, 1, *_SYNC), (1, 1, 128, 2, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
     256: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, *_ASYNC),
           (4, 1, 64, 1, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
+    384: [], 512: [],
     1024: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC)]}
 
 
 # (columns per program, warps, x stages, programs per SM) swept per batch for kernels/quant_wgmma_smem.py
 SMEM_SWEEP: dict[int, list[tuple[int, int, int, int]]] = {
-    64: [(128, 4, 4, 2), (256, 4, 4, 1)],
+    64: [(128, 4, 4, 2), (256, 4, 4, 1), (128, 8, 3, 2)],
+    96: [(128, 8, 3, 2), (256, 8, 4, 1)],
     128: [(128, 8, 4, 1), (128, 8, 3, 2), (256, 8, 4, 1), (128, 4, 4, 2)],
     256: [(256, 8, 4, 1), (128, 8, 4, 1), (128, 8, 3, 2), (256, 8, 5, 1), (256, 8, 3, 1)],
+    384: [(128, 8, 3, 2), (256, 8, 4, 1)],
+    512: [(128, 8, 3, 2), (256, 8, 4, 1)],
     1024: [(256, 8, 4, 1), (128, 8, 3, 2), (128, 8, 4, 1)]}
 
 
@@ -420,7 +427,7 @@ def gpu_tests(files: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
 
 
 def part_wgmma(smoke: bool) -> dict[str, Any]:
-    """Hopper's wgmma int4 kernels over the decode step's AWQ-shaped weights at 16-1024 rows, tiles swept per batch:
+    """Hopper's wgmma int4 kernels over the decode step's AWQ-shaped weights at 8-1024 rows, tiles swept per batch:
     kernels/quant_wgmma.py (`wgmma[...]`) and, after its GPU test passed (a wrong or hung kernel is not timed),
     kernels/quant_wgmma_smem.py (`smem[...]`), beside bf16 (cuBLAS), the engine's path (`int4_kn`), the kn GEMM
     (below 128 rows) or the dense dequantization (from 128); each variant's output (layer 0's gate|up) against the
@@ -443,9 +450,9 @@ def part_wgmma(smoke: bool) -> dict[str, Any]:
                       {"wgmma": False, "regs": False, "dense": batch >= 128})]
         variants += [(f"wgmma{list(t)}", wgmma_out, {"tiles": t[:4], "x_ahead": t[4], "overlap": t[5]})
                      for t in sweep]
-        entry = wgmma_entry(batch)  # its default tile with the codes placed by three operations a word
-        variants += [(f"wgmma_codes3{list(entry)}", wgmma_out,
-                      {"tiles": entry[:4], "x_ahead": entry[4], "overlap": entry[5], "codes3": True})]
+        entry = wgmma_entry(batch)  # its default tile with a shift a code (the default: three operations a word)
+        variants += [(f"wgmma_shifts{list(entry)}", wgmma_out,
+                      {"tiles": entry[:4], "x_ahead": entry[4], "overlap": entry[5], "codes3": False})]
         if smem_test["passed"]:
             variants += [(f"smem{list(t)}", smem_out, {"tiles": t}) for t in SMEM_SWEEP.get(batch, [])]
         ref = quant_matmul_ref(xs[HIDDEN].float(), int4[0][2])

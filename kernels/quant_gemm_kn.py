@@ -73,21 +73,24 @@ DEQUANT_MIN_M = 128
 MMA_MAX_M = 16
 # 1 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take the Gluon kernel whose MMA
 # operands are built in registers (kernels/quant_mma_regs.py), ahead of the GEMV, the tensor-core kernel and the
-# GEMM above: H100, the decode step's AWQ-shaped weights, 2.15 / 2.70 / 3.11 ms at 1 / 4 / 16 rows against 2.48 /
-# 3.49 / 3.85 (bench/results/quant_regs_h100.json run 2); from 17 rows the wgmma kernel below is faster where it
-# applies (H200: 3.22 ms at 32 rows against 4.34; at 16, 3.34 against 2.84)
-REGS_ENGINE_MAX_M = 16
+# GEMM above: H100, the decode step's AWQ-shaped weights, 2.15 / 2.70 ms at 1 / 4 rows against 2.48 / 3.49
+# (bench/results/quant_regs_h100.json run 2), 2.73 at 8 rows against the wgmma kernel's 2.95; from 9 rows the wgmma
+# kernel below is faster where it applies (H100: 2.97 / 3.07 ms at 12 / 16 rows against 3.40 / 3.60,
+# bench/results/quant_smem_h100.json run 2)
+REGS_ENGINE_MAX_M = 8
 # Above that, up to this many rows of bf16 / fp16 activations over groups of a multiple of 128 take Hopper's wgmma
 # kernel (kernels/quant_wgmma.py) on sm_90 GPUs, ahead of the GEMM and the dense dequantization: H200, the decode
-# step's AWQ-shaped weights, 3.22 / 4.19 / 7.07 ms at 32 / 64 / 128 rows against 4.34 (quant_mma_regs) / 7.90 (GEMM)
-# / 10.47 (dequantization + cuBLAS); at 256 rows the dense path wins (10.48 against 12.24)
-# (bench/results/quant_wgmma_h200.json)
-WGMMA_ENGINE_MAX_M = 128
-# Past that, on the same terms, Hopper's kernel with both MMA operands in shared memory (kernels/quant_wgmma_smem.py:
-# x by TMA, the weights dequantized once per 128 token rows and up to 256 columns) can replace the dense
-# dequantization + cuBLAS. Not run on a GPU yet (written in a session that was lent none), so not the default:
-# `quant_gemm_kn(smem=True)`; `bench/quant_gpu.py --parts wgmma` times it beside the dense path from 64 rows
-SMEM_ENGINE = False
+# step's AWQ-shaped weights, 3.22 / 4.19 ms at 32 / 64 rows against 4.34 (quant_mma_regs) / 7.90 (GEMM)
+# (bench/results/quant_wgmma_h200.json); at 96 rows the kernel below wins (H100: 5.49 against 6.84)
+WGMMA_ENGINE_MAX_M = 64
+# Past that, up to SMEM_ENGINE_MAX_M rows on the same terms, Hopper's kernel with both MMA operands in shared memory
+# (kernels/quant_wgmma_smem.py: x by TMA, the weights dequantized once per 128 token rows and columns) instead of
+# the dense dequantization + cuBLAS: H100, 5.49 / 5.80 / 9.44 / 9.74 / 15.19 ms at 96 / 128 / 192 / 256 / 384 rows
+# against the wgmma kernel's 6.84 / 7.03 / 11.09 / 12.05 and the dense path's - / 11.98 / 13.23 / 12.77 / 15.41; at
+# 512 rows the dense path wins (16.72 against 17.78), and by 1024 clearly (25.8 against 33.5)
+# (bench/results/quant_smem_h100.json). SMEM_ENGINE = False sends those rows back to the dense path
+SMEM_ENGINE = True
+SMEM_ENGINE_MAX_M = 384
 # Where the wgmma kernel does not apply (not sm_90), quant_mma_regs takes up to this many rows (its H100 sweep's
 # 4.43 ms at 32 rows against the GEMM's 5.07; at 64 the GEMM is faster)
 REGS_FALLBACK_MAX_M = 32
@@ -359,7 +362,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     the tensor-core kernel; default: 2 to MMA_MAX_M rows where it applies) and `regs` (the Gluon kernel of
     kernels/quant_mma_regs.py; default: the rows up to REGS_FALLBACK_MAX_M that the wgmma kernel does not take)
     and `wgmma` (Hopper's kernel of kernels/quant_wgmma.py; default: REGS_ENGINE_MAX_M + 1 to WGMMA_ENGINE_MAX_M rows
-    where it applies) and `smem` (kernels/quant_wgmma_smem.py; default: more rows than that, where it applies).
+    where it applies) and `smem` (kernels/quant_wgmma_smem.py; default: from there to SMEM_ENGINE_MAX_M rows, where
+    it applies).
 
     `arrivals`: int32 zeros from `new_arrivals`, owned by the caller (a layer) and used by one call at a time: a one-row call with K split then sums its partials in the same launch (see `_kn_gemv_kernel`); they are
     zero again when it returns."""
@@ -380,8 +384,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m and wgmma:
         return quant_wgmma(x, qweight, scales, offsets, kind, group_size, out_features)
     if smem is None:
-        smem = (SMEM_ENGINE and m > WGMMA_ENGINE_MAX_M and x.is_cuda and regs is not True and dense is not True
-                and wgmma_supported(x.dtype, group_size, k, x.device) and smem_applies(x))
+        smem = (SMEM_ENGINE and WGMMA_ENGINE_MAX_M < m <= SMEM_ENGINE_MAX_M and x.is_cuda and regs is not True
+                and dense is not True and wgmma_supported(x.dtype, group_size, k, x.device) and smem_applies(x))
     if m and smem:
         return quant_wgmma_smem(x, qweight, scales, offsets, kind, group_size, out_features)
     if m and ((m <= REGS_FALLBACK_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None

@@ -60,7 +60,7 @@ REGS_MAX_M = 64  # token rows one program holds (8 per MMA column tile)
 # (warps, column tiles of 16 per warp, programs per SM, cp.async stages: 0 = words prefetched into registers) by
 # the padded row count they serve: the H100 sweeps' best over the Llama-8B decode step's AWQ-shaped weights
 # (bench/results/quant_regs_h100.json run 2: 2.15 ms at 1 row, 2.70 at 4, 3.11 at 16, 4.43 at 32); 64 rows is
-# slower than the kn GEMM (12.0 vs 8.1 ms), so the engine sends it 1-16 rows on sm_90 (kernels/quant_wgmma.py from 17)
+# slower than the kn GEMM (12.0 vs 8.1 ms), so the engine sends it 1-8 rows on sm_90 (kernels/quant_wgmma.py from 9)
 # and 1-32 elsewhere (kernels/quant_gemm_kn.py REGS_ENGINE_MAX_M, REGS_FALLBACK_MAX_M)
 REGS_TILES: dict[int, tuple[int, int, int, int]] = {8: (4, 2, 8, 0), 16: (2, 2, 8, 3), 32: (1, 2, 8, 0), 64: (1, 2, 4, 0)}
 REGS_AHEAD = 1  # iterations of words in registers beyond the one in use (2: 2.79 vs 2.15 ms at one row)

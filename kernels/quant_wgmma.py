@@ -62,8 +62,9 @@ GROUP_STEP = 128  # K elements per iteration: 16 word rows, one group's slice
 WGMMA_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     32: (1, 1, 32, 4, False, False), 64: (2, 1, 64, 2, False, False), 128: (2, 1, 64, 2, False, False)}
 # Each word's codes placed by three operations (`_word_codes`: -10 % loop instructions offline at 64 rows, the same
-# operand) instead of a shift each: not timed on a GPU yet, so not the default; the wgmma sweep times both
-WGMMA_CODES3 = False
+# operand) instead of a shift each: 0.5-1.5 % faster at 32-1024 rows on an H100, the same error
+# (bench/results/quant_smem_h100.json); `codes3=False` keeps the shifts
+WGMMA_CODES3 = True
 _DTYPES = (torch.bfloat16, torch.float16)
 
 

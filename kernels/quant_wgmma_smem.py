@@ -58,8 +58,9 @@ __all__ = ["SMEM_TILES", "smem_tiles", "quant_wgmma_smem"]
 
 K_STEP = 64  # K elements per iteration: 8 word rows, half a group; x's TMA box is [BM, 64] (128-byte rows)
 # (columns per program BN, warps (64 token rows per warpgroup), x stages S, programs per SM) by the row count they
-# serve; first guesses, to be replaced by a sweep's best (bench/quant_gpu.py --parts wgmma)
-SMEM_TILES: dict[int, tuple[int, int, int, int]] = {256: (256, 8, 4, 1), 1 << 20: (256, 8, 4, 1)}
+# serve: the H100 sweep's best at every row count from 64 to 1024 (bench/results/quant_smem_h100.json; 256 columns
+# were 5-15 % slower, 4 warps slower still)
+SMEM_TILES: dict[int, tuple[int, int, int, int]] = {1 << 20: (128, 8, 3, 2)}
 
 
 def smem_entry(m: int) -> tuple[int, int, int, int]:

@@ -50,6 +50,7 @@ from kernels.quant_gemm_kn import (
     REGS_ENGINE_MAX_M,
     REGS_FALLBACK_MAX_M,
     SMEM_ENGINE,
+    SMEM_ENGINE_MAX_M,
     WGMMA_ENGINE_MAX_M,
     kn_gemm_tiles,
 )
@@ -83,10 +84,11 @@ SCRATCH_BLOCK = 0  # the null block: pads block tables, never handed out to a re
 # specializes the count itself on being 1 or a multiple of 16.
 DECODE_SPLITS = (1, 2, 3, 5, 9, 16, 17, 32, 33, 48)
 SAMPLE_ROWS = (1, 3, 16)  # lm-head row counts: one, another, a multiple of 16
-# The quantized GEMMs' variants are enumerated up to this many rows: above it only the kn layout's dense path and
-# the canonical GEMM's widest tile run, neither compiling anything new by row count. Their tile choice depends on
-# the rows alone; the nominal width and SM count below only fill the arguments.
-QUANT_ROWS_SCAN = 256
+# The quantized GEMMs' variants are enumerated up to this many rows (past the shared-memory wgmma kernel's last):
+# above it only the kn layout's dense path and the canonical GEMM's widest tile run, neither compiling anything new
+# by row count. Their tile choice depends on the rows alone; the nominal width and SM count below only fill the
+# arguments.
+QUANT_ROWS_SCAN = max(256, SMEM_ENGINE_MAX_M + 1)
 _NOMINAL_WIDTH, _NOMINAL_SMS = 4096, 132
 
 
@@ -132,7 +134,7 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
     if REGS_ENGINE_MAX_M < m <= WGMMA_ENGINE_MAX_M:
         groups, per_group, block_m, split, _ = wgmma_tiles(m, n, k, _NOMINAL_SMS)
         keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, *wgmma_entry(m)[4:], by16))
-    elif m > WGMMA_ENGINE_MAX_M and SMEM_ENGINE:
+    elif SMEM_ENGINE and WGMMA_ENGINE_MAX_M < m <= SMEM_ENGINE_MAX_M:
         block_n, warps, stages, split, _ = smem_tiles(m, n, k, _NOMINAL_SMS)
         keys.append(("kn_smem", block_n, warps, stages, split > 1, by16))
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)

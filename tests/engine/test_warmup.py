@@ -12,7 +12,6 @@ import torch
 from engine.arg_utils import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.quant import quant_layers
-from engine.runner import warmup
 from engine.runner.warmup import (
     DECODE_SPLITS,
     QUANT_ROWS_SCAN,
@@ -30,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from kernels.fused_moe import MOE_ALIGN_TRITON_MAX_SLOTS, moe_tiles
 from kernels.moe_gemv import gemv_suits
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
-from kernels.quant_gemm_kn import WGMMA_ENGINE_MAX_M
+from kernels.quant_gemm_kn import SMEM_ENGINE, SMEM_ENGINE_MAX_M, WGMMA_ENGINE_MAX_M
 from tests.helpers.oracle import run_to_end
 
 ARGS = dict(model="tiny", device="cpu", kv_cache_memory_bytes=16 << 20, max_model_len=1024,
@@ -138,13 +137,14 @@ def test_quant_rows_reach_every_quantized_gemm_variant() -> None:
     assert set(rows) <= tokens
 
 
-def test_quant_rows_reach_the_shared_memory_wgmma_variants_once_it_is_the_default(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With SMEM_ENGINE on, more than WGMMA_ENGINE_MAX_M rows take kernels/quant_wgmma_smem.py (compiled per tile,
-    split or not, M's divisibility by 16): the scanned row counts still reach every variant."""
-    monkeypatch.setattr(warmup, "SMEM_ENGINE", True)
+def test_quant_rows_reach_the_shared_memory_wgmma_variants() -> None:
+    """WGMMA_ENGINE_MAX_M + 1 to SMEM_ENGINE_MAX_M rows take kernels/quant_wgmma_smem.py (compiled per tile, split
+    or not, M's divisibility by 16), more the dense path: the scanned row counts reach every variant."""
+    assert SMEM_ENGINE and QUANT_ROWS_SCAN > SMEM_ENGINE_MAX_M
     assert [key for key in _quant_variants(200) if key[0] == "kn_smem"]
+    assert [key for key in _quant_variants(SMEM_ENGINE_MAX_M) if key[0] == "kn_smem"]
     assert not [key for key in _quant_variants(WGMMA_ENGINE_MAX_M) if key[0] == "kn_smem"]
+    assert not [key for key in _quant_variants(SMEM_ENGINE_MAX_M + 1) if key[0] == "kn_smem"]
     covered = {key for m in quant_gemm_rows() for key in _quant_variants(m)}
     assert all(set(_quant_variants(m)) <= covered for m in range(1, QUANT_ROWS_SCAN + 1))
 
