@@ -3,7 +3,7 @@
 - `regs` (kernels/quant_mma_regs.py; tiles: warps, column tiles per warp, programs per SM; default 4 2 8), then the
   kn GEMV of quant_gemm_kn (one row only);
 - `wgmma` (kernels/quant_wgmma.py; tiles: warpgroups, column tiles, rows per program, programs per SM);
-- `smem` (kernels/quant_wgmma_smem.py; tiles: columns, warps, x stages, programs per SM);
+- `smem` (kernels/quant_wgmma_smem.py; tiles: columns, warps, x stages, programs per SM, rows per program);
 - `bf16`: the dense product of the same shapes (cuBLAS), for the same counters.
 Run it under ncu, e.g.
 
@@ -11,7 +11,7 @@ Run it under ncu, e.g.
         --section Occupancy --section WarpStateStats python3 -m bench.int4_ncu_driver regs --tiles 4 2 8
         (before 2026-12-07 the tiles were positional: `python3 -m bench.int4_ncu_driver 4 2 8`)
     ncu --clock-control none -k regex:"_smem_kernel|nvjet" --section SpeedOfLight --section MemoryWorkloadAnalysis \\
-        python3 -m bench.int4_ncu_driver smem --rows 256 --tiles 256 8 4 1
+        python3 -m bench.int4_ncu_driver smem --rows 256 --tiles 128 8 3 2 128
 """
 
 from __future__ import annotations

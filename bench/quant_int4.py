@@ -379,15 +379,15 @@ WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool, bool]]] = {
     1024: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC)]}
 
 
-# (columns per program, warps, x stages, programs per SM) swept per batch for kernels/quant_wgmma_smem.py
-SMEM_SWEEP: dict[int, list[tuple[int, int, int, int]]] = {
-    64: [(128, 4, 4, 2), (256, 4, 4, 1), (128, 8, 3, 2)],
-    96: [(128, 8, 3, 2), (256, 8, 4, 1)],
-    128: [(128, 8, 4, 1), (128, 8, 3, 2), (256, 8, 4, 1), (128, 4, 4, 2)],
-    256: [(256, 8, 4, 1), (128, 8, 4, 1), (128, 8, 3, 2), (256, 8, 5, 1), (256, 8, 3, 1)],
-    384: [(128, 8, 3, 2), (256, 8, 4, 1)],
-    512: [(128, 8, 3, 2), (256, 8, 4, 1)],
-    1024: [(256, 8, 4, 1), (128, 8, 3, 2), (128, 8, 4, 1)]}
+# (columns per program, warps, x stages, programs per SM, token rows per program) swept per batch for
+# kernels/quant_wgmma_smem.py; BM 256 (two 64-row MMA blocks a warpgroup) from 192 rows
+_SMEM_LARGE = [(128, 8, 3, 2, 128), (256, 8, 4, 1, 128), (128, 8, 3, 1, 256), (128, 8, 4, 1, 256)]
+SMEM_SWEEP: dict[int, list[tuple[int, int, int, int, int]]] = {
+    64: [(128, 4, 4, 2, 64), (256, 4, 4, 1, 64), (128, 8, 3, 2, 128)],
+    96: [(128, 8, 3, 2, 128), (256, 8, 4, 1, 128)],
+    128: [(128, 8, 4, 1, 128), (128, 8, 3, 2, 128), (256, 8, 4, 1, 128), (128, 4, 4, 2, 64)],
+    256: [*_SMEM_LARGE, (128, 8, 4, 1, 128), (256, 8, 3, 1, 128)],
+    384: _SMEM_LARGE, 512: _SMEM_LARGE, 1024: _SMEM_LARGE}
 
 
 def smem_out(w: KNWeight, x: torch.Tensor, arrivals: torch.Tensor | None = None,

@@ -1,7 +1,7 @@
 """Hopper machine code of kernels/quant_wgmma_smem.py without a GPU (issue 32): each tile compiled for sm_90 by the
 Triton on the path (the device image's 3.6.0: `pip install --target DIR triton==3.6.0`, then `PYTHONPATH=DIR:.`),
 with the divisibility the runtime specializes, and its registers, stack, shared memory and main loop (the longest
-backward branch) read off cuobjdump. Writes bench/results/int4_smem_sass_offline.json's `configs`.
+backward branch that loads weights) read off cuobjdump. Writes bench/results/int4_smem_sass_offline.json's `configs`.
 
     PYTHONPATH=/tmp/tr36:. python -m bench.sass_offline --out bench/results/int4_smem_sass_offline.json
 """
@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-TILES = [(256, 8, 4), (256, 8, 5), (256, 8, 3), (128, 8, 4), (128, 8, 3), (128, 4, 4), (256, 4, 4)]
+TILES = [(256, 8, 4, 128), (256, 8, 5, 128), (256, 8, 3, 128), (128, 8, 4, 128), (128, 8, 3, 128), (128, 4, 4, 64),
+         (256, 4, 4, 64), (128, 8, 3, 256), (128, 8, 4, 256)]  # (BN, warps, stages, BM)
 LOOP_OPS = {"BAR.SYNC": r"BAR\.SYNC", "HGMMA": r"HGMMA", "STS": r"\bSTS", "LDG": r"\bLDG", "LOP3": r"LOP3",
             "FFMA": r"FFMA", "F2FP": r"F2FP", "UTMALDG": r"UTMALDG"}
 
@@ -33,20 +34,22 @@ def cuobjdump(flag: str, cubin: bytes) -> str:
 
 
 def loop_stats(sass: str) -> dict[str, int]:
-    """Instruction counts of the main loop: the longest backward branch's body."""
+    """Instruction counts of the main loop: the longest backward branch whose body loads weights (LDG; an
+    mbarrier's retry branch can span more, over the epilogue)."""
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
     addr = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
-    start, end = 0, -1
+    best: list[str] = []
     for ln, here in zip(lines, addr, strict=True):
         m = re.search(r"BRA (0x[0-9a-f]+)", ln)
-        if m and int(m.group(1), 16) < here and here - int(m.group(1), 16) > end - start:
-            start, end = int(m.group(1), 16), here
-    body = [ln for ln, a in zip(lines, addr, strict=True) if start <= a <= end]
-    return {"loop_instructions": len(body)} | {k: sum(bool(re.search(p, ln)) for ln in body)
+        if m and int(m.group(1), 16) < here:
+            body = [b for b, a in zip(lines, addr, strict=True) if int(m.group(1), 16) <= a <= here]
+            if any(re.search(LOOP_OPS["LDG"], b) for b in body) and len(body) > len(best):
+                best = body
+    return {"loop_instructions": len(best)} | {k: sum(bool(re.search(p, ln)) for ln in best)
                                                for k, p in LOOP_OPS.items()}
 
 
-def compile_tile(bn: int, warps: int, stages: int) -> dict[str, Any]:
+def compile_tile(bn: int, warps: int, stages: int, bm: int) -> dict[str, Any]:
     """One tile (zero-point kind, bf16, PDL, no split, even N) compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -54,10 +57,11 @@ def compile_tile(bn: int, warps: int, stages: int) -> dict[str, Any]:
 
     import kernels.quant_wgmma_smem as ks
 
-    sig = {"x_desc": f"tensordesc<bf16[{16 * warps}, 64],{ks.operand_layout()!r}>", "QW": "*i32", "S": "*i16",
+    sig = {"x_desc": f"tensordesc<bf16[{bm}, 64],{ks.operand_layout()!r}>", "QW": "*i32", "S": "*i16",
            "Off": "*u8", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32", "ITERS_PER_SPLIT": "i32"}
     consts = {"WL": ks.words_layout(warps, bn), "TL": ks.tile_layout(warps, bn), "GROUP": 128, "KIND": 1,
-              "WARPS": warps, "BN": bn, "STAGES": stages, "FP16": False, "PDL": True, "SPLIT": False, "EVEN_N": True}
+              "WARPS": warps, "BN": bn, "STAGES": stages, "FP16": False, "PDL": True, "SPLIT": False, "EVEN_N": True,
+              "BM": bm}
     sig |= dict.fromkeys(consts, "constexpr")
     names = ks._smem_kernel.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("QW", "S", "Off", "Y", "N", "K")}
@@ -77,9 +81,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="a results file whose `configs` to (re)write")
     args = parser.parse_args()
     configs = {}
-    for bn, warps, stages in TILES:
-        configs[f"BN{bn}_warps{warps}_stages{stages}"] = row = compile_tile(bn, warps, stages)
-        print(bn, warps, stages, row, flush=True)
+    for bn, warps, stages, bm in TILES:
+        name = f"BN{bn}_warps{warps}_stages{stages}" + ("" if bm == 16 * warps else f"_BM{bm}")
+        configs[name] = row = compile_tile(bn, warps, stages, bm)
+        print(name, row, flush=True)
     if args.out:
         doc = json.loads(args.out.read_text()) if args.out.exists() else {}
         args.out.write_text(json.dumps(doc | {"configs": configs}, indent=1) + "\n")

@@ -57,13 +57,15 @@ if HAS_GLUON:  # pragma: no cover - depends on the Triton version
 __all__ = ["SMEM_TILES", "smem_tiles", "quant_wgmma_smem"]
 
 K_STEP = 64  # K elements per iteration: 8 word rows, half a group; x's TMA box is [BM, 64] (128-byte rows)
-# (columns per program BN, warps (64 token rows per warpgroup), x stages S, programs per SM) by the row count they
-# serve: the H100 sweep's best at every row count from 64 to 1024 (bench/results/quant_smem_h100.json; 256 columns
-# were 5-15 % slower, 4 warps slower still)
-SMEM_TILES: dict[int, tuple[int, int, int, int]] = {1 << 20: (128, 8, 3, 2)}
+# (columns per program BN, warps, x stages S, programs per SM, token rows per program BM: 16 or 32 a warp, i.e. one
+# or two 64-row MMA blocks a warpgroup) by the row count they serve: the H100 sweep's best at every row count from
+# 64 to 1024 (bench/results/quant_smem_h100.json; 256 columns were 5-15 % slower, 4 warps slower still). Two blocks
+# a warpgroup (BM 256 with 8 warps) dequantize each weight tile once per 256 rows instead of 128: compiled offline
+# only (bench/results/int4_smem_sass_offline.json), not yet timed
+SMEM_TILES: dict[int, tuple[int, int, int, int, int]] = {1 << 20: (128, 8, 3, 2, 128)}
 
 
-def smem_entry(m: int) -> tuple[int, int, int, int]:
+def smem_entry(m: int) -> tuple[int, int, int, int, int]:
     """SMEM_TILES' entry for m rows (the last one past the table)."""
     return SMEM_TILES[next((t for t in sorted(SMEM_TILES) if m <= t), max(SMEM_TILES))]
 
@@ -113,10 +115,9 @@ if HAS_GLUON:
     def _smem_kernel(x_desc, QW, S, Off, Y, M, N, K, ITERS_PER_SPLIT, WL: gl.constexpr, TL: gl.constexpr,
                      GROUP: gl.constexpr, KIND: gl.constexpr, WARPS: gl.constexpr, BN: gl.constexpr,
                      STAGES: gl.constexpr, FP16: gl.constexpr, PDL: gl.constexpr, SPLIT: gl.constexpr,
-                     EVEN_N: gl.constexpr):
-        """One program: BM = 16 WARPS token rows (64 a warpgroup) x BN columns over one K split (SPLIT: its fp32
-        partial to Y [splits, M, N])."""
-        BM: gl.constexpr = 16 * WARPS
+                     EVEN_N: gl.constexpr, BM: gl.constexpr):
+        """One program: BM token rows (16 WARPS: 64 a warpgroup, or 32 WARPS: two 64-row MMA blocks a warpgroup)
+        x BN columns over one K split (SPLIT: its fp32 partial to Y [splits, M, N])."""
         AHEAD: gl.constexpr = STAGES - 2  # x iterations in flight beyond the current one
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                       instr_shape=[16, BN, 16])
@@ -180,15 +181,15 @@ if HAS_GLUON:
 
 
 def smem_tiles(m: int, n: int, k: int, sms: int,
-               tiles: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int, int]:
-    """(BN, warps, stages, split, iterations per split): K split in whole iterations until about `programs per
+               tiles: tuple[int, int, int, int, int] | None = None) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, warps, stages, split, iterations per split): K split in whole iterations until about `programs per
     SM` programs are in flight."""
-    bn, warps, stages, per_sm = tiles or smem_entry(m)
-    programs = -(-m // (16 * warps)) * -(-n // bn)
+    bn, warps, stages, per_sm, bm = tiles or smem_entry(m)
+    programs = -(-m // bm) * -(-n // bn)
     iters = k // K_STEP
     split = max(1, min(iters, (per_sm * sms) // programs))
     per_split = -(-iters // split)
-    return bn, warps, stages, -(-iters // per_split), per_split
+    return bm, bn, warps, stages, -(-iters // per_split), per_split
 
 
 def smem_applies(x: torch.Tensor) -> bool:
@@ -199,15 +200,16 @@ def smem_applies(x: torch.Tensor) -> bool:
 
 def quant_wgmma_smem(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                      kind: int, group_size: int, out_features: int, *,
-                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16) @ W^T -> [M, N] in x's dtype, W in the kn layout (as `quant_gemm_kn`). `tiles`:
-    (columns per program 128 / 256, warps 4 / 8, x stages 3-5, programs per SM) from a sweep (default: the row
-    count's SMEM_TILES entry)."""
+    (columns per program 128 / 256, warps 4 / 8, x stages 3-5, programs per SM, token rows per program 16 or 32 a
+    warp) from a sweep (default: the row count's SMEM_TILES entry)."""
     m, k = check_gluon_kn_args("quant_wgmma_smem", x, qweight, kind, group_size, out_features)
-    if tiles is not None and (len(tiles) != 4 or tiles[0] not in (128, 256) or tiles[1] not in (4, 8)
-                              or tiles[2] not in (3, 4, 5) or tiles[3] < 1):
-        raise ValueError(f"tiles must be (128 or 256 columns, 4 or 8 warps, 3-5 x stages, programs per SM >= 1), "
-                         f"got {tiles}")
+    if tiles is not None and (len(tiles) != 5 or tiles[0] not in (128, 256) or tiles[1] not in (4, 8)
+                              or tiles[2] not in (3, 4, 5) or tiles[3] < 1 or tiles[4] not in (16 * tiles[1],
+                                                                                              32 * tiles[1])):
+        raise ValueError(f"tiles must be (128 or 256 columns, 4 or 8 warps, 3-5 x stages, programs per SM >= 1, "
+                         f"16 or 32 token rows a warp), got {tiles}")
     if not wgmma_supported(x.dtype, group_size, k, x.device):
         raise ValueError("quant_wgmma_smem runs on CUDA devices of compute capability 9.x only (wgmma)")
     if not smem_applies(x):
@@ -215,16 +217,16 @@ def quant_wgmma_smem(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bn, warps, stages, split, per_split = smem_tiles(m, out_features, k, sm_count(x.device), tiles)
+    bm, bn, warps, stages, split, per_split = smem_tiles(m, out_features, k, sm_count(x.device), tiles)
     partial = y if split == 1 else torch.empty(split, m, out_features, dtype=torch.float32, device=x.device)
-    x_desc = TensorDescriptor.from_tensor(x, [16 * warps, K_STEP], operand_layout())
+    x_desc = TensorDescriptor.from_tensor(x, [bm, K_STEP], operand_layout())
     pdl = use_pdl(x.device)
-    grid = (triton.cdiv(m, 16 * warps), triton.cdiv(out_features, bn), split)
+    grid = (triton.cdiv(m, bm), triton.cdiv(out_features, bn), split)
     _smem_kernel[grid](
         x_desc, qweight, scales, offsets, partial, m, out_features, k, per_split,
         WL=words_layout(warps, bn), TL=tile_layout(warps, bn), GROUP=group_size, KIND=kind, WARPS=warps, BN=bn,
         STAGES=stages, FP16=x.dtype == torch.float16, PDL=pdl, SPLIT=split > 1, EVEN_N=out_features % bn == 0,
-        num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+        BM=bm, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     if split > 1:
         sum_splits(partial, y)
     return y

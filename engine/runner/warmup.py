@@ -135,8 +135,8 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
         groups, per_group, block_m, split, _ = wgmma_tiles(m, n, k, _NOMINAL_SMS)
         keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, *wgmma_entry(m)[4:], by16))
     elif SMEM_ENGINE and WGMMA_ENGINE_MAX_M < m <= SMEM_ENGINE_MAX_M:
-        block_n, warps, stages, split, _ = smem_tiles(m, n, k, _NOMINAL_SMS)
-        keys.append(("kn_smem", block_n, warps, stages, split > 1, by16))
+        block_m, block_n, warps, stages, split, _ = smem_tiles(m, n, k, _NOMINAL_SMS)
+        keys.append(("kn_smem", block_m, block_n, warps, stages, split > 1, by16))
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)
         if m == 1 or (upcast and m <= GEMV_MAX_M):
             keys.append(("gemv", gemv_tiles(m, n, k, _NOMINAL_SMS)[0]))

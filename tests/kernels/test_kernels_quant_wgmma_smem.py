@@ -20,13 +20,16 @@ _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] ==
 
 def test_smem_tiles_split_whole_iterations() -> None:
     # 2 row tiles x 16 column tiles = 32 programs; 132 SMs at one a SM: 4 splits of 16 iterations (64 k each)
-    assert sm.smem_tiles(256, 4096, 4096, 132, (256, 8, 4, 1)) == (256, 8, 4, 4, 16)
-    assert sm.smem_tiles(256, 28672, 4096, 132, (256, 8, 4, 1))[3] == 1  # 224 programs fill the GPU
-    assert sm.smem_tiles(300, 128, 128, 132, (128, 4, 3, 2))[3:] == (2, 1)  # no more splits than iterations
+    assert sm.smem_tiles(256, 4096, 4096, 132, (256, 8, 4, 1, 128)) == (128, 256, 8, 4, 4, 16)
+    assert sm.smem_tiles(256, 28672, 4096, 132, (256, 8, 4, 1, 128))[4] == 1  # 224 programs fill the GPU
+    assert sm.smem_tiles(300, 128, 128, 132, (128, 4, 3, 2, 64))[4:] == (2, 1)  # no more splits than iterations
+    # two 64-row MMA blocks a warpgroup: half the row tiles, so twice the splits
+    assert sm.smem_tiles(256, 4096, 4096, 132, (128, 8, 3, 2, 256)) == (256, 128, 8, 3, 8, 8)
 
 
 def test_smem_refuses_what_it_does_not_take() -> None:
-    assert_hopper_kn_refusals(sm.quant_wgmma_smem, [(64, 8, 4, 1), (256, 2, 4, 1), (256, 8, 6, 1), (256, 8, 4)])
+    assert_hopper_kn_refusals(sm.quant_wgmma_smem, [(64, 8, 4, 1, 128), (256, 2, 4, 1, 32), (256, 8, 6, 1, 128),
+                                                    (256, 8, 4, 1), (128, 8, 3, 2, 64), (128, 4, 3, 2, 256)])
 
 
 def test_quant_gemm_kn_routes_to_it_when_asked_and_refuses_clearly_off_hopper() -> None:
@@ -40,7 +43,7 @@ def test_quant_gemm_kn_routes_to_it_when_asked_and_refuses_clearly_off_hopper() 
 def test_smem_compiled_on_a_hopper_gpu() -> None:
     """On an H100 / H200: every kind and dtype, ragged row counts (TMA's zero rows past M, several row tiles), a
     ragged column tile, K split (a second launch sums) or not, 128 / 256 columns, one or two warpgroups, 3-5 x
-    stages, Llama-8B widths; equal to the reference, and for zero-point weights equal to x @ the dense 16-bit
+    stages, one or two 64-row MMA blocks a warpgroup, Llama-8B widths; equal to the reference, and for zero-point weights equal to x @ the dense 16-bit
     weight (the operand is that weight bit for bit)."""
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
@@ -50,7 +53,8 @@ def test_smem_compiled_on_a_hopper_gpu() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 x = torch.randn(rows, 1024, generator=g).to(dtype).cuda()
                 ref = quant_matmul_ref(x.float(), w)
-                for tiles in ((256, 8, 4, 1), (128, 8, 3, 2), (128, 4, 4, 16), (256, 4, 5, 1), (128, 8, 4, 64)):
+                for tiles in ((256, 8, 4, 1, 128), (128, 8, 3, 2, 128), (128, 4, 4, 16, 64), (256, 4, 5, 1, 64),
+                              (128, 8, 4, 64, 128), (128, 8, 3, 1, 256), (128, 4, 3, 2, 128)):
                     y = run_kn(sm.quant_wgmma_smem, w, x, tiles=tiles)
                     assert rel_error(y, ref) < BOUND[dtype], (kind, rows, dtype, tiles)
                 if kind == "zero":
