@@ -6,8 +6,8 @@ Why: kernels/quant_wgmma.py keeps the dequantized weights in registers as the MM
 synchronous (an asynchronous MMA would read registers the next iteration rewrites) and x goes through registers
 into shared memory in the operand's permuted K order. From 128 rows it runs at half of bf16's speed: every warp
 waits on its own MMA and on x's L2 latency, and x is read once per 128 weight columns. Here the roles turn:
-- x is the MMA's A operand (token rows as M, 64 per warpgroup), copied by TMA, in K's natural order, into a ring
-  of shared-memory stages loaded `S - 2` iterations ahead;
+- x is the MMA's A operand (token rows as M, 64 or 128 per warpgroup), copied by TMA, in K's natural order, into
+  a ring of shared-memory stages loaded `S - 2` iterations ahead;
 - the weights are its B operand: each thread dequantizes whole 32-bit words (8 codes = 8 consecutive k of one
   column) into 16 contiguous bytes of a [BN, 64] tile in shared memory, so no permutation is needed anywhere, and
   up to 256 columns share each x tile (instruction N = BN);
