@@ -365,7 +365,7 @@ def part_regs(smoke: bool) -> dict[str, Any]:
 _SYNC, _ASYNC = (False, False), (False, True)  # (x ahead, overlap)
 WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool, bool]]] = {
     8: [(1, 1, 16, 4, *_SYNC)],
-    12: [],
+    12: [],  # (the default tile, beside the regs kernel)
     16: [(2, 1, 16, 4, *_SYNC), (4, 1, 16, 2, *_SYNC)],
     32: [(2, 1, 32, 4, *_SYNC), (4, 1, 32, 2, *_SYNC), (1, 1, 32, 4, *_SYNC)],
     64: [(1, 1, 64, 4, *_SYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, True, False), (2, 1, 64, 2, *_ASYNC),
@@ -375,12 +375,12 @@ WGMMA_SWEEP: dict[int, list[tuple[int, int, int, int, bool, bool]]] = {
           (4, 1, 64, 1, *_SYNC), (1, 1, 128, 2, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
     256: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC), (2, 1, 64, 2, *_ASYNC),
           (4, 1, 64, 1, *_SYNC), (2, 2, 64, 1, *_SYNC), (1, 2, 64, 2, *_SYNC)],
-    384: [], 512: [],
+    384: [], 512: [],  # (no tile of its own: the default tile, the shared-memory kernel and the dense path)
     1024: [(2, 1, 128, 1, *_SYNC), (2, 1, 128, 1, *_ASYNC), (2, 1, 64, 2, *_SYNC)]}
 
 
 # (columns per program, warps, x stages, programs per SM, token rows per program) swept per batch for
-# kernels/quant_wgmma_smem.py; BM 256 (two 64-row MMA blocks a warpgroup) from 192 rows
+# kernels/quant_wgmma_smem.py; BM 256 (two 64-row MMA blocks a warpgroup) from 256 rows
 _SMEM_LARGE = [(128, 8, 3, 2, 128), (256, 8, 4, 1, 128), (128, 8, 3, 1, 256), (128, 8, 4, 1, 256)]
 SMEM_SWEEP: dict[int, list[tuple[int, int, int, int, int]]] = {
     64: [(128, 4, 4, 2, 64), (256, 4, 4, 1, 64), (128, 8, 3, 2, 128)],

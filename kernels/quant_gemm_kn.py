@@ -64,7 +64,8 @@ GEMM_PROGRAMS_PER_SM = 4
 GEMM_TILES: dict[int, tuple[int, int, int, int, bool]] = {16: (16, 128, 16, 4, True), 32: (32, 128, 16, 4, True),
                                                          1 << 62: (64, 128, 16, 4, True)}
 # From this many rows on, W is dequantized once (one launch) and multiplied densely by cuBLAS: a flat ~11.8 ms
-# per Llama-8B step for the dequantization, against the GEMM's 7.4 ms at 64 rows and 22.5 at 256.
+# per Llama-8B step for the dequantization, against the GEMM's 7.4 ms at 64 rows and 22.5 at 256. (On sm_90 the
+# shared-memory wgmma kernel below takes up to SMEM_ENGINE_MAX_M rows first.)
 DEQUANT_MIN_M = 128
 # 2 to this many rows of bf16 / fp16 activations over groups of a multiple of 128 (AWQ / GPTQ) take the tensor-core
 # kernel (kernels/quant_mma_kn.py): H100, the decode step's AWQ-shaped weights at 16 rows, 3.81 ms against this
@@ -88,8 +89,8 @@ WGMMA_ENGINE_MAX_M = 64
 # the dense dequantization + cuBLAS: H100, 5.49 / 5.80 / 9.44 / 9.74 / 15.19 ms at 96 / 128 / 192 / 256 / 384 rows
 # against the wgmma kernel's 6.84 / 7.03 / 11.09 / 12.05 and the dense path's - / 11.98 / 13.23 / 12.77 / 15.41; at
 # 512 rows the dense path wins (16.72 against 17.78), and by 1024 clearly (25.8 against 33.5)
-# (bench/results/quant_smem_h100.json). SMEM_ENGINE = False sends those rows back to the dense path
-SMEM_ENGINE = True
+# (bench/results/quant_smem_h100.json). SMEM_ENGINE_MAX_M = WGMMA_ENGINE_MAX_M sends those rows back to the dense
+# path
 SMEM_ENGINE_MAX_M = 384
 # Where the wgmma kernel does not apply (not sm_90), quant_mma_regs takes up to this many rows (its H100 sweep's
 # 4.43 ms at 32 rows against the GEMM's 5.07; at 64 the GEMM is faster)
@@ -384,8 +385,8 @@ def quant_gemm_kn(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m and wgmma:
         return quant_wgmma(x, qweight, scales, offsets, kind, group_size, out_features)
     if smem is None:
-        smem = (SMEM_ENGINE and WGMMA_ENGINE_MAX_M < m <= SMEM_ENGINE_MAX_M and x.is_cuda and regs is not True
-                and dense is not True and wgmma_supported(x.dtype, group_size, k, x.device) and smem_applies(x))
+        smem = (WGMMA_ENGINE_MAX_M < m <= SMEM_ENGINE_MAX_M and x.is_cuda and regs is not True and dense is not True
+                and wgmma_supported(x.dtype, group_size, k, x.device) and smem_applies(x))
     if m and smem:
         return quant_wgmma_smem(x, qweight, scales, offsets, kind, group_size, out_features)
     if m and ((m <= REGS_FALLBACK_MAX_M and x.is_cuda and regs_supported(x.dtype, group_size, k)) if regs is None

@@ -49,7 +49,6 @@ from kernels.quant_gemm_kn import (
     MMA_MAX_M,
     REGS_ENGINE_MAX_M,
     REGS_FALLBACK_MAX_M,
-    SMEM_ENGINE,
     SMEM_ENGINE_MAX_M,
     WGMMA_ENGINE_MAX_M,
     kn_gemm_tiles,
@@ -134,7 +133,7 @@ def _quant_variants(m: int) -> list[tuple[object, ...]]:
     if REGS_ENGINE_MAX_M < m <= WGMMA_ENGINE_MAX_M:
         groups, per_group, block_m, split, _ = wgmma_tiles(m, n, k, _NOMINAL_SMS)
         keys.append(("kn_wgmma", groups, per_group, block_m, split > 1, *wgmma_entry(m)[4:], by16))
-    elif SMEM_ENGINE and WGMMA_ENGINE_MAX_M < m <= SMEM_ENGINE_MAX_M:
+    elif WGMMA_ENGINE_MAX_M < m <= SMEM_ENGINE_MAX_M:
         block_m, block_n, warps, stages, split, _ = smem_tiles(m, n, k, _NOMINAL_SMS)
         keys.append(("kn_smem", block_m, block_n, warps, stages, split > 1, by16))
     for upcast in (False, True):  # 16-bit products; fp32 ones (and GPUs without 16-bit dots)

@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from kernels.fused_moe import MOE_ALIGN_TRITON_MAX_SLOTS, moe_tiles
 from kernels.moe_gemv import gemv_suits
 from kernels.paged_decode_attention import MIN_SPLIT_TOKENS
-from kernels.quant_gemm_kn import SMEM_ENGINE, SMEM_ENGINE_MAX_M, WGMMA_ENGINE_MAX_M
+from kernels.quant_gemm_kn import SMEM_ENGINE_MAX_M, WGMMA_ENGINE_MAX_M
 from tests.helpers.oracle import run_to_end
 
 ARGS = dict(model="tiny", device="cpu", kv_cache_memory_bytes=16 << 20, max_model_len=1024,
@@ -140,7 +140,7 @@ def test_quant_rows_reach_every_quantized_gemm_variant() -> None:
 def test_quant_rows_reach_the_shared_memory_wgmma_variants() -> None:
     """WGMMA_ENGINE_MAX_M + 1 to SMEM_ENGINE_MAX_M rows take kernels/quant_wgmma_smem.py (compiled per tile, split
     or not, M's divisibility by 16), more the dense path: the scanned row counts reach every variant."""
-    assert SMEM_ENGINE and QUANT_ROWS_SCAN > SMEM_ENGINE_MAX_M
+    assert WGMMA_ENGINE_MAX_M < SMEM_ENGINE_MAX_M < QUANT_ROWS_SCAN
     assert [key for key in _quant_variants(200) if key[0] == "kn_smem"]
     assert [key for key in _quant_variants(SMEM_ENGINE_MAX_M) if key[0] == "kn_smem"]
     assert not [key for key in _quant_variants(WGMMA_ENGINE_MAX_M) if key[0] == "kn_smem"]

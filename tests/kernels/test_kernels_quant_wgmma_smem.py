@@ -43,8 +43,8 @@ def test_quant_gemm_kn_routes_to_it_when_asked_and_refuses_clearly_off_hopper() 
 def test_smem_compiled_on_a_hopper_gpu() -> None:
     """On an H100 / H200: every kind and dtype, ragged row counts (TMA's zero rows past M, several row tiles), a
     ragged column tile, K split (a second launch sums) or not, 128 / 256 columns, one or two warpgroups, 3-5 x
-    stages, one or two 64-row MMA blocks a warpgroup, Llama-8B widths; equal to the reference, and for zero-point weights equal to x @ the dense 16-bit
-    weight (the operand is that weight bit for bit)."""
+    stages, one or two 64-row MMA blocks a warpgroup, Llama-8B widths; equal to the reference, and for zero-point
+    weights equal to x @ the dense 16-bit weight (the operand is that weight bit for bit)."""
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
         w = random_int4_weight(kind, 200, 1024, 256, g, min_scale=0.01)
